@@ -1,0 +1,95 @@
+"""The one communication interface every parallel technique uses.
+
+A ``Comm`` wraps a torch.distributed process group (NCCL on GPUs, gloo on CPU) and offers the few
+collectives the techniques need. Keeping them behind one small class lets ``kernels/`` supply a
+faster all-to-all without touching any technique. It never creates processes or process groups of
+the default world itself; ``Comm.split`` makes subgroups collectively.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+class Comm:
+    """Collectives over one process group. A ``Comm`` of world size 1 needs no torch.distributed."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, ranks: list[int] | None = None) -> None:
+        self.group = group
+        if group is None:
+            self.rank, self.world_size = 0, 1
+            self.global_ranks = [0] if ranks is None else list(ranks)
+        else:
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+            self.global_ranks = list(ranks) if ranks is not None else list(range(self.world_size))
+
+    @classmethod
+    def world(cls) -> Comm:
+        """The default group, or a single-rank Comm when torch.distributed is not initialised."""
+        if not dist.is_available() or not dist.is_initialized():
+            return cls(None)
+        return cls(dist.group.WORLD, list(range(dist.get_world_size())))
+
+    @property
+    def backend(self) -> str:
+        return "none" if self.group is None else str(dist.get_backend(self.group))
+
+    def split(self, groups: list[list[int]]) -> Comm:
+        """Collectively create one subgroup per list of global ranks; return the one holding this rank.
+
+        Every rank of this Comm must call it with the same ``groups``.
+        """
+        if self.group is None:
+            assert groups == [[0]] or groups == [self.global_ranks], groups
+            return self
+        me = dist.get_rank()
+        mine = None
+        for ranks in groups:
+            group = dist.new_group(ranks=ranks)
+            if me in ranks:
+                mine = Comm(group, ranks)
+        assert mine is not None, f"rank {me} is in none of {groups}"
+        return mine
+
+    def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        """Split ``tensor`` into world_size chunks along ``scatter_dim``, send chunk i to rank i, and
+        concatenate the received chunks along ``gather_dim``."""
+        if self.world_size == 1:
+            return tensor
+        inputs = [chunk.contiguous() for chunk in tensor.chunk(self.world_size, dim=scatter_dim)]
+        outputs = [torch.empty_like(chunk) for chunk in inputs]
+        dist.all_to_all(outputs, inputs, group=self.group)
+        return torch.cat(outputs, dim=gather_dim)
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """Concatenate every rank's ``tensor`` (same shape on all ranks) along ``dim``, in rank order."""
+        if self.world_size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        outputs = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(outputs, tensor, group=self.group)
+        return torch.cat(outputs, dim=dim)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks in place and return it."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        return tensor
+
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Element-wise maximum over the ranks, in place."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite ``tensor`` on every rank with the one on group rank ``src``."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=self.global_ranks[src], group=self.group)
+        return tensor
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier(group=self.group)

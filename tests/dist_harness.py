@@ -1,0 +1,56 @@
+"""Run one function on N real gloo ranks (separate processes) and collect what each returns.
+
+Test-only. The function must live at module level in an importable module (spawned children import
+it by name) and return CPU tensors or plain Python values.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _rank_main(rank: int, world_size: int, store_path: str, fn, args, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        results.put((rank, "ok", fn(*args)))
+    except BaseException:  # noqa: BLE001 - the traceback is handed to the test process
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
+    """Call ``fn(*args)`` on ranks 0..world_size-1 with torch.distributed (gloo) initialised."""
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_rank_main, args=(rank, world_size, store_path, fn, args, results))
+            for rank in range(world_size)
+        ]
+        for proc in procs:
+            proc.start()
+        collected: dict[int, object] = {}
+        errors = []
+        for _ in range(world_size):
+            rank, status, value = results.get()
+            if status == "error":
+                errors.append(f"rank {rank}:\n{value}")
+            collected[rank] = value
+        for proc in procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+        if errors:
+            raise AssertionError("\n".join(errors))
+    return [collected[rank] for rank in range(world_size)]
