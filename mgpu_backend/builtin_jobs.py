@@ -1,0 +1,46 @@
+"""Fleet self-test jobs: they exercise relay, lockstep, progress, cancel and faults without a model.
+
+``echo`` returns its input tensors after every rank has checked it received the same bytes;
+``count`` runs steps that each all-reduce across the fleet (the shape of a denoising loop), with
+knobs to make one rank fail or hang so tests and ``doctor`` can check fault handling.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .jobs import JobContext, JobInputError, job
+
+
+@job("echo")
+def echo(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
+    checksum = torch.tensor(
+        [float(t.to(torch.float64).sum()) if t.numel() else 0.0 for t in tensors.values()], dtype=torch.float64
+    )
+    gathered = ctx.control.all_gather(checksum.unsqueeze(0), dim=0)
+    if not torch.equal(gathered, checksum.expand_as(gathered)):
+        raise RuntimeError(f"ranks received different tensors: {gathered.tolist()}")
+    return {"fields": fields, "ranks_agreed": ctx.world_size}, tensors
+
+
+@job("count")
+def count(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
+    steps = fields.get("steps", 5)
+    if not isinstance(steps, int) or not 0 < steps <= 100_000:
+        raise JobInputError(f"steps must be an integer from 1 to 100000, got {steps!r}")
+    seconds_per_step = float(fields.get("seconds_per_step", 0.0))
+    fail_rank, fail_step = fields.get("fail_rank"), fields.get("fail_step", 0)
+    hang_rank, hang_step = fields.get("hang_rank"), fields.get("hang_step", 0)
+    total = torch.zeros(1, dtype=torch.float64)
+    for step in range(steps):
+        if ctx.rank == fail_rank and step == fail_step:
+            raise RuntimeError(f"requested failure on rank {ctx.rank} at step {step}")
+        if ctx.rank == hang_rank and step == hang_step:
+            time.sleep(10**6)
+        time.sleep(seconds_per_step)
+        contribution = torch.tensor([float(ctx.rank + 1)], dtype=torch.float64)
+        total += ctx.comm.all_reduce_sum(contribution.to(ctx.device)).cpu()
+        ctx.step("count", step + 1, steps)
+    return {"steps": steps, "total": float(total.item())}, {}

@@ -1,0 +1,147 @@
+"""Command line: ``python -m mgpu_backend serve | status | stop | make-tiny | generate | ...``.
+
+Each sub-command is a small function; the heavy modules are imported only by the command that
+needs them, so ``status`` answers quickly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+
+def _add_socket(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--socket", default=None, help="fleet socket path or tcp://127.0.0.1:PORT (default: $MGPU_SOCKET or a private per-user socket)")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .addresses import Address
+    from .fleet import DeviceSpec
+    from .server import Server
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        devices = DeviceSpec.parse(args.gpus, args.cpu_ranks)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    server = Server(
+        Address.parse(args.socket),
+        devices,
+        idle_timeout=args.idle_timeout,
+        parent_pid=args.parent_pid,
+        rank_timeout=args.rank_timeout,
+    )
+    server.serve_forever()
+    return 0
+
+
+def _client(args: argparse.Namespace):
+    from .client import FleetClient
+
+    return FleetClient.connect(args.socket, autostart=False)
+
+
+def _format_bytes(count: int | None) -> str:
+    if count is None:
+        return "-"
+    return f"{count / 2**30:.2f} GiB"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .client import FleetUnavailable
+
+    try:
+        with _client(args) as client:
+            status = client.status()
+    except FleetUnavailable as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    print(f"server pid {status['server_pid']} on {status['address']}: {status['devices']}, up {status['uptime_seconds']} s")
+    for rank in status["ranks"]:
+        memory = rank.get("memory") or {}
+        used = memory.get("allocated", memory.get("rss"))
+        total = f" of {_format_bytes(memory['total'])}" if "total" in memory else ""
+        state = "alive" if rank["alive"] else "DEAD"
+        print(f"  rank {rank['rank']}: pid {rank['pid']} {rank['device']} {state}, memory {_format_bytes(used)}{total}")
+    job = status["current_job"]
+    print(f"current job: {job['id']} {job['op']} {job['stage']} {job['step']}/{job['total']}" if job else "current job: none")
+    print(f"queue: {status['queue_length']} waiting, {status['jobs_completed']} done, {status['fleet_restarts']} fleet restart(s)")
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    from .client import FleetUnavailable
+
+    try:
+        with _client(args) as client:
+            client.shutdown()
+    except FleetUnavailable as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    print("fleet server stopped")
+    return 0
+
+
+def cmd_rank(args: argparse.Namespace) -> int:
+    from . import rank
+
+    rank.main(args.rank, args.world_size, args.fd, args.device, args.store, args.owner_pid)
+    return 0
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from .ltx.tiny import make_tiny_bundle
+
+    bundle = make_tiny_bundle(args.directory)
+    print(f"tiny LTX-2 bundle (random weights) in {bundle.root}:")
+    for name in ("checkpoint_path", "distilled_lora_path", "spatial_upsampler_path", "gemma_root"):
+        print(f"  {name}: {getattr(bundle, name)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mgpu_backend", description="comfyui-mgpu fleet: LTX-2 on several GPUs")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the fleet server in the foreground")
+    _add_socket(serve)
+    devices = serve.add_mutually_exclusive_group()
+    devices.add_argument("--gpus", default=None, help="GPU indices, e.g. 0,1,2,3, or 'all' (default: all visible GPUs)")
+    devices.add_argument("--cpu-ranks", type=int, default=None, help="run N CPU ranks with gloo instead of GPUs")
+    serve.add_argument("--idle-timeout", type=float, default=float(os.environ.get("MGPU_IDLE_TIMEOUT", 3600)), help="exit after this many seconds without jobs (0: never; default 3600)")
+    serve.add_argument("--rank-timeout", type=float, default=float(os.environ.get("MGPU_RANK_TIMEOUT", 600)), help="fail a job and restart the fleet when no rank progresses for this many seconds (default 600)")
+    serve.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
+    serve.set_defaults(func=cmd_serve)
+
+    status = commands.add_parser("status", help="show ranks, devices, memory, the current job and the queue")
+    _add_socket(status)
+    status.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    status.set_defaults(func=cmd_status)
+
+    stop = commands.add_parser("stop", help="stop the fleet server and its ranks")
+    _add_socket(stop)
+    stop.set_defaults(func=cmd_stop)
+
+    tiny = commands.add_parser("make-tiny", help="write the deterministic tiny LTX-2 bundle (random weights) to DIR")
+    tiny.add_argument("directory")
+    tiny.set_defaults(func=cmd_make_tiny)
+
+    rank = commands.add_parser("rank")  # internal: started by the server
+    for name in ("--rank", "--world-size", "--fd", "--owner-pid"):
+        rank.add_argument(name, type=int, required=True)
+    rank.add_argument("--device", required=True)
+    rank.add_argument("--store", required=True)
+    rank.set_defaults(func=cmd_rank)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)

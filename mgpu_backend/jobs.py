@@ -1,0 +1,82 @@
+"""The registry of job types the ranks can run, and the context a job runs in.
+
+A job type is a function ``fn(ctx, fields, tensors) -> (fields, tensors)`` registered with
+``@job("name")``. It runs on every rank at once (SPMD); rank 0's return value is the job's result.
+Adding an LTX-2 operation means registering a function in a module listed in ``JOB_MODULES``:
+the server, the protocol and the rank loop never change for it.
+
+A job reports progress with ``ctx.step(stage, step, total)``, which is also the cancel point: every
+rank calls it at the same places, the ranks agree on a cancel flag there, and all of them raise
+``JobCancelled`` at the same step. Jobs must never talk to the socket themselves.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .parallel.comm import Comm
+
+JOB_MODULES = ("mgpu_backend.builtin_jobs", "mgpu_backend.ltx.jobs")
+
+JobFn = Callable[["JobContext", dict[str, Any], dict[str, torch.Tensor]], tuple[dict[str, Any], dict[str, torch.Tensor]]]
+JOBS: dict[str, JobFn] = {}
+
+
+class JobCancelled(Exception):
+    """Raised on every rank at the same step boundary when the client cancelled the job."""
+
+
+class JobInputError(ValueError):
+    """Bad input found before any heavy work; the fleet stays as it was."""
+
+
+def job(name: str) -> Callable[[JobFn], JobFn]:
+    def register(fn: JobFn) -> JobFn:
+        if name in JOBS and JOBS[name] is not fn:
+            raise ValueError(f"job type {name!r} is registered twice")
+        JOBS[name] = fn
+        return fn
+
+    return register
+
+
+def load_job_modules() -> None:
+    for module in JOB_MODULES:
+        importlib.import_module(module)
+
+
+@dataclass
+class JobContext:
+    """What a job sees of its rank: who it is, how to talk to the other ranks, how to report."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    comm: Comm  # the whole fleet (NCCL on GPUs, gloo on CPU)
+    control: Comm  # gloo, CPU tensors: cancel flags and job relay
+    state: dict[str, Any]  # lives as long as the rank process: loaded models, caches
+    emit: Callable[[str, dict[str, Any]], None]  # send an event to the server
+    cancel_requested: Callable[[], bool]  # rank 0 only knows; the others always say False
+    job_id: str = ""
+    _last_step_time: float = field(default_factory=time.perf_counter)
+
+    def log(self, text: str) -> None:
+        self.emit("log", {"text": text})
+
+    def step(self, stage: str, step: int, total: int) -> None:
+        """Report that ``step`` of ``total`` in ``stage`` is done; raise JobCancelled if cancelled.
+
+        Collective: every rank must call it with the same arguments.
+        """
+        now = time.perf_counter()
+        seconds, self._last_step_time = now - self._last_step_time, now
+        self.emit("progress", {"stage": stage, "step": step, "total": total, "seconds": round(seconds, 6)})
+        flag = torch.tensor([1 if self.cancel_requested() else 0], dtype=torch.int32)
+        if self.control.all_reduce_max(flag).item():
+            raise JobCancelled(f"cancelled at {stage} step {step}/{total}")

@@ -1,0 +1,105 @@
+"""Shared-memory segments for results too large for the socket (decoded frames: gigabytes).
+
+A segment is a file in /dev/shm named ``mgpu-<uid>-<server pid>-<random>``, created 0600 by the
+process that fills it. Its name travels in a message header; the reader maps it, copies or keeps the
+tensor, and unlinks it. The server also unlinks every segment of a job when the job's client goes
+away, and sweeps segments left by server processes that no longer exist, so a crash of either side
+never leaks memory. Only the owner's uid can open a segment.
+
+This module never unpickles; a segment holds raw tensor bytes described by a validated descriptor.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+from pathlib import Path
+
+import torch
+
+from .protocol import ProtocolError, bytes_to_tensor, tensor_bytes, tensor_descriptor, validate_descriptor
+
+SHM_DIR = Path("/dev/shm")
+_NAME = re.compile(r"^mgpu-(\d+)-(\d+)-[0-9a-f]{16}$")
+
+
+def available() -> bool:
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+def segment_path(name: str) -> Path:
+    if not _NAME.match(name):
+        raise ProtocolError(f"invalid shared-memory segment name {name!r}")
+    return SHM_DIR / name
+
+
+def write_tensor(name: str, tensor: torch.Tensor, owner_pid: int | None = None) -> dict:
+    """Put ``tensor`` into a new segment; return its descriptor (with the segment name)."""
+    pid = os.getpid() if owner_pid is None else owner_pid
+    segment = f"mgpu-{os.getuid()}-{pid}-{secrets.token_hex(8)}"
+    path = SHM_DIR / segment
+    data = tensor_bytes(tensor)
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        with os.fdopen(fd, "wb", closefd=True) as file:
+            file.write(data)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    descriptor = tensor_descriptor(name, tensor)
+    descriptor["segment"] = segment
+    return descriptor
+
+
+def read_tensor(descriptor: dict, unlink: bool = True) -> torch.Tensor:
+    """Map the segment a descriptor names and return its tensor; unlink the segment by default.
+
+    The returned tensor keeps the mapping alive (no copy); the memory is freed when it is dropped.
+    """
+    name, dtype, shape, nbytes = validate_descriptor(descriptor)
+    path = segment_path(descriptor["segment"])
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        stat = os.fstat(fd)
+        if stat.st_uid != os.getuid():
+            raise ProtocolError(f"segment {path.name} is not owned by this user")
+        if stat.st_size != nbytes:
+            raise ProtocolError(f"segment {path.name} holds {stat.st_size} bytes, expected {nbytes}")
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        mapping = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ | mmap.PROT_WRITE, flags=mmap.MAP_PRIVATE)
+    finally:
+        os.close(fd)
+        if unlink:
+            unlink_segment(descriptor["segment"])
+    return bytes_to_tensor(memoryview(mapping), dtype, shape)
+
+
+def unlink_segment(segment: str) -> None:
+    try:
+        segment_path(segment).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink this user's segments whose creating process is gone. Returns the names removed."""
+    removed = []
+    if not SHM_DIR.is_dir():
+        return removed
+    uid = os.getuid()
+    for path in SHM_DIR.glob(f"mgpu-{uid}-*"):
+        match = _NAME.match(path.name)
+        if not match:
+            continue
+        pid = int(match.group(2))
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+        except PermissionError:
+            pass
+    return removed

@@ -1,0 +1,69 @@
+"""Start a real fleet server (subprocess, real sockets, gloo CPU ranks) for tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from mgpu_backend.client import FleetClient
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def start_server(socket_path: Path, cpu_ranks: int = 2, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    command = [sys.executable, "-m", "mgpu_backend", "serve", "--socket", str(socket_path), "--cpu-ranks", str(cpu_ranks), *extra]
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    log = open(socket_path.parent / "server.log", "ab")  # noqa: SIM115
+    process = subprocess.Popen(command, env=full_env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    wait_for_server(socket_path, process)
+    return process
+
+
+def wait_for_server(socket_path: Path, process: subprocess.Popen | None = None, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            log = (socket_path.parent / "server.log").read_text()
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log}")
+        try:
+            FleetClient.connect(str(socket_path), autostart=False).close()
+            return
+        except Exception:  # noqa: BLE001 - not up yet
+            time.sleep(0.2)
+    raise TimeoutError(f"no server on {socket_path} after {timeout} s")
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
+    """Wait until none of ``pids`` is alive; return those still alive at the timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if pid_alive(pid)]
+        if not alive:
+            return []
+        time.sleep(0.2)
+    return [pid for pid in pids if pid_alive(pid)]
