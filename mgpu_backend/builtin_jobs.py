@@ -16,12 +16,13 @@ from .jobs import JobContext, JobInputError, job
 
 @job("echo")
 def echo(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
-    checksum = torch.tensor(
-        [float(t.to(torch.float64).sum()) if t.numel() else 0.0 for t in tensors.values()], dtype=torch.float64
-    )
-    gathered = ctx.control.all_gather(checksum.unsqueeze(0), dim=0)
-    if not torch.equal(gathered, checksum.expand_as(gathered)):
-        raise RuntimeError(f"ranks received different tensors: {gathered.tolist()}")
+    if ctx.world_size > 1:
+        checksum = torch.tensor(
+            [float(t.to(torch.float64).sum()) if t.numel() else 0.0 for t in tensors.values()], dtype=torch.float64
+        )
+        gathered = ctx.control.all_gather(checksum.unsqueeze(0), dim=0)
+        if not torch.equal(gathered, checksum.expand_as(gathered)):
+            raise RuntimeError(f"ranks received different tensors: {gathered.tolist()}")
     return {"fields": fields, "ranks_agreed": ctx.world_size}, tensors
 
 
@@ -44,3 +45,15 @@ def count(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
         total += ctx.comm.all_reduce_sum(contribution.to(ctx.device)).cpu()
         ctx.step("count", step + 1, steps)
     return {"steps": steps, "total": float(total.item())}, {}
+
+
+@job("fill")
+def fill(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
+    """Return a float32 tensor of ``numel`` values, to measure the result handoff (bench/ipc.py)."""
+    numel = fields.get("numel", 0)
+    if not isinstance(numel, int) or not 0 <= numel <= 2**32:
+        raise JobInputError(f"numel must be an integer from 0 to 2**32, got {numel!r}")
+    started = time.perf_counter()
+    values = ctx.shared_output("values", (numel,)) if ctx.rank == 0 else torch.empty(numel)
+    values.fill_(float(ctx.rank + 1))
+    return {"fill_seconds": time.perf_counter() - started}, {"values": values}

@@ -128,6 +128,7 @@ class FleetClient:
         else:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             target = ("127.0.0.1", addr.tcp_port)
+        protocol.tune_socket(sock)
         try:
             sock.connect(target)
             token = read_token(addr.token_path)
@@ -172,7 +173,8 @@ class FleetClient:
         should_cancel: Callable[[], bool] | None = None,
     ) -> JobResult:
         """Run one job to its end. Raises FleetCancelled or FleetError; the fleet stays usable."""
-        protocol.send_message(self.sock, Message("submit", {"op": op, "args": args or {}}, tensors or {}))
+        inline, shared = shm.split_for_transfer(tensors or {})
+        protocol.send_message(self.sock, Message("submit", {"op": op, "args": args or {}}, inline, shm=shared))
         job_id: str | None = None
         cancel_sent = False
         while True:

@@ -114,7 +114,7 @@ class Fleet:
         store_path = os.path.join(self._store_dir.name, f"store-{self.generation}")
         visible = ",".join(map(str, self.devices.gpus))
         for rank in range(self.devices.world_size):
-            parent_sock, child_sock = socket.socketpair()
+            parent_sock, child_sock = (protocol.tune_socket(end) for end in socket.socketpair())
             device = f"cuda:{rank}" if self.devices.gpus else "cpu"
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -202,7 +202,9 @@ class Fleet:
             except OSError:
                 pass
 
-    def run_job(self, job_id: str, op: str, args: dict, tensors: dict, on_event: Callable[[Message], None]) -> Message:
+    def run_job(
+        self, job_id: str, op: str, args: dict, tensors: dict, input_segments: list[dict], on_event: Callable[[Message], None]
+    ) -> Message:
         """Run one job on all ranks; forward progress and log events; return rank 0's result message.
 
         Raises JobFailed (kind 'error', 'input_error' or 'cancelled'). After a rank death or hang
@@ -210,7 +212,7 @@ class Fleet:
         """
         if not self.alive():
             self.restart("a rank was gone before the job started")
-        self.ranks[0].send(Message("job", {"op": op, "args": args}, tensors, job=job_id))
+        self.ranks[0].send(Message("job", {"op": op, "args": args}, tensors, job=job_id, shm=input_segments))
         done: dict[int, dict] = {}
         result: Message | None = None
         progress_count = [0] * len(self.ranks)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from . import shm
 from .parallel.comm import Comm
 
 JOB_MODULES = ("mgpu_backend.builtin_jobs", "mgpu_backend.ltx.jobs")
@@ -64,7 +65,21 @@ class JobContext:
     emit: Callable[[str, dict[str, Any]], None]  # send an event to the server
     cancel_requested: Callable[[], bool]  # rank 0 only knows; the others always say False
     job_id: str = ""
+    owner_pid: int = 0  # the server's pid: shared-memory segments are named after it
+    shared_outputs: dict[str, tuple[torch.Tensor, dict]] = field(default_factory=dict)
     _last_step_time: float = field(default_factory=time.perf_counter)
+
+    def shared_output(self, name: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A result tensor allocated in shared memory (rank 0): returning it under ``name`` hands it
+        to the client without a copy. Use it for results of hundreds of megabytes (decoded frames)."""
+        tensor, descriptor = shm.create_tensor(name, tuple(shape), dtype, owner_pid=self.owner_pid)
+        self.shared_outputs[name] = (tensor, descriptor)
+        return tensor
+
+    def discard_shared_outputs(self) -> None:
+        for _, descriptor in self.shared_outputs.values():
+            shm.unlink_segment(descriptor["segment"])
+        self.shared_outputs.clear()
 
     def log(self, text: str) -> None:
         self.emit("log", {"text": text})

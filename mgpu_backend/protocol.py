@@ -222,6 +222,19 @@ def bytes_to_tensor(raw: bytearray | memoryview, dtype: torch.dtype, shape: tupl
     return tensor.to(torch.bool) if dtype == torch.bool else tensor
 
 
+SOCKET_BUFFER_BYTES = 4 << 20
+
+
+def tune_socket(sock: socket.socket) -> socket.socket:
+    """Large kernel buffers: a 13 MB latent then crosses in a few system calls instead of hundreds."""
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER_BYTES)
+        except OSError:
+            pass
+    return sock
+
+
 def send_message(sock: socket.socket, message: Message) -> None:
     for buffer in encode(message):
         sock.sendall(buffer)

@@ -27,7 +27,6 @@ from .parallel.comm import Comm
 from .protocol import Message
 
 HEARTBEAT_SECONDS = 2.0
-SHM_THRESHOLD_BYTES = 64 << 20  # results above this go through shared memory, not the socket
 
 
 class ServerChannel:
@@ -131,8 +130,11 @@ class Rank:
         """Rank 0 takes the next job from the server and broadcasts its frame; others receive it."""
         if self.rank == 0:
             message = self.jobs.get()
-            frame = b"".join(bytes(part) for part in protocol.encode(message))
+            for descriptor in message.shm:  # large inputs the client left in shared memory
+                message.tensors[descriptor["name"]] = shm.read_tensor(descriptor)
+            message.shm = []
             if self.world_size > 1:
+                frame = b"".join(bytes(part) for part in protocol.encode(message))
                 self.control.broadcast(torch.tensor([len(frame)], dtype=torch.int64))
                 self.control.broadcast(torch.frombuffer(bytearray(frame), dtype=torch.uint8))
             return message
@@ -166,6 +168,7 @@ class Rank:
             emit=self.emit,
             cancel_requested=lambda: message.job in self.cancelled_jobs,
             job_id=message.job or "",
+            owner_pid=self.owner_pid,
         )
         started = time.perf_counter()
         try:
@@ -173,7 +176,8 @@ class Rank:
                 raise JobInputError(f"unknown job type {op!r}; known: {', '.join(sorted(JOBS))}")
             fields, tensors = JOBS[op](ctx, message.fields.get("args", {}), message.tensors)
             if self.rank == 0:
-                self.send_result(fields, tensors)
+                self.send_result(fields, tensors, ctx.shared_outputs)
+                ctx.shared_outputs.clear()  # handed over: the client unlinks them now
             status = {"status": "ok"}
         except JobCancelled as exc:
             status = {"status": "cancelled", "message": str(exc)}
@@ -181,19 +185,16 @@ class Rank:
             status = {"status": "input_error", "message": str(exc)}
         except Exception as exc:  # noqa: BLE001 - every failure is reported with its traceback
             status = {"status": "error", "message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        ctx.discard_shared_outputs()
         status["seconds"] = round(time.perf_counter() - started, 6)
         status["memory"] = device_memory(self.device)
         self.emit("done", status)
 
-    def send_result(self, fields: dict, tensors: dict[str, torch.Tensor]) -> None:
-        inline, shared = {}, []
-        for name, tensor in tensors.items():
-            tensor = tensor.detach().cpu()
-            if tensor.numel() * tensor.element_size() > SHM_THRESHOLD_BYTES and shm.available():
-                shared.append(shm.write_tensor(name, tensor, owner_pid=self.owner_pid))
-            else:
-                inline[name] = tensor
-        self.emit("result", {"result": fields}, tensors=inline, shm_descriptors=shared)
+    def send_result(self, fields: dict, tensors: dict[str, torch.Tensor], shared_outputs: dict) -> None:
+        in_place = [shared_outputs.pop(name)[1] for name, tensor in tensors.items() if name in shared_outputs and shared_outputs[name][0] is tensor]
+        rest = {name: tensor for name, tensor in tensors.items() if name not in {d["name"] for d in in_place}}
+        inline, copied = shm.split_for_transfer(rest, owner_pid=self.owner_pid)
+        self.emit("result", {"result": fields}, tensors=inline, shm_descriptors=in_place + copied)
 
 
 def main(rank: int, world_size: int, fd: int, device: str, store_path: str, owner_pid: int) -> None:

@@ -36,6 +36,7 @@ class Job:
     op: str
     args: dict
     tensors: dict
+    input_segments: list[dict]
     client: ClientConnection
     submitted: float = field(default_factory=time.time)
     stage: str = ""
@@ -169,6 +170,7 @@ class Server:
                 sock, _ = self.listener.accept()
             except OSError:
                 return
+            protocol.tune_socket(sock)
             threading.Thread(target=self._serve_client, args=(ClientConnection(sock, self),), daemon=True).start()
 
     def _serve_client(self, client: ClientConnection) -> None:
@@ -219,7 +221,7 @@ class Server:
             known = ", ".join(self.fleet.known_jobs)
             client.send(Message("error", {"message": f"unknown job type {op!r}; known: {known}", "kind": "input_error"}, job=job_id))
             return
-        job = Job(job_id, op, args, message.tensors, client)
+        job = Job(job_id, op, args, message.tensors, message.shm, client)
         with self.lock:
             try:
                 self.jobs.put_nowait(job)
@@ -254,6 +256,8 @@ class Server:
             with self.lock:
                 self.queued.remove(job)
                 if job.cancelled:
+                    for descriptor in job.input_segments:
+                        shm.unlink_segment(descriptor["segment"])
                     job.client.send(Message("error", {"message": "cancelled before it started", "kind": "cancelled"}, job=job.id))
                     continue
                 self.current = job
@@ -264,13 +268,20 @@ class Server:
             self.last_activity = time.monotonic()
 
     def _run(self, job: Job) -> None:
+        try:
+            self._run_on_fleet(job)
+        finally:  # rank 0 unlinks the inputs it mapped; these are the ones it never reached
+            for descriptor in job.input_segments:
+                shm.unlink_segment(descriptor["segment"])
+
+    def _run_on_fleet(self, job: Job) -> None:
         def forward(event: Message) -> None:
             if event.type == "progress":
                 job.stage, job.step, job.total = event.fields.get("stage", ""), event.fields.get("step", 0), event.fields.get("total", 0)
             job.client.send(event)
 
         try:
-            result = self.fleet.run_job(job.id, job.op, job.args, job.tensors, forward)
+            result = self.fleet.run_job(job.id, job.op, job.args, job.tensors, job.input_segments, forward)
         except JobFailed as exc:
             fields = {"message": str(exc), "kind": exc.kind, "rank": exc.rank, "traceback": exc.traceback}
             job.client.send(Message("error", fields, job=job.id))

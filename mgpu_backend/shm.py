@@ -11,6 +11,7 @@ This module never unpickles; a segment holds raw tensor bytes described by a val
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import re
@@ -19,10 +20,13 @@ from pathlib import Path
 
 import torch
 
-from .protocol import ProtocolError, bytes_to_tensor, tensor_bytes, tensor_descriptor, validate_descriptor
+from .protocol import DTYPE_NAMES, ProtocolError, bytes_to_tensor, tensor_bytes, tensor_descriptor, validate_descriptor
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^mgpu-(\d+)-(\d+)-[0-9a-f]{16}$")
+
+
+INLINE_LIMIT_BYTES = 1 << 20  # tensors above this travel through shared memory in both directions
 
 
 def available() -> bool:
@@ -35,10 +39,26 @@ def segment_path(name: str) -> Path:
     return SHM_DIR / name
 
 
-def write_tensor(name: str, tensor: torch.Tensor, owner_pid: int | None = None) -> dict:
-    """Put ``tensor`` into a new segment; return its descriptor (with the segment name)."""
+def _new_segment_name(owner_pid: int | None) -> str:
     pid = os.getpid() if owner_pid is None else owner_pid
-    segment = f"mgpu-{os.getuid()}-{pid}-{secrets.token_hex(8)}"
+    return f"mgpu-{os.getuid()}-{pid}-{secrets.token_hex(8)}"
+
+
+def split_for_transfer(tensors: dict[str, torch.Tensor], owner_pid: int | None = None) -> tuple[dict, list[dict]]:
+    """Keep small tensors inline; put large ones into segments. Returns (inline, descriptors)."""
+    inline, shared = {}, []
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().cpu()
+        if tensor.numel() * tensor.element_size() > INLINE_LIMIT_BYTES and available():
+            shared.append(write_tensor(name, tensor, owner_pid))
+        else:
+            inline[name] = tensor
+    return inline, shared
+
+
+def write_tensor(name: str, tensor: torch.Tensor, owner_pid: int | None = None) -> dict:
+    """Copy ``tensor`` into a new segment; return its descriptor (with the segment name)."""
+    segment = _new_segment_name(owner_pid)
     path = SHM_DIR / segment
     data = tensor_bytes(tensor)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -51,6 +71,27 @@ def write_tensor(name: str, tensor: torch.Tensor, owner_pid: int | None = None) 
     descriptor = tensor_descriptor(name, tensor)
     descriptor["segment"] = segment
     return descriptor
+
+
+def create_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, owner_pid: int | None = None) -> tuple[torch.Tensor, dict]:
+    """A new tensor that lives in a segment, so a result can be built in place and handed over
+    without any copy. Returns the tensor and its descriptor."""
+    segment = _new_segment_name(owner_pid)
+    path = SHM_DIR / segment
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    descriptor = {"name": name, "dtype": DTYPE_NAMES[dtype], "shape": list(shape), "nbytes": nbytes, "segment": segment}
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype), descriptor
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
+    finally:
+        os.close(fd)
+    return bytes_to_tensor(memoryview(mapping), dtype, shape), descriptor
 
 
 def read_tensor(descriptor: dict, unlink: bool = True) -> torch.Tensor:

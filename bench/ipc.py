@@ -1,0 +1,68 @@
+"""IPC benchmark: socket round trip of a stage-2-sized latent and the shared-memory frame handoff.
+
+Starts its own fleet server (1 CPU rank is enough: this measures the plumbing, not the model) and
+prints a table. Targets (issue: foundation): 13 MB round trip <= 20 ms; 2 GB handoff >= 2 GB/s.
+
+    python bench/ipc.py [--repeats 10] [--handoff-gb 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from mgpu_backend.client import FleetClient  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--handoff-gb", type=float, default=2.0)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o700)
+        socket_path = str(Path(tmp) / "bench.sock")
+        client = FleetClient.connect(socket_path, cpu_ranks=1, idle_timeout=120)
+        try:
+            latent = torch.randn(1, 128, 16, 32, 48)  # 12.6 MB: a 1024x1536x121 stage-2 video latent
+            client.run("echo", {}, {"latent": latent})  # warm-up
+            round_trips = []
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                result = client.run("echo", {}, {"latent": latent})
+                round_trips.append(time.perf_counter() - started)
+                assert torch.equal(result.tensors["latent"], latent)
+
+            numel = int(args.handoff_gb * 1e9 / 4)
+            handoffs = []
+            for _ in range(3):
+                started = time.perf_counter()
+                result = client.run("fill", {"numel": numel})
+                values = result.tensors["values"]
+                checksum = float(values[::1024].sum())  # touch every page of the mapping
+                elapsed = time.perf_counter() - started - result.fields["fill_seconds"]
+                handoffs.append(elapsed)
+                assert checksum == float(values[::1024].numel())
+                del values, result
+        finally:
+            client.shutdown()
+
+    size_mb = latent.numel() * 4 / 1e6
+    nbytes = numel * 4
+    print(f"| measurement | size | median | best | target |")
+    print(f"|---|---|---|---|---|")
+    print(f"| round trip client -> rank 0 -> client (shared memory above 1 MiB) | {size_mb:.1f} MB | {statistics.median(round_trips) * 1e3:.1f} ms | {min(round_trips) * 1e3:.1f} ms | <= 20 ms |")
+    print(f"| shared-memory handoff (rank 0 -> client) | {nbytes / 1e9:.2f} GB | {nbytes / statistics.median(handoffs) / 1e9:.2f} GB/s | {nbytes / min(handoffs) / 1e9:.2f} GB/s | >= 2 GB/s |")
+
+
+if __name__ == "__main__":
+    main()
