@@ -15,13 +15,39 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def _to_plain(value):
+    """Tensors become (marker, numpy array) so they cross the queue by value: a tensor would cross
+    as a shared-memory file descriptor that dies with the rank process before the test reads it."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu()
+        if tensor.dtype == torch.bfloat16:
+            return ("__tensor_bf16__", tensor.view(torch.int16).numpy().copy())
+        return ("__tensor__", tensor.numpy().copy())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_plain(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _to_plain(item) for key, item in value.items()}
+    return value
+
+
+def _from_plain(value):
+    if isinstance(value, tuple) and len(value) == 2 and value[0] in ("__tensor__", "__tensor_bf16__"):
+        tensor = torch.from_numpy(value[1])
+        return tensor.view(torch.bfloat16) if value[0] == "__tensor_bf16__" else tensor
+    if isinstance(value, (list, tuple)):
+        return type(value)(_from_plain(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _from_plain(item) for key, item in value.items()}
+    return value
+
+
 def _rank_main(rank: int, world_size: int, store_path: str, fn, args, results) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     try:
-        results.put((rank, "ok", fn(*args)))
+        results.put((rank, "ok", _to_plain(fn(*args))))
     except BaseException:  # noqa: BLE001 - the traceback is handed to the test process
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -46,7 +72,7 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
             rank, status, value = results.get()
             if status == "error":
                 errors.append(f"rank {rank}:\n{value}")
-            collected[rank] = value
+            collected[rank] = _from_plain(value)
         for proc in procs:
             proc.join(timeout)
             if proc.is_alive():
