@@ -1,0 +1,287 @@
+"""Guidance parallelism for LTX-2 stage 1: the guidance passes of a step on separate rank groups.
+
+What it is: a stage-1 step calls the transformer up to four times (conditional, unconditional,
+STG-perturbed, modality-isolated), each a batch-1 forward on the same latents. Those calls are
+independent, so the world is cut into ``guidance_groups`` groups of ``sp_degree`` ranks
+(world = groups x SP degree); each group runs its share of the passes, sequence-parallel inside the
+group, and only the pass outputs are exchanged, so every rank returns every output, in order, equal
+to running them one after another. This is not in the official LTX-2 multi-GPU code; it is this
+project's addition (DESIGN.md section 6).
+
+When to use it: when a step runs several passes and the world is large enough that SP shards get
+small. SP shards below ~1500 video tokens are launch-bound (they stop getting faster), and SP pays
+an all-to-all in every block, while guidance groups exchange only the outputs once per step.
+What it costs: one tiny all-reduce (output shapes) and one all-reduce of all outputs per step
+(stage-1 latents are a few MB); a pass count that the groups do not divide leaves some groups idle
+for part of the step. Every rank still holds the full weights.
+
+``plan_stage1`` picks groups x SP degree from the world size, the video token count and the active
+passes; ``build_stage1_parallel`` creates the subgroups (collectively, once per plan) and returns
+the SP group to apply ``apply_sequence_parallel`` with, and the pass runner for the stage-1 loop.
+Passes are assigned to groups per step, so the set of active passes may change between steps.
+This module must never import ``ltx_pipelines`` nor talk to other ranks except through ``Comm``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mgpu_backend.ltx.passes import PASS_NAMES, GuidancePass, SequentialPassRunner
+from mgpu_backend.parallel.comm import Comm
+from mgpu_backend.parallel.sequence_parallel import check_sp_degree, valid_sp_degrees
+
+log = logging.getLogger(__name__)
+
+PLAN_MODES = ("auto", "sp", "guidance", "hybrid")
+
+# Per-rank video tokens below which a shard stops getting faster: the kernels of a forward are
+# launch-bound rather than compute-bound there. ~1500 is the project's planning figure for
+# H100/H200-class GPUs in bf16, not a measurement made here; re-tune both numbers from bench/.
+LAUNCH_BOUND_SHARD_TOKENS = 1500
+# Estimated extra time of a pass per doubling of the SP degree, for its all-to-alls (NVLink).
+SP_EXCHANGE_OVERHEAD_PER_DOUBLING = 0.05
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How stage 1 spreads over ``world_size`` ranks: ``guidance_groups`` x ``sp_degree``.
+
+    Group ``g`` holds the contiguous ranks ``g * sp_degree ... g * sp_degree + sp_degree - 1``
+    (neighbouring GPUs, which usually share the fastest links, do the chatty SP exchange).
+    """
+
+    mode: str
+    world_size: int
+    guidance_groups: int
+    sp_degree: int
+    video_tokens: int
+    planned_passes: int
+    reason: str
+
+    @property
+    def rank_groups(self) -> list[list[int]]:
+        return [
+            list(range(group * self.sp_degree, (group + 1) * self.sp_degree)) for group in range(self.guidance_groups)
+        ]
+
+    def group_of(self, rank: int) -> int:
+        return rank // self.sp_degree
+
+    def assign_passes(self, pass_count: int) -> list[int]:
+        """The group that runs each of ``pass_count`` passes: round-robin, so no group runs more
+        than one pass above another (3 passes on 2 groups: groups 0, 1, 0)."""
+        return [index % self.guidance_groups for index in range(pass_count)]
+
+
+def _pass_count(active_passes: int | Sequence[str]) -> int:
+    if isinstance(active_passes, int):
+        count = active_passes
+    else:
+        unknown = [name for name in active_passes if name not in PASS_NAMES]
+        if unknown:
+            raise ValueError(f"unknown guidance passes {unknown}; use names from {list(PASS_NAMES)}")
+        count = len(active_passes)
+    if not 1 <= count <= len(PASS_NAMES):
+        raise ValueError(f"a stage-1 step runs 1 to {len(PASS_NAMES)} guidance passes, got {count}")
+    return count
+
+
+def _choices(values) -> str:
+    return ", ".join(str(value) for value in sorted(values))
+
+
+def estimated_step_cost(video_tokens: int, pass_count: int, guidance_groups: int, sp_degree: int) -> float:
+    """Relative time of one step (in 'video tokens of work on one rank'): rounds of passes per
+    group x the time of one pass on an SP shard, which stops shrinking at the launch-bound size and
+    pays a little for each doubling of the SP degree."""
+    rounds = math.ceil(pass_count / guidance_groups)
+    shard_work = max(video_tokens / sp_degree, LAUNCH_BOUND_SHARD_TOKENS)
+    return rounds * shard_work * (1 + SP_EXCHANGE_OVERHEAD_PER_DOUBLING * math.log2(sp_degree))
+
+
+def plan_stage1(
+    world_size: int,
+    video_tokens: int,
+    active_passes: int | Sequence[str],
+    mode: str = "auto",
+    *,
+    attention_heads: int = 32,
+    audio_attention_heads: int | None = 32,
+) -> Plan:
+    """Choose guidance groups x SP degree for stage 1.
+
+    ``active_passes`` is the largest set of passes a step will run (names from ``PASS_NAMES``, or a
+    count); steps that run fewer simply leave groups idle. Modes: ``sp`` = all ranks one SP group;
+    ``guidance`` = one group per pass as far as the world allows (the fewest groups that give every
+    pass its own group, SP inside each); ``hybrid`` = several groups of several ranks; ``auto`` =
+    the cheapest by ``estimated_step_cost`` (ties go to the smaller SP degree).
+    """
+    if mode not in PLAN_MODES:
+        raise ValueError(f"stage-1 parallel mode must be one of {', '.join(PLAN_MODES)}, got {mode!r}")
+    if world_size < 1:
+        raise ValueError(f"world size must be at least 1, got {world_size}")
+    if video_tokens < 1:
+        raise ValueError(f"video token count must be at least 1, got {video_tokens}")
+    pass_count = _pass_count(active_passes)
+    sp_choices = set(valid_sp_degrees(attention_heads, audio_attention_heads))
+    # Every split of the world into equal groups whose size is a usable SP degree.
+    layouts = [
+        (world_size // sp_degree, sp_degree)
+        for sp_degree in range(1, world_size + 1)
+        if world_size % sp_degree == 0 and sp_degree in sp_choices
+    ]
+
+    def cost(layout: tuple[int, int]) -> float:
+        return estimated_step_cost(video_tokens, pass_count, *layout)
+
+    def by_cost(layout: tuple[int, int]) -> tuple[float, int]:
+        return cost(layout), layout[1]
+
+    if mode == "sp":
+        check_sp_degree(world_size, attention_heads, audio_attention_heads)
+        chosen = (1, world_size)
+        why = f"all {world_size} ranks in one SP group"
+    elif mode == "guidance":
+        own_group_each = [layout for layout in layouts if layout[0] >= pass_count]
+        chosen = min(own_group_each) if own_group_each else max(layouts)
+        why = (
+            f"one group per pass ({chosen[0] - pass_count} idle)"
+            if chosen[0] >= pass_count
+            else f"fewer ranks ({world_size}) than passes: {chosen[0]} groups take turns"
+        )
+    elif mode == "hybrid":
+        hybrid = [layout for layout in layouts if layout[0] > 1 and layout[1] > 1]
+        if not hybrid:
+            raise ValueError(
+                f"hybrid mode needs at least 2 groups of at least 2 ranks; world size {world_size} cannot be "
+                f"split that way (with SP degrees {_choices(sp_choices)}); use mode sp or guidance"
+            )
+        chosen = min(hybrid, key=by_cost)
+        why = "cheapest split with both groups and SP"
+    else:
+        chosen = min(layouts, key=by_cost)
+        runner_up = sorted((layout for layout in layouts if layout != chosen), key=by_cost)[:1]
+        why = "estimated cheapest"
+        if runner_up:
+            other = runner_up[0]
+            why += f"; next {other[0]} groups x SP {other[1]} at {cost(other) / cost(chosen):.2f}x"
+    guidance_groups, sp_degree = chosen
+    shard_tokens = math.ceil(video_tokens / sp_degree)
+    launch_bound = sp_degree > 1 and shard_tokens < LAUNCH_BOUND_SHARD_TOKENS
+    launch_note = f" (below the launch-bound ~{LAUNCH_BOUND_SHARD_TOKENS})" if launch_bound else ""
+    reason = (
+        f"stage-1 plan ({mode}): {guidance_groups} guidance groups x SP degree {sp_degree} on {world_size} ranks for "
+        f"{pass_count} passes and {video_tokens} video tokens, {shard_tokens} tokens per shard{launch_note}; {why}"
+    )
+    return Plan(mode, world_size, guidance_groups, sp_degree, video_tokens, pass_count, reason)
+
+
+# Output dtypes that can travel; the exchange sends every output in one buffer of a common type.
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_NDIM = 6
+
+
+class GuidanceParallelRunner:
+    """Runs each pass of a step on its group and gives every rank all outputs (``PassRunner``).
+
+    ``comm`` spans the whole stage-1 world; the transformer handed to ``run`` must already be
+    sequence-parallel over this rank's group (``build_stage1_parallel`` returns that group).
+    """
+
+    def __init__(self, comm: Comm, plan: Plan) -> None:
+        if comm.world_size != plan.world_size:
+            raise ValueError(f"plan is for {plan.world_size} ranks but the group has {comm.world_size}")
+        self.comm = comm
+        self.plan = plan
+        self.group = plan.group_of(comm.rank)
+        # One rank per group contributes to the exchange; its SP peers hold the same outputs.
+        self.is_group_leader = comm.rank == plan.rank_groups[self.group][0]
+
+    def run(self, transformer, passes: list[GuidancePass]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not passes:
+            return []
+        owners = self.plan.assign_passes(len(passes))
+        local: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
+        for index, (guidance_pass, owner) in enumerate(zip(passes, owners)):
+            if owner == self.group:
+                local[index] = transformer(
+                    video=guidance_pass.video, audio=guidance_pass.audio, perturbations=guidance_pass.perturbations
+                )
+        return self._exchange(local, len(passes), passes[0].video.latent.device)
+
+    def _exchange(self, local: dict, pass_count: int, device: torch.device) -> list[tuple]:
+        """Every rank receives every pass's (video, audio) outputs, exactly as its group computed them.
+
+        First the shapes and dtypes (non-owners do not know them), then all outputs in one buffer:
+        the owning group's leader writes its outputs, everyone else zeros, and a sum all-reduce
+        delivers them (adding zeros is exact in every float format).
+        """
+        meta = torch.zeros(pass_count, 2, 2 + _MAX_NDIM, dtype=torch.int64, device=device)
+        if self.is_group_leader:
+            for index, outputs in local.items():
+                for slot, tensor in enumerate(outputs):
+                    if tensor is not None:
+                        assert tensor.dtype in _DTYPES and tensor.ndim <= _MAX_NDIM, (tensor.dtype, tensor.shape)
+                        meta[index, slot, 0] = _DTYPES.index(tensor.dtype) + 1
+                        meta[index, slot, 1] = tensor.ndim
+                        meta[index, slot, 2 : 2 + tensor.ndim] = torch.tensor(tensor.shape)
+        self.comm.all_reduce_max(meta)
+
+        layout = []  # per (pass, slot): None or (dtype, shape, offset, numel)
+        transport_dtype, offset = None, 0
+        for row in meta.tolist():
+            for dtype_code, ndim, *dims in row:
+                if dtype_code == 0:
+                    layout.append(None)
+                    continue
+                dtype, shape = _DTYPES[dtype_code - 1], tuple(dims[:ndim])
+                numel = math.prod(shape)
+                layout.append((dtype, shape, offset, numel))
+                offset += numel
+                transport_dtype = dtype if transport_dtype is None else torch.promote_types(transport_dtype, dtype)
+
+        buffer = torch.zeros(offset, dtype=transport_dtype or torch.float32, device=device)
+        if self.is_group_leader:
+            for index, outputs in local.items():
+                for slot, tensor in enumerate(outputs):
+                    if tensor is not None:
+                        _, _, start, numel = layout[2 * index + slot]
+                        buffer[start : start + numel] = tensor.reshape(-1)
+        self.comm.all_reduce_sum(buffer)
+
+        results = []
+        for index in range(pass_count):
+            pair = []
+            for slot in range(2):
+                entry = layout[2 * index + slot]
+                if entry is None:
+                    pair.append(None)
+                else:
+                    dtype, shape, start, numel = entry
+                    pair.append(buffer[start : start + numel].view(shape).to(dtype))
+            results.append(tuple(pair))
+        return results
+
+
+def build_stage1_parallel(comm: Comm, plan: Plan) -> tuple[Comm, object]:
+    """Create the plan's groups (every rank of ``comm`` must call this, with the same plan).
+
+    Returns ``(sp_comm, runner)``: apply ``apply_sequence_parallel(transformer, sp_comm)`` to the
+    stage-1 transformer, and hand ``runner`` to the stage-1 loop as its pass runner.
+    """
+    if comm.world_size != plan.world_size:
+        raise ValueError(f"plan is for {plan.world_size} ranks but the group has {comm.world_size}")
+    if plan.sp_degree == 1:
+        sp_comm = Comm(None, [comm.global_ranks[comm.rank]])
+    elif plan.guidance_groups == 1:
+        sp_comm = comm
+    else:
+        sp_comm = comm.split([[comm.global_ranks[rank] for rank in ranks] for ranks in plan.rank_groups])
+    runner = SequentialPassRunner() if plan.guidance_groups == 1 else GuidanceParallelRunner(comm, plan)
+    log.info("%s; this rank: group %d, SP ranks %s", plan.reason, plan.group_of(comm.rank), sp_comm.global_ranks)
+    return sp_comm, runner
