@@ -1,0 +1,226 @@
+"""Latent geometry, layouts and seeded noise shared by the LTX-2 stages.
+
+Between stages (and between ComfyUI nodes) latents travel in ComfyUI's LTX-2 layout, float32:
+video ``[B, 128, F', H/32, W/32]`` and audio ``[B, 8, T, 16]``. Inside a stage they are token
+sequences (``LatentState``) made by ltx-core's patchifiers through ``VideoLatentTools`` /
+``AudioLatentTools``. This module converts between the two, prepares the first-frame image
+conditioning, and reproduces the order in which the reference pipeline draws its noise from one
+seeded generator, so that a stage run on its own draws the same numbers as the whole pipeline.
+
+It never loads models and never talks to other ranks.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+import av
+import numpy as np
+import torch
+from ltx_core.components.noisers import GaussianNoiser
+from ltx_core.components.patchifiers import AudioPatchifier, VideoLatentPatchifier
+from ltx_core.conditioning import ConditioningItem, VideoConditionByLatentIndex
+from ltx_core.tools import AudioLatentTools, LatentTools, VideoLatentTools
+from ltx_core.types import AudioLatentShape, LatentState, VideoLatentShape, VideoPixelShape
+
+VIDEO_LATENT_CHANNELS = 128
+# The official pipeline compresses a conditioning image with H.264 at this CRF before encoding it,
+# so that the first frame looks like a video frame rather than a clean still.
+DEFAULT_IMAGE_CRF = 33
+# LTX-2 patchifies with patch size 1: one token per latent cell (video) or latent time step (audio).
+_VIDEO_PATCHIFIER = VideoLatentPatchifier(patch_size=1)
+_AUDIO_PATCHIFIER = AudioPatchifier(patch_size=1)
+
+
+@dataclass(frozen=True)
+class StageGeometry:
+    """Pixel size of one stage and the latent shapes that follow from it (batch 1)."""
+
+    height: int
+    width: int
+    num_frames: int
+    frame_rate: float
+
+    @property
+    def pixel_shape(self) -> VideoPixelShape:
+        return VideoPixelShape(
+            batch=1, frames=self.num_frames, height=self.height, width=self.width, fps=self.frame_rate
+        )
+
+    @property
+    def video_shape(self) -> VideoLatentShape:
+        return VideoLatentShape.from_pixel_shape(self.pixel_shape, latent_channels=VIDEO_LATENT_CHANNELS)
+
+    @property
+    def audio_shape(self) -> AudioLatentShape:
+        return AudioLatentShape.from_video_pixel_shape(self.pixel_shape)
+
+    @property
+    def video_tokens(self) -> int:
+        return self.video_shape.token_count()
+
+    @property
+    def audio_tokens(self) -> int:
+        return self.audio_shape.token_count()
+
+    def video_tools(self) -> VideoLatentTools:
+        return VideoLatentTools(_VIDEO_PATCHIFIER, self.video_shape, self.frame_rate)
+
+    def audio_tools(self) -> AudioLatentTools:
+        return AudioLatentTools(_AUDIO_PATCHIFIER, self.audio_shape)
+
+
+def video_latent_to_tokens(video_latent: torch.Tensor) -> torch.Tensor:
+    """``[B, 128, F', H', W']`` -> ``[B, F' * H' * W', 128]``, tokens in (frame, row, column) order."""
+    return _VIDEO_PATCHIFIER.patchify(video_latent)
+
+
+def video_tokens_to_latent(tokens: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
+    """Inverse of ``video_latent_to_tokens`` for a latent grid of ``frames`` x ``height`` x ``width``."""
+    shape = VideoLatentShape(tokens.shape[0], tokens.shape[2], frames, height, width)
+    return _VIDEO_PATCHIFIER.unpatchify(tokens, output_shape=shape)
+
+
+def audio_latent_to_tokens(audio_latent: torch.Tensor) -> torch.Tensor:
+    """``[B, 8, T, 16]`` -> ``[B, T, 128]``: one token per latent time step (channels x mel bins)."""
+    return _AUDIO_PATCHIFIER.patchify(audio_latent)
+
+
+def audio_tokens_to_latent(tokens: torch.Tensor, channels: int = 8, mel_bins: int = 16) -> torch.Tensor:
+    """Inverse of ``audio_latent_to_tokens``."""
+    shape = AudioLatentShape(tokens.shape[0], channels, tokens.shape[1], mel_bins)
+    return _AUDIO_PATCHIFIER.unpatchify(tokens, output_shape=shape)
+
+
+def check_latent_shape(name: str, latent: torch.Tensor, expected: torch.Size, hint: str) -> None:
+    """Raise a user-facing error when a latent handed to a stage does not fit its parameters."""
+    if tuple(latent.shape) != tuple(expected):
+        raise ValueError(f"{name} has shape {tuple(latent.shape)}, expected {tuple(expected)}; {hint}")
+
+
+def initial_state(
+    tools: LatentTools,
+    conditionings: list[ConditioningItem],
+    noiser: GaussianNoiser,
+    noise_scale: float | torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device,
+    initial_latent: torch.Tensor | None = None,
+) -> LatentState:
+    """Token state of one modality: start latent (zeros or ``initial_latent``), conditionings, noise.
+
+    The noiser draws from its generator here, so the call order of this function across modalities
+    and stages decides which numbers each latent gets.
+    """
+    if initial_latent is not None:
+        initial_latent = initial_latent.to(device=device, dtype=dtype)
+    state = tools.create_initial_state(device, dtype, initial_latent)
+    for conditioning in conditionings:
+        state = conditioning.apply_to(latent_state=state, latent_tools=tools)
+    return noiser(state, noise_scale)
+
+
+def state_to_comfy(state: LatentState, tools: LatentTools) -> torch.Tensor:
+    """Drop appended conditioning tokens and return the latent in ComfyUI layout, float32."""
+    state = tools.unpatchify(tools.clear_conditioning(state))
+    return state.latent.float()
+
+
+def job_generator(
+    seed: int, device: torch.device, dtype: torch.dtype, stages_before: tuple[StageGeometry, ...] = ()
+) -> torch.Generator:
+    """The job's one noise generator, as the official pipeline holds it after ``stages_before`` drew.
+
+    The reference seeds one generator per job and draws from it in a fixed order: stage-1 video
+    tokens, stage-1 audio tokens, stage-2 video tokens, stage-2 audio tokens, then the video
+    decoder's noise. A stage that runs on its own (another node, another job op) replays the earlier
+    draws: drawing and dropping tensors of the same shapes, dtype and order is the one way that is
+    exact on every device, since how far a draw advances a generator is a detail of each backend.
+    First-frame image conditioning adds no tokens, so the shapes depend on the geometry only.
+    """
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for geometry in stages_before:
+        for tokens, channels in (
+            (geometry.video_tokens, VIDEO_LATENT_CHANNELS),
+            (geometry.audio_tokens, geometry.audio_shape.channels * geometry.audio_shape.mel_bins),
+        ):
+            torch.randn(1, tokens, channels, device=generator.device, dtype=dtype, generator=generator)
+    return generator
+
+
+def check_conditioning_image(image: torch.Tensor | None) -> None:
+    """A conditioning image is one ComfyUI IMAGE frame: ``[H, W, 3]`` (or RGBA), values in 0..1."""
+    if image is None:
+        return
+    if image.ndim != 3 or image.shape[-1] not in (3, 4) or min(image.shape[:2]) < 2:
+        hint = "; pass one frame, e.g. image[0]" if image.ndim == 4 else ""
+        raise ValueError(f"the conditioning image must be one [H, W, 3] frame, got shape {tuple(image.shape)}{hint}")
+
+
+def image_to_pixels(
+    image: torch.Tensor, height: int, width: int, crf: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """ComfyUI IMAGE frame ``[H, W, 3]`` in 0..1 -> VAE input ``[1, 3, 1, height, width]`` in -1..1.
+
+    Same treatment as the official pipeline gives an image file: 8-bit RGB, H.264 round trip at
+    ``crf`` (0 skips it), aspect-preserving bilinear resize that covers the target, centre crop.
+    """
+    check_conditioning_image(image)
+    # Round rather than truncate: a ComfyUI image loaded from 8-bit file holds k/255, which times
+    # 255 can land just below k in float32.
+    rgb = (image[..., :3].detach().float().cpu().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8).numpy()
+    if crf > 0:
+        rgb = _h264_round_trip(rgb, crf)
+    pixels = torch.tensor(rgb, dtype=torch.float32, device=device)
+    pixels = _cover_and_centre_crop(pixels, height, width)
+    return (pixels / 127.5 - 1.0).to(device=device, dtype=dtype)
+
+
+def _h264_round_trip(rgb: np.ndarray, crf: int) -> np.ndarray:
+    """Encode one frame with libx264 and decode it again (dimensions cut to even numbers)."""
+    even_height, even_width = rgb.shape[0] // 2 * 2, rgb.shape[1] // 2 * 2
+    rgb = np.ascontiguousarray(rgb[:even_height, :even_width])
+    buffer = io.BytesIO()
+    with av.open(buffer, "w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=1, options={"crf": str(crf), "preset": "veryfast"})
+        stream.height, stream.width = even_height, even_width
+        frame = av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format="yuv420p")
+        container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+    buffer.seek(0)
+    with av.open(buffer) as container:
+        decoded = next(container.decode(video=0))
+        return decoded.to_ndarray(format="rgb24")
+
+
+def _cover_and_centre_crop(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """``[H, W, 3]`` -> ``[1, 3, 1, height, width]``: scale to cover the target, keep the centre."""
+    chw = pixels.permute(2, 0, 1).unsqueeze(0)
+    source_height, source_width = chw.shape[-2:]
+    scale = max(height / source_height, width / source_width)
+    # ceil: a rounding error below the target size would make the crop offsets negative.
+    scaled_height, scaled_width = math.ceil(source_height * scale), math.ceil(source_width * scale)
+    chw = torch.nn.functional.interpolate(chw, size=(scaled_height, scaled_width), mode="bilinear", align_corners=False)
+    top, left = (scaled_height - height) // 2, (scaled_width - width) // 2
+    chw = chw[:, :, top : top + height, left : left + width]
+    return chw.unsqueeze(2)
+
+
+def first_frame_conditioning(
+    image: torch.Tensor | None,
+    geometry: StageGeometry,
+    video_encoder: torch.nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    crf: int = DEFAULT_IMAGE_CRF,
+    strength: float = 1.0,
+) -> list[ConditioningItem]:
+    """The image as the clean first latent frame (empty list without an image)."""
+    if image is None:
+        return []
+    pixels = image_to_pixels(image, geometry.height, geometry.width, crf, dtype, device)
+    with torch.inference_mode():
+        encoded = video_encoder(pixels)
+    return [VideoConditionByLatentIndex(latent=encoded, strength=strength, latent_idx=0)]

@@ -1,0 +1,458 @@
+"""The LTX-2 two-stage generation, one rank's side: stage 1, the 2x upsampler, stage 2.
+
+The computation is the official two-stage text/image-to-video pipeline of ltx-pipelines 1.0.0,
+rebuilt on ltx-core 1.0.0 so that the parallel techniques can plug into it:
+
+- ``sample_stage1``: from noise at half the output size, Euler steps over ltx-core's LTX2Scheduler
+  sigmas, full multimodal guidance (CFG, STG, modality isolation, rescale, skip_step). Each step's
+  transformer calls are ``GuidancePass`` objects handed to a ``PassRunner``: the sequential runner
+  runs them here; the guidance-parallel runner runs them on separate rank groups. The combine step
+  only consumes the runner's outputs.
+- ``upsample_video``: the spatial 2x latent upsampler.
+- ``refine_stage2``: the distilled-LoRA transformer at full size on a short sigma schedule, positive
+  prompt only. ``transformer_wrapper`` lets tiled data parallelism wrap the transformer.
+
+Latents go in and out in ComfyUI's LTX-2 layout, float32 (see ``latents.py``). Every function here
+is a plain function of tensors: no sockets and no collectives of its own (parallelism lives in the
+runner, the wrapper, or inside the transformer). It never imports ltx_pipelines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+from ltx_core.components.diffusion_steps import EulerDiffusionStep
+from ltx_core.components.guiders import MultiModalGuider, MultiModalGuiderParams, create_multimodal_guider_factory
+from ltx_core.components.noisers import GaussianNoiser
+from ltx_core.components.schedulers import LTX2Scheduler
+from ltx_core.guidance.perturbations import (
+    BatchedPerturbationConfig,
+    Perturbation,
+    PerturbationConfig,
+    PerturbationType,
+)
+from ltx_core.model.transformer.modality import Modality
+from ltx_core.model.upsampler import upsample_video as ltx_upsample_video
+from ltx_core.types import LatentState
+
+from mgpu_backend.ltx.latents import (
+    DEFAULT_IMAGE_CRF,
+    StageGeometry,
+    check_conditioning_image,
+    check_latent_shape,
+    first_frame_conditioning,
+    initial_state,
+    job_generator,
+    state_to_comfy,
+)
+from mgpu_backend.ltx.passes import GuidancePass, PassRunner, SequentialPassRunner
+from mgpu_backend.ltx.text import TextContext
+from mgpu_backend.ltx.validation import (
+    TransformerDims,
+    check_fits,
+    estimate_memory_bytes,
+    validate_generation,
+    validate_sigmas,
+    validate_stg_blocks,
+)
+
+# Stage 2 refines from this tail of the distilled model's schedule (ltx-pipelines 1.0.0,
+# utils/constants.py, STAGE_2_DISTILLED_SIGMA_VALUES).
+STAGE_2_SIGMAS = (0.909375, 0.725, 0.421875, 0.0)
+
+OnStep = Callable[[int, int], None]
+
+
+def default_video_guider() -> MultiModalGuiderParams:
+    """LTX-2.0 video guidance of ltx-pipelines 1.0.0 (``LTX_2_PARAMS``)."""
+    return MultiModalGuiderParams(
+        cfg_scale=3.0, stg_scale=1.0, rescale_scale=0.7, modality_scale=3.0, skip_step=0, stg_blocks=[29]
+    )
+
+
+def default_audio_guider() -> MultiModalGuiderParams:
+    """LTX-2.0 audio guidance of ltx-pipelines 1.0.0 (``LTX_2_PARAMS``)."""
+    return MultiModalGuiderParams(
+        cfg_scale=7.0, stg_scale=1.0, rescale_scale=0.7, modality_scale=3.0, skip_step=0, stg_blocks=[29]
+    )
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """One generation job. Defaults are the official LTX-2.0 two-stage defaults.
+
+    ``height`` and ``width`` are the size of the final video. With ``two_stage`` (the default)
+    stage 1 runs at half of it (512x768 for 1024x1536) and stage 2 at the full size; without it,
+    stage 1 runs at ``height`` x ``width`` and there is no stage 2.
+    """
+
+    height: int = 1024
+    width: int = 1536
+    num_frames: int = 121
+    frame_rate: float = 24.0
+    seed: int = 10
+    num_inference_steps: int = 40
+    video_guider: MultiModalGuiderParams = field(default_factory=default_video_guider)
+    audio_guider: MultiModalGuiderParams = field(default_factory=default_audio_guider)
+    image_crf: int = DEFAULT_IMAGE_CRF
+    two_stage: bool = True
+
+    def validate(self) -> None:
+        validate_generation(
+            self.height,
+            self.width,
+            self.num_frames,
+            two_stage=self.two_stage,
+            num_inference_steps=self.num_inference_steps,
+            frame_rate=self.frame_rate,
+        )
+
+    @property
+    def stage1(self) -> StageGeometry:
+        scale = 2 if self.two_stage else 1
+        return StageGeometry(self.height // scale, self.width // scale, self.num_frames, self.frame_rate)
+
+    @property
+    def stage2(self) -> StageGeometry:
+        return StageGeometry(self.height, self.width, self.num_frames, self.frame_rate)
+
+    def decoder_generator(self, device: torch.device, dtype: torch.dtype) -> torch.Generator:
+        """The generator the official pipeline hands its video decoder: past every stage's noise."""
+        stages = (self.stage1, self.stage2) if self.two_stage else (self.stage1,)
+        return job_generator(self.seed, device, dtype, stages_before=stages)
+
+
+def check_generation_fits(
+    params: GenerationParams,
+    device: torch.device,
+    dims: TransformerDims | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    sp_degree: int = 1,
+    weights_resident: bool = False,
+    available_bytes: int | None = None,
+) -> None:
+    """Refuse a job whose largest stage would not fit ``device`` (see ``validation.check_fits``).
+
+    ``dims``: ``TransformerDims.from_checkpoint(spec.checkpoint_path)``; the 19B model by default.
+    """
+    params.validate()
+    largest = params.stage2 if params.two_stage else params.stage1
+    estimate = estimate_memory_bytes(
+        largest.height, largest.width, params.num_frames, params.frame_rate, dims, dtype, sp_degree
+    )
+    check_fits(estimate, device, available_bytes=available_bytes, weights_resident=weights_resident)
+
+
+# --------------------------------------------------------------------------------------------------
+# Shared by both stages
+
+
+def _modality(state: LatentState, context: torch.Tensor, sigma: torch.Tensor, enabled: bool = True) -> Modality:
+    """Transformer input of one modality at ``sigma``; clean (conditioning) tokens get timestep 0."""
+    return Modality(
+        enabled=enabled,
+        latent=state.latent,
+        sigma=sigma,
+        timesteps=state.denoise_mask * sigma,
+        positions=state.positions,
+        context=context,
+        context_mask=None,
+        attention_mask=state.attention_mask,
+    )
+
+
+def _keep_clean_tokens(denoised: torch.Tensor, state: LatentState) -> torch.Tensor:
+    """Where the denoise mask is 0 (conditioning tokens) the prediction is the clean latent."""
+    return (denoised * state.denoise_mask + state.clean_latent.float() * (1 - state.denoise_mask)).to(denoised.dtype)
+
+
+DenoiseFn = Callable[[LatentState, LatentState, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _euler_loop(
+    sigmas: torch.Tensor,
+    video_state: LatentState,
+    audio_state: LatentState,
+    denoise: DenoiseFn,
+    on_step: OnStep | None,
+) -> tuple[LatentState, LatentState]:
+    """Step both modalities from ``sigmas[0]`` down to ``sigmas[-1]``; ``on_step`` after each step."""
+    stepper = EulerDiffusionStep()
+    total = len(sigmas) - 1
+    for step in range(total):
+        denoised_video, denoised_audio = denoise(video_state, audio_state, sigmas, step)
+        denoised_video = _keep_clean_tokens(denoised_video, video_state)
+        denoised_audio = _keep_clean_tokens(denoised_audio, audio_state)
+        video_state = replace(video_state, latent=stepper.step(video_state.latent, denoised_video, sigmas, step))
+        audio_state = replace(audio_state, latent=stepper.step(audio_state.latent, denoised_audio, sigmas, step))
+        if on_step is not None:
+            # Progress report and cancel point: an exception here ends the stage at a step boundary.
+            on_step(step + 1, total)
+    return video_state, audio_state
+
+
+def transformer_layer_count(transformer: torch.nn.Module) -> int | None:
+    velocity_model = getattr(transformer, "velocity_model", transformer)
+    blocks = getattr(velocity_model, "transformer_blocks", None)
+    return None if blocks is None else len(blocks)
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 1: guidance passes and their combination
+
+
+@dataclass(frozen=True)
+class StepGuidance:
+    """The two guiders of one step (their parameters may depend on sigma) and what they skip."""
+
+    video: MultiModalGuider
+    audio: MultiModalGuider
+    skip_video: bool
+    skip_audio: bool
+
+    @property
+    def needs_unconditional(self) -> bool:
+        return self.video.do_unconditional_generation() or self.audio.do_unconditional_generation()
+
+    @property
+    def needs_perturbed(self) -> bool:
+        return self.video.do_perturbed_generation() or self.audio.do_perturbed_generation()
+
+    @property
+    def needs_isolated(self) -> bool:
+        return self.video.do_isolated_modality_generation() or self.audio.do_isolated_modality_generation()
+
+
+def guidance_passes(
+    guidance: StepGuidance,
+    video_state: LatentState,
+    audio_state: LatentState,
+    sigma: torch.Tensor,
+    positive: TextContext,
+    negative: TextContext,
+) -> list[GuidancePass]:
+    """The transformer calls of one stage-1 step, only those the guiders use.
+
+    conditional: positive prompt. unconditional: negative prompt (CFG). perturbed: positive prompt
+    with self-attention skipped in the STG blocks of the modalities doing STG. isolated: positive
+    prompt with both audio<->video cross-attentions skipped (modality guidance).
+    """
+    video = _modality(video_state, positive.video_context, sigma, enabled=not guidance.skip_video)
+    audio = _modality(audio_state, positive.audio_context, sigma, enabled=not guidance.skip_audio)
+    passes = [GuidancePass("conditional", video, audio, None)]
+    if guidance.needs_unconditional:
+        passes.append(
+            GuidancePass(
+                "unconditional",
+                _modality(video_state, negative.video_context, sigma),
+                _modality(audio_state, negative.audio_context, sigma),
+                None,
+            )
+        )
+    if guidance.needs_perturbed:
+        skipped = []
+        if guidance.video.do_perturbed_generation():
+            skipped.append(Perturbation(PerturbationType.SKIP_VIDEO_SELF_ATTN, blocks=guidance.video.params.stg_blocks))
+        if guidance.audio.do_perturbed_generation():
+            skipped.append(Perturbation(PerturbationType.SKIP_AUDIO_SELF_ATTN, blocks=guidance.audio.params.stg_blocks))
+        passes.append(GuidancePass("perturbed", video, audio, _one_sample(skipped)))
+    if guidance.needs_isolated:
+        skipped = [
+            Perturbation(PerturbationType.SKIP_A2V_CROSS_ATTN, blocks=None),
+            Perturbation(PerturbationType.SKIP_V2A_CROSS_ATTN, blocks=None),
+        ]
+        passes.append(GuidancePass("isolated", video, audio, _one_sample(skipped)))
+    return passes
+
+
+def _one_sample(perturbations: list[Perturbation]) -> BatchedPerturbationConfig:
+    return BatchedPerturbationConfig(perturbations=[PerturbationConfig(perturbations=perturbations)])
+
+
+def combine_guidance(
+    guidance: StepGuidance,
+    passes: list[GuidancePass],
+    outputs: list[tuple[torch.Tensor, torch.Tensor]],
+    previous: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Guided prediction of both modalities from the passes' outputs.
+
+    A pass that did not run contributes 0.0, whose guidance term has scale 0 in that case. A
+    modality skipping this step keeps its previous guided prediction.
+    """
+    by_name = {guidance_pass.name: output for guidance_pass, output in zip(passes, outputs, strict=True)}
+    absent = (0.0, 0.0)
+    conditional = by_name["conditional"]
+    unconditional = by_name.get("unconditional", absent)
+    perturbed = by_name.get("perturbed", absent)
+    isolated = by_name.get("isolated", absent)
+    guided = []
+    modalities = ((guidance.video, guidance.skip_video), (guidance.audio, guidance.skip_audio))
+    for index, (guider, skip) in enumerate(modalities):
+        if skip:
+            guided.append(previous[index])
+        else:
+            guided.append(guider.calculate(conditional[index], unconditional[index], perturbed[index], isolated[index]))
+    return guided[0], guided[1]
+
+
+def sample_stage1(
+    loader,
+    params: GenerationParams,
+    positive: TextContext,
+    negative: TextContext,
+    image: torch.Tensor | None = None,
+    pass_runner: PassRunner = SequentialPassRunner(),  # noqa: B008 - stateless
+    on_step: OnStep | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 1 from pure noise: ``(video [1,128,F',H1/32,W1/32], audio [1,8,T,16])``, float32.
+
+    ``image`` (``[H, W, 3]`` in 0..1) becomes the clean first latent frame at strength 1.0.
+    Noise comes from a generator seeded with ``params.seed``: video tokens first, then audio.
+    """
+    params.validate()
+    check_conditioning_image(image)
+    device, dtype = loader.device, loader.dtype
+    geometry = params.stage1
+    video_tools, audio_tools = geometry.video_tools(), geometry.audio_tools()
+    with torch.inference_mode():
+        conditionings = []
+        if image is not None:
+            conditionings = first_frame_conditioning(
+                image, geometry, loader.video_encoder(), dtype, device, crf=params.image_crf
+            )
+        transformer = loader.transformer("none")
+        layer_count = transformer_layer_count(transformer)
+        validate_stg_blocks(params.video_guider, layer_count, "video")
+        validate_stg_blocks(params.audio_guider, layer_count, "audio")
+
+        sigmas = LTX2Scheduler().execute(steps=params.num_inference_steps).to(dtype=torch.float32, device=device)
+        noiser = GaussianNoiser(generator=job_generator(params.seed, device, dtype))
+        video_state = initial_state(video_tools, conditionings, noiser, 1.0, dtype, device)
+        audio_state = initial_state(audio_tools, [], noiser, 1.0, dtype, device)
+
+        video_guiders = create_multimodal_guider_factory(params.video_guider, negative_context=negative.video_context)
+        audio_guiders = create_multimodal_guider_factory(params.audio_guider, negative_context=negative.audio_context)
+        sigma_values = sigmas.tolist()
+        previous: tuple[torch.Tensor, torch.Tensor] | None = None
+
+        def guided_denoise(video_state, audio_state, sigmas, step):
+            nonlocal previous
+            video_guider = video_guiders.build_from_sigma(sigma_values[step])
+            audio_guider = audio_guiders.build_from_sigma(sigma_values[step])
+            guidance = StepGuidance(
+                video_guider, audio_guider, video_guider.should_skip_step(step), audio_guider.should_skip_step(step)
+            )
+            if guidance.skip_video and guidance.skip_audio:
+                return previous
+            passes = guidance_passes(guidance, video_state, audio_state, sigmas[step], positive, negative)
+            outputs = pass_runner.run(transformer, passes)
+            previous = combine_guidance(guidance, passes, outputs, previous)
+            return previous
+
+        video_state, audio_state = _euler_loop(sigmas, video_state, audio_state, guided_denoise, on_step)
+        return state_to_comfy(video_state, video_tools), state_to_comfy(audio_state, audio_tools)
+
+
+# --------------------------------------------------------------------------------------------------
+# Between the stages
+
+
+def upsample_video(loader, video_latent: torch.Tensor) -> torch.Tensor:
+    """Spatial 2x of a stage-1 video latent: ``[1,128,F',h,w]`` -> ``[1,128,F',2h,2w]``, float32.
+
+    The upsampler works on un-normalised latents; the video encoder's per-channel statistics
+    un-normalise before and normalise after, as in the official pipeline.
+    """
+    if video_latent.ndim != 5 or video_latent.shape[1] != 128:
+        raise ValueError(
+            f"upsample_video expects a video latent [B, 128, F', H/32, W/32], got shape {tuple(video_latent.shape)}"
+        )
+    with torch.inference_mode():
+        latent = video_latent.to(device=loader.device, dtype=loader.dtype)
+        upsampled = ltx_upsample_video(
+            latent=latent, video_encoder=loader.video_encoder(), upsampler=loader.spatial_upsampler()
+        )
+        return upsampled.float()
+
+
+# --------------------------------------------------------------------------------------------------
+# Stage 2
+
+
+def refine_stage2(
+    loader,
+    params: GenerationParams,
+    video_latent: torch.Tensor,
+    audio_latent: torch.Tensor,
+    positive: TextContext,
+    image: torch.Tensor | None = None,
+    sigmas: torch.Tensor | list[float] | tuple[float, ...] | None = None,
+    transformer_wrapper: Callable[[torch.nn.Module], Callable] | None = None,
+    on_step: OnStep | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Refine the upsampled video at full size with the distilled LoRA; audio passes through.
+
+    ``video_latent`` is the upsampled stage-1 latent at ``params.height`` x ``params.width``.
+    It is noised to ``sigmas[0]`` (default: the official stage-2 schedule 0.909375, 0.725,
+    0.421875, 0.0) with the noise the official pipeline uses: the generator seeded with
+    ``params.seed``, advanced past stage 1's draws. Positive prompt only, no guidance.
+
+    Audio is frozen by design. The official 1.0.0 pipeline re-noises the stage-1 audio and
+    denoises it again in stage 2; here the audio runs through the same re-noise-and-denoise, because
+    the video attends to it (so the video equals the official one), but the result is dropped:
+    the returned audio latent IS ``audio_latent``, unchanged bitwise. The stage-1 audio was
+    denoised with full guidance; the stage-2 audio would only be a guidance-free re-run of it.
+
+    ``transformer_wrapper(x0_model)`` may return any callable with the X0 model's call signature
+    ``(video=, audio=, perturbations=)``; tiled data parallelism uses it to split the video.
+    """
+    if not params.two_stage:
+        raise ValueError("refine_stage2 needs two-stage params (two_stage=True): it refines a 2x upsampled latent")
+    params.validate()
+    geometry, stage1 = params.stage2, params.stage1
+    sigmas = torch.as_tensor(STAGE_2_SIGMAS if sigmas is None else sigmas, dtype=torch.float32)
+    validate_sigmas(sigmas)
+    check_conditioning_image(image)
+    check_latent_shape(
+        "the stage-2 video latent",
+        video_latent,
+        geometry.video_shape.to_torch_shape(),
+        f"upsample the stage-1 latent of a {stage1.height}x{stage1.width} video first, "
+        f"or set height/width to the upsampled size",
+    )
+    check_latent_shape(
+        "the audio latent",
+        audio_latent,
+        geometry.audio_shape.to_torch_shape(),
+        f"pass the stage-1 audio of the same job ({params.num_frames} frames at {params.frame_rate} fps)",
+    )
+    device, dtype = loader.device, loader.dtype
+    sigmas = sigmas.to(device)
+    video_tools, audio_tools = geometry.video_tools(), geometry.audio_tools()
+    with torch.inference_mode():
+        conditionings = []
+        if image is not None:
+            conditionings = first_frame_conditioning(
+                image, geometry, loader.video_encoder(), dtype, device, crf=params.image_crf
+            )
+        x0_model = loader.transformer("distilled")
+        transformer = x0_model if transformer_wrapper is None else transformer_wrapper(x0_model)
+
+        noiser = GaussianNoiser(generator=job_generator(params.seed, device, dtype, stages_before=(stage1,)))
+        noise_scale = sigmas[0]
+        video_state = initial_state(video_tools, conditionings, noiser, noise_scale, dtype, device, video_latent)
+        audio_state = initial_state(audio_tools, [], noiser, noise_scale, dtype, device, audio_latent)
+
+        def positive_only(video_state, audio_state, sigmas, step):
+            sigma = sigmas[step]
+            return transformer(
+                video=_modality(video_state, positive.video_context, sigma),
+                audio=_modality(audio_state, positive.audio_context, sigma),
+                perturbations=None,
+            )
+
+        video_state, _ = _euler_loop(sigmas, video_state, audio_state, positive_only, on_step)
+        return state_to_comfy(video_state, video_tools), audio_latent
