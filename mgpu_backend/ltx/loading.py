@@ -1,0 +1,571 @@
+"""The per-process model loader every rank uses: what to load (``ModelSpec``), checks that the files
+are what they claim before any heavy work (``validate_model_files``), and ``ModelLoader``, which
+builds each LTX-2 component exactly the way ltx-pipelines' ``ModelLedger`` does.
+
+One ``ModelLoader`` per rank process holds ONE ltx-core ``StateDictRegistry`` shared by every
+component, so each state dict is read from disk once per process: stage 1 and stage 2 both build
+the transformer (without and with the distilled LoRA) from the same cached tensors. As in
+``ModelLedger`` with a registry, models are assembled on the CPU from the cached tensors and then
+moved to the target device.
+
+ltx-core 1.0.0 hard-codes the Gemma-3 12B configuration in its Gemma configurator and feature
+extractor. The text encoder here is built from the Gemma folder's own ``config.json`` instead
+(ltx-core's 12B values fill whatever the file leaves out), with ltx-core's own classes, key
+mapping and module ops, so the same code serves the real 12B folder and the tiny test folder.
+ltx-core's Gemma code needs transformers 4.x (4.52 or newer).
+
+Never edits ltx-core, never downloads anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP, LoraPathStrengthAndSDOps, StateDictRegistry
+from ltx_core.loader.primitives import StateDict
+from ltx_core.loader.sd_ops import SDOps
+from ltx_core.loader.sft_loader import SafetensorsModelStateDictLoader
+from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
+from ltx_core.model.audio_vae import (
+    AUDIO_VAE_DECODER_COMFY_KEYS_FILTER,
+    VOCODER_COMFY_KEYS_FILTER,
+    AudioDecoder,
+    AudioDecoderConfigurator,
+    Vocoder,
+    VocoderConfigurator,
+)
+from ltx_core.model.transformer import LTXV_MODEL_COMFY_RENAMING_MAP, LTXModelConfigurator, X0Model
+from ltx_core.model.upsampler import LatentUpsampler, LatentUpsamplerConfigurator
+from ltx_core.model.video_vae import (
+    VAE_DECODER_COMFY_KEYS_FILTER,
+    VAE_ENCODER_COMFY_KEYS_FILTER,
+    VideoDecoder,
+    VideoDecoderConfigurator,
+    VideoEncoder,
+    VideoEncoderConfigurator,
+)
+
+LORA_SETS = ("none", "distilled")
+"""``none``: stage 1 (user LoRAs only). ``distilled``: stage 2 (user LoRAs + the distilled LoRA)."""
+
+
+class ModelFileError(ValueError):
+    """A model file or folder that cannot be used; the message names it and says what to do."""
+
+
+# --- What to load ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The files of one LTX-2 model. Small and JSON-able: it travels in the MGPU model handle."""
+
+    checkpoint_path: str
+    gemma_root: str
+    spatial_upsampler_path: str | None = None
+    distilled_lora: str | None = None
+    distilled_lora_strength: float = 1.0
+    loras: tuple[tuple[str, float], ...] = ()
+
+    def to_json(self) -> dict:
+        return {
+            "checkpoint_path": self.checkpoint_path,
+            "gemma_root": self.gemma_root,
+            "spatial_upsampler_path": self.spatial_upsampler_path,
+            "distilled_lora": self.distilled_lora,
+            "distilled_lora_strength": self.distilled_lora_strength,
+            "loras": [[path, strength] for path, strength in self.loras],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> ModelSpec:
+        """Parse ``to_json``'s form; types are checked and every named file must exist."""
+        if not isinstance(data, dict):
+            raise ModelFileError(f"a model spec must be a JSON object, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ModelFileError(f"unknown model spec field(s) {unknown}; expected {sorted(cls.__dataclass_fields__)}")
+        for name in ("checkpoint_path", "gemma_root"):
+            if not isinstance(data.get(name), str) or not data[name]:
+                raise ModelFileError(
+                    f"model spec field {name!r} must be a non-empty path string, got {data.get(name)!r}"
+                )
+        for name in ("spatial_upsampler_path", "distilled_lora"):
+            if data.get(name) is not None and (not isinstance(data[name], str) or not data[name]):
+                raise ModelFileError(f"model spec field {name!r} must be a path string or null, got {data[name]!r}")
+        strength = data.get("distilled_lora_strength", 1.0)
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)):
+            raise ModelFileError(f"model spec field 'distilled_lora_strength' must be a number, got {strength!r}")
+        loras = data.get("loras", [])
+        if not isinstance(loras, (list, tuple)):
+            raise ModelFileError(f"model spec field 'loras' must be a list of [path, strength], got {loras!r}")
+        parsed_loras = []
+        for entry in loras:
+            if (
+                not isinstance(entry, (list, tuple))
+                or len(entry) != 2
+                or not isinstance(entry[0], str)
+                or isinstance(entry[1], bool)
+                or not isinstance(entry[1], (int, float))
+            ):
+                raise ModelFileError(f"each LoRA must be [path, strength], got {entry!r}")
+            parsed_loras.append((entry[0], float(entry[1])))
+        spec = cls(
+            checkpoint_path=data["checkpoint_path"],
+            gemma_root=data["gemma_root"],
+            spatial_upsampler_path=data.get("spatial_upsampler_path"),
+            distilled_lora=data.get("distilled_lora"),
+            distilled_lora_strength=float(strength),
+            loras=tuple(parsed_loras),
+        )
+        _check_paths_exist(spec)
+        return spec
+
+    @classmethod
+    def tiny(cls) -> ModelSpec:
+        """The embedded tiny random-weight bundle (made in the cache folder on first use)."""
+        from mgpu_backend.ltx.tiny import default_tiny_bundle
+
+        bundle = default_tiny_bundle()
+        return cls(
+            checkpoint_path=bundle.checkpoint_path,
+            gemma_root=bundle.gemma_root,
+            spatial_upsampler_path=bundle.spatial_upsampler_path,
+            distilled_lora=bundle.distilled_lora_path,
+        )
+
+
+# --- Checks before any heavy work ------------------------------------------------------------------
+
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+# Key prefixes every LTX-2 audio+video checkpoint holds, and what each is for.
+_CHECKPOINT_PARTS = {
+    "model.diffusion_model.transformer_blocks.": "transformer",
+    "model.diffusion_model.video_embeddings_connector.": "video text connector",
+    "model.diffusion_model.audio_embeddings_connector.": "audio text connector",
+    "text_embedding_projection.": "Gemma feature projection",
+    "vae.encoder.": "video VAE encoder",
+    "vae.decoder.": "video VAE decoder",
+    "vae.per_channel_statistics.": "video latent statistics",
+    "audio_vae.decoder.": "audio VAE decoder",
+    "vocoder.": "vocoder",
+}
+_UPSAMPLER_KEYS = ("initial_conv.weight", "final_conv.weight")
+
+
+@dataclass(frozen=True)
+class _SafetensorsHeader:
+    tensors: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
+    metadata: dict[str, str]
+
+
+def _read_header(path: str, role: str, remedy: str) -> _SafetensorsHeader:
+    """The header of a safetensors file, or a ModelFileError that says the file is not one."""
+    not_safetensors = ModelFileError(f"{role} {path} is not a .safetensors file. {remedy}")
+    try:
+        with open(path, "rb") as f:
+            size_bytes = f.read(8)
+            if len(size_bytes) != 8:
+                raise not_safetensors
+            (header_size,) = struct.unpack("<Q", size_bytes)
+            if header_size > min(_MAX_HEADER_BYTES, os.path.getsize(path) - 8):
+                raise not_safetensors
+            header = json.loads(f.read(header_size))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        if isinstance(error, ModelFileError):
+            raise
+        raise not_safetensors from error
+    if not isinstance(header, dict):
+        raise not_safetensors
+    metadata = header.pop("__metadata__", None) or {}
+    tensors = {}
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or "shape" not in entry or "dtype" not in entry:
+            raise not_safetensors
+        tensors[name] = (entry["dtype"], tuple(entry["shape"]))
+    return _SafetensorsHeader(tensors=tensors, metadata=metadata)
+
+
+def _check_paths_exist(spec: ModelSpec) -> None:
+    files = [("checkpoint", spec.checkpoint_path)]
+    if spec.spatial_upsampler_path is not None:
+        files.append(("spatial upsampler", spec.spatial_upsampler_path))
+    if spec.distilled_lora is not None:
+        files.append(("distilled LoRA", spec.distilled_lora))
+    files += [("LoRA", path) for path, _ in spec.loras]
+    for role, path in files:
+        if not Path(path).is_file():
+            raise ModelFileError(f"{role} file {path} does not exist; check the path (or download the file there)")
+    if not Path(spec.gemma_root).is_dir():
+        raise ModelFileError(
+            f"Gemma folder {spec.gemma_root} does not exist; point gemma_root at the folder holding the "
+            "Gemma-3 text encoder (config.json, model*.safetensors, tokenizer.model)"
+        )
+
+
+def _gemma_files(gemma_root: str) -> tuple[Path, list[str]]:
+    """The Gemma config.json and weight files, found the way ltx-core finds them."""
+    root = Path(gemma_root)
+    weights = sorted(root.rglob("model*.safetensors"))
+    missing = [name for name in ("tokenizer.model", "preprocessor_config.json") if not any(root.rglob(name))]
+    if not weights or missing:
+        what = ", ".join((["model*.safetensors"] if not weights else []) + missing)
+        raise ModelFileError(
+            f"Gemma folder {gemma_root} has no {what}; it must hold the whole Gemma-3 text encoder as "
+            "published (config, weights, tokenizer and preprocessor files)"
+        )
+    model_folder = weights[0].parent
+    config_path = model_folder / "config.json"
+    if not config_path.is_file():
+        raise ModelFileError(
+            f"Gemma folder {model_folder} has no config.json next to its weights; copy it from the release"
+        )
+    return config_path, sorted(str(p) for p in model_folder.rglob("*.safetensors"))
+
+
+def _gemma_config(gemma_root: str) -> dict:
+    """ltx-core's Gemma-3 12B configuration, updated with the folder's own config.json."""
+    from ltx_core.text_encoders.gemma.config import GEMMA3_CONFIG_FOR_LTX
+
+    config_path, _ = _gemma_files(gemma_root)
+    try:
+        folder_config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as error:
+        raise ModelFileError(
+            f"Gemma config {config_path} is not valid JSON ({error}); restore it from the release"
+        ) from error
+    config = GEMMA3_CONFIG_FOR_LTX.to_dict()
+    for key, value in folder_config.items():
+        if key in ("text_config", "vision_config") and isinstance(value, dict):
+            config[key].update(value)
+        else:
+            config[key] = value
+    return config
+
+
+def validate_model_files(spec: ModelSpec) -> None:
+    """Raise ModelFileError naming the file and the fix for anything that cannot be loaded.
+
+    Reads only file headers and small configs, so it is cheap enough to run before every load.
+    """
+    _check_paths_exist(spec)
+    checkpoint = _validate_checkpoint(spec.checkpoint_path)
+    _validate_gemma(spec.gemma_root, spec.checkpoint_path, checkpoint)
+    if spec.spatial_upsampler_path is not None:
+        _validate_upsampler(spec.spatial_upsampler_path, checkpoint)
+    loras = [("LoRA", path) for path, _ in spec.loras]
+    if spec.distilled_lora is not None:
+        loras.append(("distilled LoRA", spec.distilled_lora))
+    for role, path in loras:
+        _validate_lora(role, path, spec.checkpoint_path, checkpoint)
+
+
+def _validate_checkpoint(path: str) -> _SafetensorsHeader:
+    remedy = "Choose the LTX-2 audio+video checkpoint (e.g. ltx-2-19b-dev.safetensors)."
+    header = _read_header(path, "checkpoint", remedy)
+    try:
+        config = json.loads(header.metadata.get("config", ""))
+    except ValueError:
+        config = None
+    if not isinstance(config, dict) or not isinstance(config.get("transformer"), dict):
+        raise ModelFileError(
+            f"checkpoint {path} has no LTX-2 'config' metadata (with a 'transformer' section), so it is not an "
+            f"LTX-2 checkpoint. {remedy}"
+        )
+    missing = [
+        part for prefix, part in _CHECKPOINT_PARTS.items() if not any(k.startswith(prefix) for k in header.tensors)
+    ]
+    if missing:
+        raise ModelFileError(
+            f"checkpoint {path} lacks the {', '.join(missing)} weights, so it is not a complete LTX-2 audio+video "
+            f"checkpoint. {remedy}"
+        )
+    return header
+
+
+def _validate_gemma(gemma_root: str, checkpoint_path: str, checkpoint: _SafetensorsHeader) -> None:
+    text_config = _gemma_config(gemma_root)["text_config"]
+    hidden, layers = text_config["hidden_size"], text_config["num_hidden_layers"]
+    projection_inputs = {
+        shape[1]
+        for name, (_, shape) in checkpoint.tensors.items()
+        if name.startswith("text_embedding_projection.") and name.endswith(".weight") and len(shape) == 2
+    }
+    if projection_inputs and projection_inputs != {hidden * (layers + 1)}:
+        raise ModelFileError(
+            f"Gemma folder {gemma_root} (hidden size {hidden}, {layers} layers) does not fit checkpoint "
+            f"{checkpoint_path}, whose text projection reads {sorted(projection_inputs)} features "
+            f"(hidden size x (layers + 1)); use the Gemma-3 text encoder released with this checkpoint"
+        )
+
+
+def _validate_upsampler(path: str, checkpoint: _SafetensorsHeader) -> None:
+    remedy = "Choose the LTX-2 spatial upscaler (e.g. ltx-2-spatial-upscaler-x2-1.0.safetensors)."
+    header = _read_header(path, "spatial upsampler", remedy)
+    try:
+        config = json.loads(header.metadata.get("config", ""))
+    except ValueError:
+        config = None
+    if not isinstance(config, dict) or not all(key in header.tensors for key in _UPSAMPLER_KEYS):
+        raise ModelFileError(f"{path} is not an LTX-2 latent upsampler (no upsampler config or weights). {remedy}")
+    latent_channels = json.loads(checkpoint.metadata["config"]).get("vae", {}).get("latent_channels", 128)
+    if config.get("in_channels", 128) != latent_channels:
+        raise ModelFileError(
+            f"spatial upsampler {path} works on {config.get('in_channels', 128)} latent channels but the checkpoint's "
+            f"VAE has {latent_channels}. {remedy}"
+        )
+
+
+def _validate_lora(role: str, path: str, checkpoint_path: str, checkpoint: _SafetensorsHeader) -> None:
+    remedy = "Use a LoRA trained for this LTX-2 checkpoint, or remove it."
+    header = _read_header(path, role, remedy)
+    transformer = {
+        name.removeprefix("model.diffusion_model."): shape
+        for name, (_, shape) in checkpoint.tensors.items()
+        if name.startswith("model.diffusion_model.")
+    }
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, (_, shape) in header.tensors.items():
+        key = LTXV_LORA_COMFY_RENAMING_MAP.apply_to_key(name)
+        for half in ("lora_A", "lora_B"):
+            if key.endswith(f".{half}.weight"):
+                pairs.setdefault(key[: -len(f".{half}.weight")] + ".weight", {})[half] = shape
+    if not pairs:
+        raise ModelFileError(f"{role} {path} holds no LoRA A/B weight pairs (keys '<layer>.lora_A.weight'). {remedy}")
+    misfits = []
+    for target, halves in sorted(pairs.items()):
+        shape = transformer.get(target)
+        a, b = halves.get("lora_A"), halves.get("lora_B")
+        fits = (
+            shape is not None
+            and a is not None
+            and b is not None
+            and len(shape) == 2
+            and len(a) == 2
+            and len(b) == 2
+            and (b[0], a[1]) == tuple(shape)
+            and a[0] == b[1]
+        )
+        if not fits:
+            misfits.append(target if shape is None else f"{target} (LoRA {a} x {b}, layer {shape})")
+    if misfits:
+        shown = ", ".join(misfits[:3]) + (f" and {len(misfits) - 3} more" if len(misfits) > 3 else "")
+        raise ModelFileError(
+            f"{role} {path} does not match the transformer of {checkpoint_path}: {len(misfits)} of its "
+            f"{len(pairs)} layers are missing or have other shapes ({shown}). {remedy}"
+        )
+
+
+# --- Building ---------------------------------------------------------------------------------------
+
+
+class _CountingLoader(SafetensorsModelStateDictLoader):
+    """ltx-core's safetensors loader, counting the tensor bytes it reads from disk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes_read = 0
+
+    def load(self, path: str | list[str], sd_ops: SDOps | None = None, device: torch.device | None = None) -> StateDict:
+        state_dict = super().load(path, sd_ops, device)
+        # Key operations may return one tensor under two names (Gemma's tied lm_head): count it once.
+        unique = {tensor.data_ptr(): tensor.nbytes for tensor in state_dict.sd.values()}
+        self.bytes_read += sum(unique.values())
+        return state_dict
+
+
+def _gemma_configurator(gemma_config: dict) -> type:
+    """ltx-core's GemmaTextEncoderConfigurator, with the given configuration instead of the 12B one."""
+    from ltx_core.text_encoders.gemma import GemmaTextEncoder
+    from transformers import Gemma3Config
+    from transformers.models.gemma3 import Gemma3ForConditionalGeneration
+
+    class GemmaFromFolderConfigurator:
+        @classmethod
+        def from_config(cls, config: dict) -> GemmaTextEncoder:  # noqa: ARG003 - the weights carry no config
+            with torch.device("meta"):
+                model = Gemma3ForConditionalGeneration(Gemma3Config.from_dict(gemma_config))
+            return GemmaTextEncoder(model=model)
+
+    return GemmaFromFolderConfigurator
+
+
+def _embeddings_processor_configurator(gemma_text_config: dict) -> type:
+    """ltx-core's EmbeddingsProcessorConfigurator, with a feature extractor sized for this Gemma."""
+    from ltx_core.text_encoders.gemma import EmbeddingsProcessorConfigurator
+    from ltx_core.text_encoders.gemma.feature_extractor import FeatureExtractorV1, FeatureExtractorV2
+
+    hidden = gemma_text_config["hidden_size"]
+    features = hidden * (gemma_text_config["num_hidden_layers"] + 1)  # embeddings + every layer
+
+    class SizedEmbeddingsProcessorConfigurator:
+        @classmethod
+        def from_config(cls, config: dict):
+            processor = EmbeddingsProcessorConfigurator.from_config(config)
+            extractor = processor.feature_extractor
+            if isinstance(extractor, FeatureExtractorV1):
+                processor.feature_extractor = FeatureExtractorV1(
+                    aggregate_embed=torch.nn.Linear(features, hidden, bias=False), is_av=extractor.is_av
+                )
+            else:
+                assert isinstance(extractor, FeatureExtractorV2), type(extractor)
+                audio = extractor.audio_aggregate_embed
+                processor.feature_extractor = FeatureExtractorV2(
+                    video_aggregate_embed=torch.nn.Linear(features, extractor.video_aggregate_embed.out_features),
+                    embedding_dim=hidden,
+                    audio_aggregate_embed=None if audio is None else torch.nn.Linear(features, audio.out_features),
+                )
+            return processor
+
+    return SizedEmbeddingsProcessorConfigurator
+
+
+def _require_transformers_4() -> None:
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    if major >= 5:
+        raise RuntimeError(
+            f"ltx-core 1.0.0's Gemma text encoder needs transformers 4.x, but {transformers.__version__} is "
+            "installed; run: pip install 'transformers>=4.52,<5'"
+        )
+
+
+class PromptEncoder(torch.nn.Module):
+    """Gemma plus the LTX-2 embeddings processor: prompts -> video and audio text contexts.
+
+    ``encode`` does what ltx-pipelines' ``encode_prompts`` does (without prompt enhancement).
+    """
+
+    def __init__(self, gemma, embeddings_processor):
+        super().__init__()
+        self.gemma = gemma
+        self.embeddings_processor = embeddings_processor
+
+    def encode(self, prompts: list[str]) -> list:
+        """One ``EmbeddingsProcessorOutput`` (video_encoding, audio_encoding, attention_mask) per prompt."""
+        outputs = []
+        for prompt in prompts:
+            hidden_states, attention_mask = self.gemma.encode(prompt)
+            outputs.append(self.embeddings_processor.process_hidden_states(hidden_states, attention_mask))
+        return outputs
+
+
+@dataclass
+class ModelLoader:
+    """Builds every LTX-2 component of ``spec`` on ``device`` in ``dtype``, as ModelLedger does.
+
+    Each method returns a new model instance (built from the shared registry, so only the first
+    build of a component reads the disk); callers keep the instances they want to reuse.
+    """
+
+    spec: ModelSpec
+    device: torch.device | str = "cpu"
+    dtype: torch.dtype = torch.bfloat16
+    registry: StateDictRegistry = field(default_factory=StateDictRegistry)
+    _disk: _CountingLoader = field(default_factory=_CountingLoader, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        validate_model_files(self.spec)
+
+    @property
+    def bytes_read_from_disk(self) -> int:
+        """Tensor bytes read from model files by this loader so far."""
+        return self._disk.bytes_read
+
+    def _builder(self, path, configurator, sd_ops=None, loras=(), module_ops=()) -> SingleGPUModelBuilder:
+        return SingleGPUModelBuilder(
+            model_path=path,
+            model_class_configurator=configurator,
+            model_sd_ops=sd_ops,
+            module_ops=tuple(module_ops),
+            loras=tuple(loras),
+            model_loader=self._disk,
+            registry=self.registry,
+        )
+
+    def _build(self, builder: SingleGPUModelBuilder) -> torch.nn.Module:
+        # As ModelLedger with a registry: assemble on the CPU (the registry keeps CPU tensors), then move.
+        return builder.build(device=torch.device("cpu"), dtype=self.dtype).to(self.device).eval()
+
+    def _loras(self, lora_set: str) -> tuple[LoraPathStrengthAndSDOps, ...]:
+        if lora_set not in LORA_SETS:
+            raise ValueError(f"lora_set must be one of {LORA_SETS}, got {lora_set!r}")
+        loras = [
+            LoraPathStrengthAndSDOps(path, strength, LTXV_LORA_COMFY_RENAMING_MAP) for path, strength in self.spec.loras
+        ]
+        if lora_set == "distilled":
+            if self.spec.distilled_lora is None:
+                raise ModelFileError(
+                    "stage 2 needs the distilled LoRA, but the model spec names none; set distilled_lora"
+                )
+            loras.append(
+                LoraPathStrengthAndSDOps(
+                    self.spec.distilled_lora, self.spec.distilled_lora_strength, LTXV_LORA_COMFY_RENAMING_MAP
+                )
+            )
+        return tuple(loras)
+
+    def transformer(self, lora_set: str = "none") -> X0Model:
+        """The denoiser: ``"none"`` for stage 1, ``"distilled"`` for stage 2 (user LoRAs in both)."""
+        builder = self._builder(
+            self.spec.checkpoint_path, LTXModelConfigurator, LTXV_MODEL_COMFY_RENAMING_MAP, loras=self._loras(lora_set)
+        )
+        velocity_model = builder.build(device=torch.device("cpu"), dtype=self.dtype)
+        return X0Model(velocity_model).to(self.device).eval()
+
+    def video_encoder(self) -> VideoEncoder:
+        return self._build(
+            self._builder(self.spec.checkpoint_path, VideoEncoderConfigurator, VAE_ENCODER_COMFY_KEYS_FILTER)
+        )
+
+    def video_decoder(self) -> VideoDecoder:
+        return self._build(
+            self._builder(self.spec.checkpoint_path, VideoDecoderConfigurator, VAE_DECODER_COMFY_KEYS_FILTER)
+        )
+
+    def audio_decoder(self) -> AudioDecoder:
+        return self._build(
+            self._builder(self.spec.checkpoint_path, AudioDecoderConfigurator, AUDIO_VAE_DECODER_COMFY_KEYS_FILTER)
+        )
+
+    def vocoder(self) -> Vocoder:
+        return self._build(self._builder(self.spec.checkpoint_path, VocoderConfigurator, VOCODER_COMFY_KEYS_FILTER))
+
+    def spatial_upsampler(self) -> LatentUpsampler:
+        if self.spec.spatial_upsampler_path is None:
+            raise ModelFileError("the model spec names no spatial upsampler; set spatial_upsampler_path")
+        return self._build(self._builder(self.spec.spatial_upsampler_path, LatentUpsamplerConfigurator))
+
+    def gemma(self):
+        """ltx-core's GemmaTextEncoder (tokenizer + Gemma-3), built from the folder's config."""
+        _require_transformers_4()
+        from ltx_core.text_encoders.gemma import GEMMA_LLM_KEY_OPS, GEMMA_MODEL_OPS, module_ops_from_gemma_root
+
+        gemma_config = _gemma_config(self.spec.gemma_root)
+        _, weight_paths = _gemma_files(self.spec.gemma_root)
+        builder = self._builder(
+            tuple(weight_paths),
+            _gemma_configurator(gemma_config),
+            GEMMA_LLM_KEY_OPS,
+            module_ops=(GEMMA_MODEL_OPS, *module_ops_from_gemma_root(self.spec.gemma_root)),
+        )
+        return self._build(builder)
+
+    def embeddings_processor(self):
+        """ltx-core's EmbeddingsProcessor (feature extractor + video/audio connectors)."""
+        from ltx_core.text_encoders.gemma import EMBEDDINGS_PROCESSOR_KEY_OPS
+
+        configurator = _embeddings_processor_configurator(_gemma_config(self.spec.gemma_root)["text_config"])
+        return self._build(self._builder(self.spec.checkpoint_path, configurator, EMBEDDINGS_PROCESSOR_KEY_OPS))
+
+    def text_encoder(self) -> PromptEncoder:
+        """Gemma and the embeddings processor together: ``text_encoder().encode(prompts)``."""
+        return PromptEncoder(self.gemma(), self.embeddings_processor()).eval()
