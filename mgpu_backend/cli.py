@@ -133,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("directory")
     tiny.set_defaults(func=cmd_make_tiny)
 
+    from .generate import add_generate_parser
+
+    add_generate_parser(commands)
+
     rank = commands.add_parser("rank")  # internal: started by the server
     for name in ("--rank", "--world-size", "--fd", "--owner-pid"):
         rank.add_argument(name, type=int, required=True)

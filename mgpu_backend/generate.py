@@ -1,0 +1,246 @@
+"""``python -m mgpu_backend generate``: the whole two-stage LTX-2 job from the command line.
+
+Flag names and defaults follow the official runner (``ltx_pipelines.ti2vid_two_stages``) where they
+exist. Without ``--checkpoint-path`` it uses the embedded tiny bundle (random weights: the output is
+noise, but every real component runs) at small sizes, and says so. It drives the same fleet jobs as
+the ComfyUI nodes (load, encode, sample, upscale, decode), shows a progress bar per stage, cancels
+cleanly on Ctrl-C, and writes an mp4 with H.264 video and AAC audio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+DEFAULT_NEGATIVE_PROMPT = (
+    "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
+    "grainy texture, poor lighting, flickering, motion blur, distorted proportions, unnatural skin tones, "
+    "deformed facial features, asymmetrical face, missing facial features, extra limbs, disfigured hands, "
+    "wrong hand count, artifacts around text, inconsistent perspective, camera shake, incorrect depth of "
+    "field, background too sharp, background clutter, distracting reflections, harsh shadows, inconsistent "
+    "lighting direction, color banding, cartoonish rendering, 3D CGI look, unrealistic materials, uncanny "
+    "valley effect, incorrect ethnicity, wrong gender, exaggerated expressions, wrong gaze direction, "
+    "mismatched lip sync, silent or muted audio, distorted voice, robotic voice, echo, background noise, "
+    "off-sync audio, incorrect dialogue, added dialogue, repetitive speech, jittery movement, awkward "
+    "pauses, incorrect timing, unnatural transitions, inconsistent framing, tilted camera, flat lighting, "
+    "inconsistent tone, cinematic oversaturation, stylized filters, or AI artifacts."
+)  # ltx-pipelines 1.0.0's default negative prompt
+
+# Real-model defaults (ltx-pipelines 1.0.0, LTX-2.0) and the tiny bundle's, which must stay fast on a CPU.
+REAL_DEFAULTS = {"height": 1024, "width": 1536, "num_frames": 121, "num_inference_steps": 40}
+TINY_DEFAULTS = {"height": 128, "width": 192, "num_frames": 9, "num_inference_steps": 4}
+MULTI_GPU_STAGE2_SIGMAS = (0.625, 0.4, 0.0)
+SINGLE_GPU_STAGE2_SIGMAS = (0.909375, 0.725, 0.421875, 0.0)
+
+
+def add_generate_parser(commands) -> None:
+    parser = commands.add_parser("generate", help="run the two-stage LTX-2 job headless and write an mp4")
+    model = parser.add_argument_group("model (omit all to use the embedded tiny bundle with random weights)")
+    model.add_argument("--checkpoint-path", help="LTX-2 checkpoint (.safetensors)")
+    model.add_argument("--gemma-root", help="Gemma-3 text encoder folder")
+    model.add_argument("--distilled-lora", nargs="+", metavar=("PATH", "STRENGTH"), help="distilled LoRA for stage 2, optional strength (default 1.0)")
+    model.add_argument("--spatial-upsampler-path", help="spatial 2x latent upsampler (.safetensors)")
+    model.add_argument("--lora", nargs="+", action="append", metavar=("PATH", "STRENGTH"), help="a user LoRA (repeatable)")
+    model.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype (default bfloat16, as the official pipeline)")
+
+    job = parser.add_argument_group("generation")
+    job.add_argument("--prompt", required=True)
+    job.add_argument("--negative-prompt", default=DEFAULT_NEGATIVE_PROMPT)
+    job.add_argument("--output", "--output-path", dest="output", default="output.mp4", help="mp4 to write (default output.mp4)")
+    job.add_argument("--seed", type=int, default=10)
+    job.add_argument("--height", type=int, help="output height, a multiple of 64 (default 1024; tiny bundle 128)")
+    job.add_argument("--width", type=int, help="output width, a multiple of 64 (default 1536; tiny bundle 192)")
+    job.add_argument("--num-frames", type=int, help="8k+1 frames (default 121; tiny bundle 9)")
+    job.add_argument("--frame-rate", type=float, default=24.0)
+    job.add_argument("--num-inference-steps", type=int, help="stage-1 steps (default 40; tiny bundle 4)")
+    job.add_argument("--image", metavar="PATH", help="image-to-video: condition the first frame on this image")
+    job.add_argument("--stage2-sigmas", default=",".join(map(str, MULTI_GPU_STAGE2_SIGMAS)), help="stage-2 sigmas (default: the official multi-GPU schedule 0.625,0.4,0.0; single-GPU: 0.909375,0.725,0.421875,0.0)")
+    job.add_argument("--tiles", default="auto", help="stage-2 TDP tiles HxW, or 'auto' (balanced over the fleet; untiled on one rank)")
+    job.add_argument("--parallel", choices=("auto", "sp", "guidance", "hybrid"), default="auto", help="stage-1 plan (default auto)")
+    job.add_argument("--debug-dump", metavar="PATH", help="write stage latents, frames (uint8) and waveform to this safetensors file")
+
+    guidance = parser.add_argument_group("guidance (ltx-pipelines 1.0.0 defaults)")
+    for modality, cfg, modality_flag in (("video", 3.0, "--a2v-guidance-scale"), ("audio", 7.0, "--v2a-guidance-scale")):
+        guidance.add_argument(f"--{modality}-cfg-guidance-scale", type=float, default=cfg)
+        guidance.add_argument(f"--{modality}-stg-guidance-scale", type=float, default=1.0)
+        guidance.add_argument(f"--{modality}-rescale-scale", type=float, default=0.7)
+        guidance.add_argument(modality_flag, type=float, default=3.0, dest=f"{modality}_modality_scale")
+        guidance.add_argument(f"--{modality}-skip-step", type=int, default=0)
+        guidance.add_argument(f"--{modality}-stg-blocks", type=int, nargs="*", default=None, help="default: block 29 (the last block of a smaller model)")
+
+    fleet = parser.add_argument_group("fleet")
+    fleet.add_argument("--socket", help="attach to this fleet server (default: $MGPU_SOCKET, else start one for this run)")
+    devices = fleet.add_mutually_exclusive_group()
+    devices.add_argument("--gpus", help="GPUs for a fleet this run starts: 'all' or 0,1,2,3")
+    devices.add_argument("--cpu-ranks", type=int, help="CPU ranks (gloo) for a fleet this run starts")
+    parser.set_defaults(func=run_generate)
+
+
+class StageProgress:
+    """One progress line per stage: a bar, the step, seconds per step and the slowest rank."""
+
+    def __init__(self, stream=sys.stderr) -> None:
+        self.stream, self.stage, self.started = stream, None, time.perf_counter()
+
+    def __call__(self, event: dict) -> None:
+        stage, step, total = event.get("stage", ""), event.get("step", 0), event.get("total", 0)
+        if stage != self.stage:
+            if self.stage is not None:
+                self.stream.write("\n")
+            self.stage, self.started = stage, time.perf_counter()
+        width = 24
+        filled = int(width * step / max(total, 1))
+        rank_seconds = [s for s in event.get("rank_seconds", []) if s is not None]
+        slowest = f", slowest rank {max(rank_seconds):.2f} s" if len(rank_seconds) > 1 else ""
+        self.stream.write(
+            f"\r{stage:>9} [{'#' * filled}{'.' * (width - filled)}] {step}/{total} "
+            f"{event.get('seconds', 0):.2f} s/step{slowest}   "
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.stage is not None:
+            self.stream.write("\n")
+            self.stage = None
+
+
+def _parse_floats(text: str, name: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise SystemExit(f"error: {name} takes numbers separated by commas, got {text!r}") from None
+
+
+def _load_image(path: str) -> torch.Tensor:
+    from PIL import Image
+
+    import numpy as np
+
+    with Image.open(path) as image:
+        pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    return torch.from_numpy(pixels)
+
+
+def build_spec(args) -> tuple[dict, bool]:
+    """The model spec JSON, and whether it is the embedded tiny bundle."""
+    from .ltx.loading import ModelSpec
+
+    given = [args.checkpoint_path, args.gemma_root, args.spatial_upsampler_path, args.distilled_lora]
+    if not any(given):
+        return ModelSpec.tiny().to_json(), True
+    missing = [flag for flag, value in zip(("--checkpoint-path", "--gemma-root", "--spatial-upsampler-path", "--distilled-lora"), given) if not value]
+    if missing:
+        raise SystemExit(f"error: a real model needs {', '.join(missing)} too (or omit all model flags for the tiny bundle)")
+    strength = float(args.distilled_lora[1]) if len(args.distilled_lora) > 1 else 1.0
+    loras = [(lora[0], float(lora[1]) if len(lora) > 1 else 1.0) for lora in args.lora or []]
+    spec = ModelSpec(
+        checkpoint_path=args.checkpoint_path,
+        gemma_root=args.gemma_root,
+        spatial_upsampler_path=args.spatial_upsampler_path,
+        distilled_lora=args.distilled_lora[0],
+        distilled_lora_strength=strength,
+        loras=tuple(loras),
+    )
+    return spec.to_json(), False
+
+
+def run_generate(args) -> int:
+    from . import api
+    from .client import FleetCancelled, FleetError
+    from .media import write_mp4
+
+    spec, tiny = build_spec(args)
+    defaults = TINY_DEFAULTS if tiny else REAL_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if tiny:
+        print(
+            "No checkpoint given: using the embedded tiny LTX-2 bundle (random weights; the video is noise, every "
+            f"real component runs) at {args.width}x{args.height}, {args.num_frames} frames, {args.num_inference_steps} steps.",
+            file=sys.stderr,
+        )
+    if args.height % 64 or args.width % 64:
+        raise SystemExit(f"error: height and width must be multiples of 64 for the two-stage job, got {args.height}x{args.width}")
+    tiles = None if args.tiles == "auto" else _parse_tiles(args.tiles)
+    sigmas = _parse_floats(args.stage2_sigmas, "--stage2-sigmas")
+    image = _load_image(args.image) if args.image else None
+    video_guidance, audio_guidance = (
+        api.Guidance(
+            cfg_scale=getattr(args, f"{m}_cfg_guidance_scale"), stg_scale=getattr(args, f"{m}_stg_guidance_scale"),
+            rescale_scale=getattr(args, f"{m}_rescale_scale"), modality_scale=getattr(args, f"{m}_modality_scale"),
+            skip_step=getattr(args, f"{m}_skip_step"),
+            stg_blocks=None if getattr(args, f"{m}_stg_blocks") is None else tuple(getattr(args, f"{m}_stg_blocks")),
+        )  # fmt: skip
+        for m in ("video", "audio")
+    )
+    api.configure(args.socket, args.gpus, args.cpu_ranks)
+    cancelled = {"flag": False}
+
+    def on_interrupt(*_):
+        if cancelled["flag"]:
+            raise KeyboardInterrupt
+        cancelled["flag"] = True
+        print("\ncancelling at the next step (Ctrl-C again to quit at once)...", file=sys.stderr)
+
+    signal.signal(signal.SIGINT, on_interrupt)
+    progress = StageProgress()
+    common = dict(progress=progress, should_cancel=lambda: cancelled["flag"], dtype=args.dtype)
+    started = time.perf_counter()
+    try:
+        loaded = api.load(spec, **common)
+        progress.close()
+        print(f"model loaded on the fleet ({loaded['bytes_read'] / 2**20:.1f} MiB read from disk)", file=sys.stderr)
+        positive, negative = api.encode(spec, [args.prompt, args.negative_prompt], **common)
+        video, audio = api.sample(
+            spec, positive, negative, width=args.width // 2, height=args.height // 2, num_frames=args.num_frames,
+            frame_rate=args.frame_rate, seed=args.seed, steps=args.num_inference_steps, video_guidance=video_guidance,
+            audio_guidance=audio_guidance, image=image, parallel=args.parallel, **common,
+        )  # fmt: skip
+        stage1_video, stage1_audio = video, audio
+        video, audio = api.upscale(
+            spec, video, audio, positive, frame_rate=args.frame_rate, seed=args.seed, sigmas=sigmas, tiles=tiles,
+            image=image, **common,
+        )  # fmt: skip
+        frames, waveform, sample_rate = api.decode(spec, video, audio, seed=args.seed, frame_rate=args.frame_rate, **common)
+        progress.close()
+    except FleetCancelled:
+        progress.close()
+        print("cancelled; the fleet is still up for the next job", file=sys.stderr)
+        return 130
+    except FleetError as exc:
+        progress.close()
+        where = f" (rank {exc.rank})" if exc.rank is not None else ""
+        print(f"error{where}: {exc}", file=sys.stderr)
+        if exc.traceback:
+            print(exc.traceback, file=sys.stderr)
+        return 1
+    output = write_mp4(args.output, frames, args.frame_rate, waveform, sample_rate)
+    print(f"wrote {output} ({frames.shape[0]} frames {frames.shape[2]}x{frames.shape[1]}, audio {sample_rate} Hz) in {time.perf_counter() - started:.1f} s")
+    if args.debug_dump:
+        from safetensors.torch import save_file
+
+        save_file(
+            {
+                "stage1_video": stage1_video.contiguous(), "stage1_audio": stage1_audio.contiguous(),
+                "stage2_video": video.contiguous(), "stage2_audio": audio.contiguous(),
+                "frames": (frames.clamp(0, 1) * 255).round().to(torch.uint8).contiguous(),
+                "waveform": waveform.contiguous(),
+            },  # fmt: skip
+            args.debug_dump,
+        )
+        print(f"debug dump: {args.debug_dump}")
+    return 0
+
+
+def _parse_tiles(text: str) -> tuple[int, int]:
+    try:
+        height_tiles, width_tiles = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"error: --tiles takes HxW like 2x2, or 'auto'; got {text!r}") from None
+    return height_tiles, width_tiles
