@@ -35,7 +35,7 @@ from .latents import StageGeometry, job_generator
 from .loading import ModelFileError, ModelLoader, ModelSpec
 from .stages import GenerationParams, check_generation_fits, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
 from .text import TextContext, encode_prompts
-from .validation import TransformerDims
+from .validation import TransformerDims, validate_stg_blocks
 
 log = logging.getLogger("mgpu.ltx")
 
@@ -316,6 +316,8 @@ def sample(ctx: JobContext, args: dict, tensors: dict):
             two_stage=False,
         )
         params.validate()
+        validate_stg_blocks(params.video_guider, layers, "video")
+        validate_stg_blocks(params.audio_guider, layers, "audio")
         positive, negative = _context(tensors, "positive"), _context(tensors, "negative")
         image = _image(tensors)
         mode = args.get("parallel", "auto")

@@ -1,0 +1,217 @@
+"""The LTX-2 jobs through a real fleet (server process, sockets, gloo CPU ranks) on the tiny bundle."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from mgpu_backend import media
+from mgpu_backend.client import FleetCancelled, FleetClient, FleetError
+from mgpu_backend.ltx.jobs import _guider
+from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
+from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
+from mgpu_backend.ltx.text import encode_prompts
+from mgpu_backend.ltx.tiny import make_tiny_bundle
+
+from .fleet_harness import REPO, start_server, stop_server
+
+PROMPT = "a red fox runs through fresh snow at dawn"
+NEGATIVE = "blurry, low quality"
+SINGLE_GPU_SIGMAS = [0.909375, 0.725, 0.421875, 0.0]
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def spec(bundle) -> dict:
+    return ModelSpec(
+        checkpoint_path=bundle.checkpoint_path,
+        gemma_root=bundle.gemma_root,
+        spatial_upsampler_path=bundle.spatial_upsampler_path,
+        distilled_lora=bundle.distilled_lora_path,
+    ).to_json()
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ltxfleet")
+    directory.chmod(0o700)
+    socket_path = directory / "fleet.sock"
+    process = start_server(socket_path, 2, "--idle-timeout", "0")
+    yield socket_path
+    stop_server(process)
+
+
+def run(socket_path, op, args, tensors=None, **callbacks):
+    with FleetClient.connect(str(socket_path), autostart=False) as client:
+        return client.run(op, args, tensors or {}, **callbacks)
+
+
+def contexts_of(result, index):
+    return result.tensors[f"video_context_{index}"], result.tensors[f"audio_context_{index}"]
+
+
+def sample_args(spec, **overrides):
+    args = {
+        "spec": spec, "width": 96, "height": 64, "num_frames": 9, "frame_rate": 24.0, "seed": 7, "steps": 3,
+        "video_guidance": {"cfg_scale": 3.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0, "stg_blocks": [1]},
+        "audio_guidance": {"cfg_scale": 7.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0, "stg_blocks": [1]},
+    }  # fmt: skip
+    args.update(overrides)
+    return args
+
+
+def context_tensors(encoded):
+    (pv, pa), (nv, na) = contexts_of(encoded, 0), contexts_of(encoded, 1)
+    return {"positive_video_context": pv, "positive_audio_context": pa, "negative_video_context": nv, "negative_audio_context": na}
+
+
+def test_fleet_jobs_at_two_ranks_equal_the_in_process_stages_bf16(fleet, spec):
+    """SP + guidance parallel in stage 1 and an untiled stage 2 on 2 ranks reproduce the one-process stages."""
+    encoded = run(fleet, "encode", {"spec": spec, "prompts": [PROMPT, NEGATIVE]})
+    tensors = context_tensors(encoded)
+    stage1 = run(fleet, "sample", sample_args(spec, parallel="sp"), tensors)
+    upscaled = run(
+        fleet, "upscale", {"spec": spec, "seed": 7, "sigmas": SINGLE_GPU_SIGMAS, "tiles": [1, 1]},
+        {**stage1.tensors, "positive_video_context": tensors["positive_video_context"], "positive_audio_context": tensors["positive_audio_context"]},
+    )  # fmt: skip
+
+    loader = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16)
+    positive, negative = encode_prompts(loader, [PROMPT, NEGATIVE])
+    params = GenerationParams(
+        height=64, width=96, num_frames=9, seed=7, num_inference_steps=3, two_stage=False,
+        video_guider=_guider(sample_args(spec), "video_guidance", 2), audio_guider=_guider(sample_args(spec), "audio_guidance", 2),
+    )  # fmt: skip
+    video, audio = sample_stage1(loader, params, positive, negative)
+    params2 = GenerationParams(height=128, width=192, num_frames=9, seed=7, two_stage=True)
+    video2, audio2 = refine_stage2(loader, params2, upsample_video(loader, video), audio, positive, sigmas=SINGLE_GPU_SIGMAS)
+
+    assert torch.equal(encoded.tensors["video_context_0"], positive.video_context.float())
+    for name, ours, fleet_tensor in (
+        ("stage-1 video", video, stage1.tensors["video_latent"]),
+        ("stage-1 audio", audio, stage1.tensors["audio_latent"]),
+        ("stage-2 video", video2, upscaled.tensors["video_latent"]),
+    ):
+        diff = (ours - fleet_tensor).abs().max().item()
+        assert diff == 0.0, f"{name} differs from the one-process stages by {diff}"
+    assert torch.equal(upscaled.tensors["audio_latent"], stage1.tensors["audio_latent"]), "stage 2 must return the stage-1 audio"
+    assert stage1.fields["sp_degree"] == 2
+
+
+def test_warm_second_load_reads_nothing_from_disk(fleet, spec):
+    first = run(fleet, "load", {"spec": spec})
+    second = run(fleet, "load", {"spec": spec})
+    assert first.fields["bytes_read"] > 0
+    assert second.fields["bytes_read"] == first.fields["bytes_read"], "a warm load must read 0 more bytes"
+    assert "transformer" in second.fields["components"]
+
+
+def test_cancel_during_stage1_stops_every_rank_and_the_next_job_runs(fleet, spec):
+    encoded = run(fleet, "encode", {"spec": spec, "prompts": [PROMPT, NEGATIVE]})
+    steps_seen = []
+    with pytest.raises(FleetCancelled, match=r"cancelled at stage1 step \d+/30") as info:
+        run(
+            fleet, "sample", sample_args(spec, steps=30), context_tensors(encoded),
+            on_progress=steps_seen.append, should_cancel=lambda: len([e for e in steps_seen if e["stage"] == "stage1"]) >= 2,
+        )  # fmt: skip
+    stopped_at = int(str(info.value).split("step ")[1].split("/")[0])
+    assert stopped_at <= 3, f"asked to cancel after step 2, the ranks ran on to step {stopped_at}"
+    result = run(fleet, "sample", sample_args(spec, steps=2), context_tensors(encoded))
+    assert result.tensors["video_latent"].shape == (1, 128, 2, 2, 3)
+    with FleetClient.connect(str(fleet), autostart=False) as client:
+        assert client.status()["fleet_restarts"] == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_frames": 120}, "got 120; use 121"),
+        ({"width": 100}, "multiple of 32"),
+        ({"parallel": "everything"}, "must be one of auto, sp, guidance, hybrid"),
+        ({"video_guidance": {"cfg_scale": 3.0, "stg_blocks": [40]}}, "outside this model's 2 transformer blocks"),
+        ({"width": 8192, "height": 8192, "num_frames": 2001}, r"this job needs about [\d.]+ GiB on cpu .* but only [\d.]+ GiB is free"),
+    ],
+)
+def test_bad_sample_input_is_refused_before_any_work_and_fleet_stays_warm(fleet, spec, change, message):
+    encoded = run(fleet, "encode", {"spec": spec, "prompts": [PROMPT, NEGATIVE]})
+    with pytest.raises(FleetError, match=message) as info:
+        run(fleet, "sample", sample_args(spec, **change), context_tensors(encoded))
+    assert info.value.kind == "input_error"
+    with FleetClient.connect(str(fleet), autostart=False) as client:
+        assert client.status()["fleet_restarts"] == 0
+
+
+def test_bad_model_files_are_refused_with_the_file_named(fleet, spec, bundle, tmp_path):
+    not_ltx = tmp_path / "not_ltx.safetensors"
+    save_file({"weight": torch.zeros(2, 2)}, str(not_ltx))
+    foreign_lora = tmp_path / "foreign_lora.safetensors"
+    save_file({"diffusion_model.some.other.layer.lora_A.weight": torch.zeros(4, 8), "diffusion_model.some.other.layer.lora_B.weight": torch.zeros(8, 4)}, str(foreign_lora))
+    cases = [
+        ({**spec, "checkpoint_path": str(tmp_path / "missing.safetensors")}, "missing.safetensors"),
+        ({**spec, "checkpoint_path": str(not_ltx)}, "not_ltx.safetensors"),
+        ({**spec, "distilled_lora": str(foreign_lora)}, "foreign_lora.safetensors"),
+    ]
+    for bad_spec, named in cases:
+        with pytest.raises(FleetError, match=named) as info:
+            run(fleet, "load", {"spec": bad_spec})
+        assert info.value.kind == "input_error"
+    assert run(fleet, "load", {"spec": spec}).fields["layers"] == 2
+
+
+def test_tdp_refuses_pure_noise_unless_forced(fleet, spec):
+    encoded = run(fleet, "encode", {"spec": spec, "prompts": [PROMPT, NEGATIVE]})
+    stage1 = run(fleet, "sample", sample_args(spec, steps=1), context_tensors(encoded))
+    tensors = {**stage1.tensors, "positive_video_context": encoded.tensors["video_context_0"], "positive_audio_context": encoded.tensors["audio_context_0"]}
+    with pytest.raises(FleetError, match="refuses to start from pure noise"):
+        run(fleet, "upscale", {"spec": spec, "sigmas": [1.0, 0.5, 0.0]}, tensors)
+    forced = run(fleet, "upscale", {"spec": spec, "sigmas": [1.0, 0.0], "force_from_noise": True, "tiles": [2, 1], "overlap": 1}, tensors)
+    assert forced.fields["tiling"].startswith("frames 1")
+    assert torch.equal(forced.tensors["audio_latent"], stage1.tensors["audio_latent"])
+
+
+def _generate(tmp_path, name, *extra, cpu_ranks=1):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MGPU_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("MGPU_SOCKET", None)
+    socket_dir = tmp_path / f"sock-{name}"
+    socket_dir.mkdir(mode=0o700)
+    command = [
+        sys.executable, "-m", "mgpu_backend", "generate", "--prompt", PROMPT, "--output", str(tmp_path / f"{name}.mp4"),
+        "--cpu-ranks", str(cpu_ranks), "--socket", str(socket_dir / "fleet.sock"), "--debug-dump", str(tmp_path / f"{name}.safetensors"), *extra,
+    ]  # fmt: skip
+    completed = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    return completed
+
+
+def test_generate_writes_an_h264_aac_mp4_on_the_tiny_bundle_and_says_so(tmp_path):
+    started = time.monotonic()
+    completed = _generate(tmp_path, "one")
+    assert "embedded tiny LTX-2 bundle" in completed.stderr
+    assert time.monotonic() - started < 60, "the whole two-stage job on the tiny bundle must take under a minute"
+    facts = media.probe(tmp_path / "one.mp4")
+    assert facts["video"] == {"codec": "h264", "width": 192, "height": 128, "frames": 9}
+    assert facts["audio"]["codec"] == "aac" and facts["audio"]["sample_rate"] == 24000
+    dump = load_file(str(tmp_path / "one.safetensors"))
+    assert set(dump) == {"stage1_video", "stage1_audio", "stage2_video", "stage2_audio", "frames", "waveform"}
+    assert dump["frames"].dtype == torch.uint8 and dump["frames"].shape == (9, 128, 192, 3)
+    assert torch.equal(dump["stage2_audio"], dump["stage1_audio"])
+
+
+def test_debug_dump_is_identical_at_1_2_and_4_cpu_ranks(tmp_path):
+    dumps = {}
+    for ranks in (1, 2, 4):
+        _generate(tmp_path, f"r{ranks}", "--tiles", "1x1", cpu_ranks=ranks)
+        dumps[ranks] = load_file(str(tmp_path / f"r{ranks}.safetensors"))
+    for ranks in (2, 4):
+        for name, tensor in dumps[1].items():
+            diff = (tensor.float() - dumps[ranks][name].float()).abs().max().item()
+            assert diff == 0.0, f"{name} at {ranks} ranks differs from 1 rank by {diff}"
