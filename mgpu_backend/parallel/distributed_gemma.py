@@ -1,0 +1,273 @@
+"""Gemma prompt encoding on the fleet: one copy sharded over the GPUs, or one replica per rank.
+
+What it is
+    LTX-2 conditions on Gemma-3 12B hidden states turned into video and audio text contexts by the
+    checkpoint's small embeddings processor (``mgpu_backend.ltx.text``). Here the fleet encodes the
+    prompts of a job and EVERY rank ends with every prompt's ``TextContext``, identical on all
+    ranks, in prompt order. The rank that encodes a prompt (its owner) also runs the embeddings
+    processor on it and broadcasts the final contexts (shapes first, then tensors), so the processor
+    never runs twice and no rank needs Gemma's hidden states of another rank.
+
+The two modes, what each costs, and when to use it
+    ``sharded``
+        ONE copy of Gemma, loaded by rank 0 and split layer-wise over all the fleet's GPUs with
+        Accelerate (``infer_auto_device_map`` over a balanced memory budget, then ``dispatch_model``).
+        Memory: about 1/N of Gemma per GPU (12B in bf16 is about 24 GB: 6 GB each on four GPUs), all
+        of it owned by rank 0's process (which also opens a CUDA context on every GPU). Time: rank 0 runs every prompt through the GPUs one after the
+        other (a pipeline with no overlap: no faster than one GPU, plus a hop per GPU boundary); the
+        other ranks wait for the broadcast. Use it when GPU memory is tight, e.g. when Gemma stays
+        cached next to the resident transformer. On CPU ranks there is nothing to shard: rank 0 runs
+        Gemma whole (logged).
+    ``batch_parallel``
+        A full Gemma replica on every rank that owns a prompt; prompts are dealt round-robin
+        (prompt i -> rank i % N) and encoded at the same time. Memory: a whole Gemma per such rank.
+        Time: about ceil(prompts / N) prompt encodes instead of ``prompts``. Use it when memory is
+        plentiful and a job has several prompts (positive + negative is already two); with one
+        prompt it is the sharded mode's time with a whole replica's memory.
+
+    Caching: the built Gemma stays in a per-process cache keyed by the loader, so a second encode
+    with the same loader and mode builds no Gemma (the small processor is rebuilt from the registry
+    each time). ``free_after=True`` (or ``release_text_encoders``) drops Gemma after encoding,
+    empties the CUDA cache and reports the memory returned (``last_encode_stats()["released"]``);
+    the next encode rebuilds Gemma from the loader's registry (host memory, no disk read) unless the
+    registry was cleared too. Traffic: per prompt, a small shape header and the two contexts (a few
+    MB at full size) from its owner.
+
+Every rank of ``comm`` must call ``encode_prompts_distributed`` with the same prompts and mode. This
+module never edits or forks ltx-core, never imports ltx-pipelines, and never talks to other ranks
+except through ``Comm``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from mgpu_backend.ltx.text import TextContext, contexts_from_gemma
+from mgpu_backend.parallel.comm import Comm
+
+log = logging.getLogger(__name__)
+
+GEMMA_MODES = ("sharded", "batch_parallel")
+
+# Contexts cross the fleet as a header (dtype code, number of dims, shape), then the tensor itself.
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MAX_DIMS = 4
+
+_last_stats: dict = {}
+
+
+def last_encode_stats() -> dict:
+    """What the last ``encode_prompts_distributed`` call did on this rank (mode, prompts it encoded,
+    whether it built Gemma, seconds, and the ``released`` memory report when Gemma was freed)."""
+    return dict(_last_stats)
+
+
+def prompt_owners(prompt_count: int, world_size: int, mode: str) -> list[int]:
+    """The rank that encodes each prompt: rank 0 for all (sharded) or round-robin (batch_parallel)."""
+    _check_mode(mode)
+    if mode == "sharded":
+        return [0] * prompt_count
+    return [index % world_size for index in range(prompt_count)]
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in GEMMA_MODES:
+        raise ValueError(
+            f"Gemma mode must be one of {GEMMA_MODES}, got {mode!r}: 'sharded' splits one copy over the GPUs "
+            "(least memory), 'batch_parallel' puts a replica on each rank (fastest with several prompts)"
+        )
+
+
+# --- Per-process cache -----------------------------------------------------------------------------
+
+
+@dataclass
+class _CachedEncoder:
+    """The Gemma this process built for one loader and mode."""
+
+    loader_ref: weakref.ref
+    mode: str
+    gemma: torch.nn.Module
+
+
+_cache: dict[int, _CachedEncoder] = {}
+
+
+def _cached(loader, mode: str) -> _CachedEncoder | None:
+    entry = _cache.get(id(loader))
+    if entry is None:
+        return None
+    if entry.mode != mode:
+        release_text_encoders(loader)
+        return None
+    return entry
+
+
+def release_text_encoders(loader=None) -> dict:
+    """Drop the Gemma this process cached for ``loader`` (all loaders if None).
+
+    Returns ``{"gemma_bytes": weight bytes the dropped Gemma held, "device_bytes_returned": CUDA
+    memory freed (allocated bytes before minus after, over the GPUs it used; 0 on CPU)}``. Host
+    copies in the loader's registry stay (that is what makes the next build disk-free).
+    """
+    keys = list(_cache) if loader is None else [id(loader)]
+    entries = [_cache.pop(key) for key in keys if key in _cache]
+    tensors = [t for entry in entries for t in (*entry.gemma.parameters(), *entry.gemma.buffers())]
+    gemma_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    cuda_devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
+    before = sum(torch.cuda.memory_allocated(device) for device in cuda_devices)
+    del tensors, entries
+    gc.collect()  # Accelerate's dispatch hooks hold reference cycles to the modules
+    after = sum(torch.cuda.memory_allocated(device) for device in cuda_devices)
+    if cuda_devices:
+        torch.cuda.empty_cache()
+    return {"gemma_bytes": gemma_bytes, "device_bytes_returned": before - after}
+
+
+def _build(loader, mode: str, rank: int) -> _CachedEncoder:
+    sharded_over_gpus = mode == "sharded" and loader.device.type == "cuda" and torch.cuda.device_count() > 1
+    if sharded_over_gpus:
+        gemma = _gemma_dispatched_over_gpus(loader)
+    else:
+        if mode == "sharded":
+            where = "CPU ranks" if loader.device.type == "cpu" else "a single visible GPU"
+            log.info(
+                "Gemma 'sharded' on %s: nothing to shard, rank %d runs Gemma whole on %s", where, rank, loader.device
+            )
+        gemma = loader.gemma()
+    # The entry goes when its loader does, so an id reused by a later loader never finds a stale Gemma.
+    key = id(loader)
+    entry = _CachedEncoder(weakref.ref(loader, lambda _: _cache.pop(key, None)), mode, gemma)
+    _cache[key] = entry
+    return entry
+
+
+def _gemma_dispatched_over_gpus(loader) -> torch.nn.Module:
+    """Gemma assembled on the CPU, then split layer-wise over every visible GPU by Accelerate."""
+    from accelerate import dispatch_model, infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+
+    from mgpu_backend.ltx.loading import ModelLoader
+
+    # A CPU loader over the SAME registry: Gemma's weights are still read from disk once per process,
+    # and the whole model never lands on one GPU before it is split.
+    cpu_loader = ModelLoader(loader.spec, "cpu", loader.dtype, registry=loader.registry)
+    gemma = cpu_loader.gemma()
+    language_model = gemma.model
+    # ltx-core's key ops load lm_head as the embeddings' tensor under a second Parameter; tie them (as
+    # the config says) so that Accelerate places one copy, not two on different GPUs.
+    language_model.tie_weights()
+    free_memory = {index: torch.cuda.mem_get_info(index)[0] for index in range(torch.cuda.device_count())}
+    no_split = list(getattr(language_model, "_no_split_modules", None) or [])
+    budget = get_balanced_memory(
+        language_model, max_memory=free_memory, no_split_module_classes=no_split, dtype=loader.dtype
+    )
+    device_map = infer_auto_device_map(
+        language_model, max_memory=budget, no_split_module_classes=no_split, dtype=loader.dtype
+    )
+    off_gpu = sorted({str(device) for device in device_map.values() if not isinstance(device, int)})
+    if off_gpu:
+        raise RuntimeError(
+            f"Gemma does not fit in the free memory of the {len(free_memory)} GPU(s) (Accelerate would put parts "
+            f"on {', '.join(off_gpu)}); free GPU memory (unload other models first) or run the fleet on more GPUs"
+        )
+    gemma.model = dispatch_model(language_model, device_map=device_map)
+    bytes_per_gpu: dict[str, int] = {}
+    for tensor in {t.untyped_storage().data_ptr(): t for t in gemma.model.parameters()}.values():
+        bytes_per_gpu[str(tensor.device)] = bytes_per_gpu.get(str(tensor.device), 0) + tensor.nbytes
+    log.info(
+        "Gemma sharded by rank 0 over %d GPU(s): %s",
+        len(bytes_per_gpu),
+        ", ".join(f"{device} {size / 1e9:.2f} GB" for device, size in sorted(bytes_per_gpu.items())),
+    )
+    return gemma
+
+
+# --- Encoding --------------------------------------------------------------------------------------
+
+
+def encode_prompts_distributed(
+    loader, prompts: list[str], comm: Comm, mode: str, free_after: bool = False
+) -> list[TextContext]:
+    """Encode ``prompts`` on the fleet; every rank returns all ``TextContext``s, in order, on
+    ``loader.device``, equal to what ``mgpu_backend.ltx.text.encode_prompts`` gives on one process."""
+    _check_mode(mode)
+    if not prompts:
+        raise ValueError("no prompts to encode; pass at least one (an empty string is a valid prompt)")
+    started = time.perf_counter()
+    owners = prompt_owners(len(prompts), comm.world_size, mode)
+    mine = [index for index, owner in enumerate(owners) if owner == comm.rank]
+    built = False
+    local: dict[int, TextContext] = {}
+    if mine:
+        entry = _cached(loader, mode)
+        if entry is None:
+            entry, built = _build(loader, mode, comm.rank), True
+        local = dict(zip(mine, _encode(entry, loader, [prompts[index] for index in mine]), strict=True))
+    contexts = _share_contexts(comm, owners, local, loader.device)
+    # Every rank frees: one that owns no prompt this time may still hold Gemma from an earlier call.
+    released = release_text_encoders(loader) if free_after else None
+    if released is not None and released["gemma_bytes"]:
+        log.info(
+            "Gemma freed on rank %d: %.1f MB of weights dropped, %.1f MB of GPU memory returned",
+            comm.rank,
+            released["gemma_bytes"] / 1e6,
+            released["device_bytes_returned"] / 1e6,
+        )
+    _last_stats.clear()
+    _last_stats.update(
+        mode=mode,
+        prompts=len(prompts),
+        encoded_here=len(mine),
+        gemma_built=built,
+        seconds=time.perf_counter() - started,
+        released=released,
+    )
+    return contexts
+
+
+def _encode(entry: _CachedEncoder, loader, prompts: list[str]) -> list[TextContext]:
+    with torch.inference_mode():
+        gemma_outputs = []
+        for prompt in prompts:
+            hidden_states, attention_mask = entry.gemma.encode(prompt)
+            # Sharded: each layer's output sits on that layer's GPU; the processor runs on this rank's device.
+            gemma_outputs.append(
+                (tuple(state.to(loader.device) for state in hidden_states), attention_mask.to(loader.device))
+            )
+    # The processor is small and built from the registry in moments: it is not worth caching.
+    return contexts_from_gemma(loader, gemma_outputs)
+
+
+def _share_contexts(comm: Comm, owners: list[int], local: dict[int, TextContext], device) -> list[TextContext]:
+    """Every prompt's contexts from its owner to every rank, in prompt order."""
+    contexts = []
+    with torch.inference_mode():
+        for index, owner in enumerate(owners):
+            mine = local.get(index)
+            video = _broadcast_tensor(comm, None if mine is None else mine.video_context, owner, device)
+            audio = _broadcast_tensor(comm, None if mine is None else mine.audio_context, owner, device)
+            contexts.append(TextContext(video_context=video, audio_context=audio))
+    return contexts
+
+
+def _broadcast_tensor(comm: Comm, tensor: torch.Tensor | None, src: int, device) -> torch.Tensor:
+    """``tensor`` (given on rank ``src`` only) on every rank: its dtype and shape first, then its values."""
+    header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device)
+    if comm.rank == src:
+        assert tensor is not None and tensor.dtype in _WIRE_DTYPES and tensor.dim() <= _MAX_DIMS, tensor
+        header[0], header[1] = _WIRE_DTYPES.index(tensor.dtype), tensor.dim()
+        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    comm.broadcast(header, src=src)
+    dtype_code, dims, *shape = header.tolist()
+    if comm.rank == src:
+        values = tensor.to(device).contiguous()
+    else:
+        values = torch.empty(shape[:dims], dtype=_WIRE_DTYPES[dtype_code], device=device)
+    return comm.broadcast(values, src=src)

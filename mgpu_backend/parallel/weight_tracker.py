@@ -1,0 +1,349 @@
+"""Transformer weight residency across jobs and LoRA hot-swap between stages without the disk.
+
+What it is
+    Every rank keeps ONE full working copy of the LTX-2 transformer (an ltx-core ``X0Model`` built
+    by ``ModelLoader`` without any LoRA). Stage 1 runs it with the user LoRAs only, stage 2 adds
+    the distilled LoRA. Instead of rebuilding the transformer for each stage, ``apply(lora_set)``
+    turns the working copy into the weights of the requested LoRA set in place:
+
+    - A clean (pre-LoRA) copy is kept SHARDED over the ranks: each state-dict key has exactly one
+      owner rank (keys assigned greedily by size to the least-loaded rank, the same on every rank),
+      so each rank stores about 1/N of the transformer's bytes.
+    - On a change of LoRA set, each owner computes the final value of its keys that the old or the
+      new set touches: the clean weight, fused with the new LoRAs by ltx-core's own
+      ``ltx_core.loader.fuse_loras.apply_loras`` where the new set touches it. Owners broadcast
+      those values in buckets (256 MB by default); every rank copies them into its working copy.
+      Fusion work is thus split 1/N over the ranks and every rank ends with bitwise identical
+      weights, equal to what ltx-core's loader builds for that LoRA set on the same device.
+    - An unchanged LoRA set costs nothing: no broadcast, no fusion (``stats.unchanged`` counts it).
+    - LoRA state dicts are read through the loader's per-process registry, so once each file has
+      been read, alternating stage 1 and stage 2 (and every later job) reads nothing from disk.
+
+When to use it, and what it costs
+    Use it whenever a job alternates LoRA sets (the two-stage graph: stage 1 without, stage 2 with
+    the distilled LoRA). Memory per rank: one working copy (the whole transformer: MGPU is a latency
+    tool, not a memory tool) plus about 1/N of it for the clean shard, on the working device. Time
+    per swap: the fusion of 1/N of the touched layers on this rank's device, plus broadcasts of the
+    touched keys (for LTX-2's distilled LoRA: nearly every linear layer of the blocks).
+    ``no_lora_swap=True`` keeps no clean shard (saves the 1/N) for runs whose LoRA set never
+    changes: the first set may be fused once, any later change raises a clear error.
+
+Device note
+    The fusion runs where the clean weights are (the rank's device). On the CPU this is bitwise what
+    ``ModelLoader.transformer(lora_set)`` builds. On a GPU it is the same ltx-core function on the
+    same inputs, but ``ModelLoader`` assembles on the CPU, so the two may differ by bf16 matmul
+    rounding in the LoRA deltas (no drift: every swap starts again from the clean weights).
+
+The working copy never shares storage with the loader's registry, which must keep serving clean
+checkpoint tensors to every other builder. This module never edits or forks ltx-core, never
+imports ltx-pipelines, and never talks to other ranks except through ``Comm``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+
+import torch
+from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP, LoraStateDictWithStrength
+from ltx_core.loader.fuse_loras import apply_loras
+from ltx_core.loader.primitives import StateDict
+from ltx_core.model.transformer import LTXV_MODEL_COMFY_RENAMING_MAP, LTXModelConfigurator, X0Model
+
+from mgpu_backend.parallel.comm import Comm
+
+log = logging.getLogger(__name__)
+
+LoraSet = tuple[tuple[str, float], ...]
+"""LoRAs to fuse, in order: ``((path, strength), ...)``. The empty tuple is the clean transformer."""
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+# ltx-core fuses into bf16 or fp8 weights; ModelLoader casts the whole model to its dtype, and fp8 here
+# would need the weight scales, which live under other keys (possibly on other owners): bf16 only.
+_FUSABLE_DTYPES = (torch.bfloat16,)
+
+
+def stage_lora_set(spec, lora_set: str) -> LoraSet:
+    """The LoRA set ``ModelLoader.transformer(lora_set)`` fuses, as ``(path, strength)`` pairs in
+    the same order: ``"none"`` = the user LoRAs, ``"distilled"`` = the user LoRAs + the distilled one."""
+    if lora_set == "none":
+        return tuple(spec.loras)
+    if lora_set == "distilled":
+        if spec.distilled_lora is None:
+            raise ValueError("stage 2 needs the distilled LoRA, but the model spec names none; set distilled_lora")
+        return (*spec.loras, (spec.distilled_lora, spec.distilled_lora_strength))
+    raise ValueError(f"lora_set must be 'none' or 'distilled', got {lora_set!r}")
+
+
+def _normalised(lora_set) -> LoraSet:
+    """``lora_set`` as a tuple of (str, float); all-zero strengths mean no LoRA, as in ltx-core's builder."""
+    try:
+        pairs = tuple((str(path), float(strength)) for path, strength in lora_set)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"a LoRA set is a sequence of (path, strength) pairs, got {lora_set!r}") from error
+    if all(strength == 0 for _, strength in pairs):
+        return ()
+    return pairs
+
+
+@dataclass
+class SwapStats:
+    """What ``apply`` has done on this rank since the tracker was built."""
+
+    swaps: int = 0  # LoRA-set changes carried out
+    unchanged: int = 0  # apply() calls that found the set already in place and did nothing
+    keys_fused: int = 0  # keys this rank fused (its own keys only)
+    keys_broadcast: int = 0  # keys received (all owners) into the working copy
+    bytes_broadcast: int = 0
+    broadcasts: int = 0  # bucket broadcasts issued
+
+
+def _owners_by_bytes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
+    """Each key -> one rank, largest keys first onto the least-loaded rank: about 1/N of the bytes
+    each, and the same answer on every rank (ties broken by key name and rank index)."""
+    loads = [0] * world_size
+    owners = {}
+    for key in sorted(sizes, key=lambda name: (-sizes[name], name)):
+        rank = min(range(world_size), key=lambda index: (loads[index], index))
+        owners[key] = rank
+        loads[rank] += sizes[key]
+    return owners
+
+
+def _storage_ptrs(tensors) -> set[int]:
+    return {tensor.untyped_storage().data_ptr() for tensor in tensors if tensor.device.type != "meta"}
+
+
+class TransformerWeightTracker:
+    """One working transformer per rank, a clean copy sharded over the ranks, LoRA sets swapped in place.
+
+    Collective: every rank of ``comm`` calls ``build``/``apply``/``transformer`` together with the
+    same arguments. Keep one tracker per process for the lifetime of the loaded model; a warm job
+    then builds nothing and reads nothing from disk.
+    """
+
+    def __init__(self, comm: Comm, no_lora_swap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.comm = comm
+        self.no_lora_swap = no_lora_swap
+        self.bucket_bytes = bucket_bytes
+        self.stats = SwapStats()
+        self._loader = None
+        self._model: X0Model | None = None
+        self._working: dict[str, torch.Tensor] = {}  # velocity-model key -> tensor sharing the parameter's storage
+        self._owners: dict[str, int] = {}
+        self._clean: dict[str, torch.Tensor] = {}  # this rank's shard of the pre-LoRA weights
+        self._applied: LoraSet = ()
+        self._touched: frozenset[str] = frozenset()  # keys where the working copy differs from clean
+
+    # --- Building -----------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> X0Model:
+        if self._model is None:
+            raise RuntimeError("the weight tracker holds no transformer yet; call build(loader) first")
+        return self._model
+
+    @property
+    def applied(self) -> LoraSet:
+        """The LoRA set fused into the working copy now."""
+        return self._applied
+
+    def build(self, loader) -> X0Model:
+        """Build the working copy and the clean shard from ``loader`` (once; later calls with the same
+        loader return the same model). A different loader replaces the model."""
+        if self._model is not None and loader is self._loader:
+            return self._model
+        self._drop()
+        model = _transformer_without_loras(loader)
+        velocity_model = model.velocity_model
+        # Keep the loader's registry clean: on the CPU the built model aliases the registry's tensors.
+        cached = loader.registry.get([loader.spec.checkpoint_path], LTXV_MODEL_COMFY_RENAMING_MAP)
+        registry_ptrs = _storage_ptrs(cached.sd.values()) if cached is not None else set()
+        with torch.no_grad():
+            for tensor in [*velocity_model.parameters(), *velocity_model.buffers()]:
+                if tensor.untyped_storage().data_ptr() in registry_ptrs:
+                    tensor.data = tensor.data.clone()
+        working = {key: tensor.detach() for key, tensor in velocity_model.state_dict(keep_vars=True).items()}
+        self._check_same_model_on_every_rank(working, loader.device)
+        owners = _owners_by_bytes({key: tensor.nbytes for key, tensor in working.items()}, self.comm.world_size)
+        clean = {}
+        if not self.no_lora_swap:
+            clean = {key: tensor.clone() for key, tensor in working.items() if owners[key] == self.comm.rank}
+        self._loader, self._model, self._working, self._owners, self._clean = loader, model, working, owners, clean
+        self._applied, self._touched, self.stats = (), frozenset(), SwapStats()
+        report = self.memory_report()
+        log.info(
+            "weight tracker on rank %d/%d: working copy %.1f MB, clean shard %.1f MB (%d of %d keys)%s",
+            self.comm.rank,
+            self.comm.world_size,
+            report["working_bytes"] / 1e6,
+            report["clean_shard_bytes"] / 1e6,
+            report["clean_shard_keys"],
+            len(working),
+            ", no LoRA swap" if self.no_lora_swap else "",
+        )
+        return model
+
+    def _drop(self) -> None:
+        self._loader, self._model = None, None
+        self._working, self._owners, self._clean = {}, {}, {}
+
+    def _check_same_model_on_every_rank(self, working: dict[str, torch.Tensor], device) -> None:
+        """Ownership is computed locally from the key list: all ranks must hold the same keys and shapes."""
+        layout = "\n".join(f"{key}:{tuple(t.shape)}:{t.dtype}" for key, t in working.items())
+        fingerprint = int.from_bytes(hashlib.sha256(layout.encode()).digest()[:7], "little")
+        mine = torch.tensor([fingerprint], dtype=torch.int64, device=device)
+        everyone = self.comm.all_gather(mine, dim=0)
+        if not bool((everyone == mine).all()):
+            raise RuntimeError(
+                "the ranks built transformers with different keys or shapes; every rank must load the same "
+                "checkpoint (same model spec on every rank)"
+            )
+
+    # --- Swapping -------------------------------------------------------------------------------------
+
+    def transformer(self, loader, lora_set: str) -> X0Model:
+        """The working transformer with the stage's LoRA set (``"none"`` or ``"distilled"``) fused:
+        what ``loader.transformer(lora_set)`` builds, without building anything after the first call."""
+        self.build(loader)
+        return self.apply(stage_lora_set(loader.spec, lora_set))
+
+    def apply(self, lora_set) -> X0Model:
+        """Make the working copy hold the clean weights with ``lora_set`` fused; return the model."""
+        model = self.model
+        lora_set = _normalised(lora_set)
+        if lora_set == self._applied:
+            self.stats.unchanged += 1
+            return model
+        if self.no_lora_swap and self._applied:
+            raise RuntimeError(
+                f"this transformer was loaded with no_lora_swap=True and already has the LoRAs {list(self._applied)} "
+                f"fused, so it cannot switch to {list(lora_set)}: no clean copy was kept. Load the model "
+                "without no_lora_swap to alternate LoRA sets (costs about 1/N of the transformer per GPU)"
+            )
+        loras = [
+            LoraStateDictWithStrength(_lora_state_dict(self._loader, path), strength) for path, strength in lora_set
+        ]
+        new_touched = self._keys_touched_by(loras)
+        bad = sorted({str(self._working[key].dtype) for key in new_touched} - {str(d) for d in _FUSABLE_DTYPES})
+        if bad:
+            raise ValueError(
+                f"LoRAs fuse into bfloat16 weights (as in ltx-core), but this transformer holds {', '.join(bad)} "
+                "weights; load the model in bfloat16 to use LoRAs"
+            )
+        # Keys the old set changed go back to clean; keys the new set touches get fused from clean.
+        keys = [key for key in self._working if key in self._touched or key in new_touched]
+        with torch.inference_mode():
+            self._broadcast_final_values(keys, new_touched, loras)
+        self.stats.swaps += 1
+        log.info(
+            "LoRA swap on rank %d: %s -> %s, %d keys updated",
+            self.comm.rank,
+            [path for path, _ in self._applied] or "no LoRA",
+            [path for path, _ in lora_set] or "no LoRA",
+            len(keys),
+        )
+        self._applied, self._touched = lora_set, frozenset(new_touched)
+        return model
+
+    def _keys_touched_by(self, loras: list[LoraStateDictWithStrength]) -> set[str]:
+        """Keys ltx-core's fusion changes: ``<layer>.weight`` with both ``lora_A`` and ``lora_B`` in some LoRA."""
+        touched = set()
+        for key in self._working:
+            if key.endswith(".weight"):
+                prefix = key[: -len(".weight")]
+                halves = (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight")
+                if any(all(half in lora.sd for half in halves) for lora, _ in loras):
+                    touched.add(key)
+        return touched
+
+    def _final_value(self, key: str, fuse: bool, loras: list[LoraStateDictWithStrength]) -> torch.Tensor:
+        """The value the owner of ``key`` broadcasts: the clean weight, or it fused by ltx-core."""
+        clean = (self._working if self.no_lora_swap else self._clean)[key]  # no_lora_swap: working is still clean
+        if not fuse:
+            return clean
+        self.stats.keys_fused += 1
+        state_dict = StateDict(sd={key: clean}, device=clean.device, size=clean.nbytes, dtype={clean.dtype})
+        return apply_loras(state_dict, loras, dtype=clean.dtype).sd[key]
+
+    def _broadcast_final_values(self, keys: list[str], fused_keys: set[str], loras) -> None:
+        """Owners send their keys' final values in buckets of at most ``bucket_bytes`` (a larger key
+        goes alone); every rank copies them into its working copy. Ranks agree on the buckets
+        because they hold the same keys, shapes and owners."""
+        device = next(iter(self._working.values())).device
+        for owner in range(self.comm.world_size):
+            owned = [key for key in keys if self._owners[key] == owner]
+            for bucket in _buckets(owned, self._working, self.bucket_bytes):
+                total = sum(self._working[key].nbytes for key in bucket)
+                buffer = torch.empty(total, dtype=torch.uint8, device=device)
+                offset = 0
+                if owner == self.comm.rank:
+                    for key in bucket:
+                        value = self._final_value(key, key in fused_keys, loras).contiguous()
+                        buffer[offset : offset + value.nbytes].copy_(value.reshape(-1).view(torch.uint8))
+                        offset += value.nbytes
+                    offset = 0
+                self.comm.broadcast(buffer, src=owner)
+                for key in bucket:
+                    target = self._working[key]
+                    target.copy_(buffer[offset : offset + target.nbytes].view(target.dtype).view(target.shape))
+                    offset += target.nbytes
+                self.stats.broadcasts += 1
+                self.stats.keys_broadcast += len(bucket)
+                self.stats.bytes_broadcast += total
+
+    # --- Reporting ------------------------------------------------------------------------------------
+
+    def owned_keys(self) -> list[str]:
+        """The keys whose clean weights this rank holds (its shard), in model order."""
+        return [key for key, owner in self._owners.items() if owner == self.comm.rank]
+
+    def memory_report(self) -> dict:
+        """Bytes held on this rank, for ``status``: the working copy and the clean shard."""
+        working_bytes = sum(
+            {tensor.untyped_storage().data_ptr(): tensor.nbytes for tensor in self._working.values()}.values()
+        )
+        return {
+            "rank": self.comm.rank,
+            "world_size": self.comm.world_size,
+            "working_bytes": working_bytes,
+            "clean_shard_bytes": sum(tensor.nbytes for tensor in self._clean.values()),
+            "clean_shard_keys": len(self._clean),
+            "transformer_keys": len(self._working),
+            "no_lora_swap": self.no_lora_swap,
+            "lora_set": [[path, strength] for path, strength in self._applied],
+        }
+
+
+def _buckets(keys: list[str], tensors: dict[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    buckets: list[list[str]] = []
+    size = 0
+    for key in keys:
+        nbytes = tensors[key].nbytes
+        if not buckets or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(key)
+        size += nbytes
+    return buckets
+
+
+# ModelLoader offers no public way to build the transformer without the spec's user LoRAs or to read
+# one LoRA file through its registry. These two helpers use its builder, so that reads are cached in
+# the same registry (shared with loader.transformer) and counted in loader.bytes_read_from_disk.
+
+
+def _transformer_without_loras(loader) -> X0Model:
+    builder = loader._builder(loader.spec.checkpoint_path, LTXModelConfigurator, LTXV_MODEL_COMFY_RENAMING_MAP)
+    velocity_model = builder.build(device=torch.device("cpu"), dtype=loader.dtype)
+    return X0Model(velocity_model).to(loader.device).eval()
+
+
+def _lora_state_dict(loader, path: str) -> StateDict:
+    builder = loader._builder(path, LTXModelConfigurator)
+    return builder.load_sd(
+        [path], registry=loader.registry, device=builder.lora_load_device, sd_ops=LTXV_LORA_COMFY_RENAMING_MAP
+    )

@@ -1,0 +1,153 @@
+"""Gemma on the fleet gives every rank exactly the contexts single-process ``encode_prompts`` gives.
+
+Two gloo ranks on the tiny bundle (CPU: the 'sharded' mode runs Gemma whole on rank 0). Each mode
+runs one scenario (encode, encode again from the cache, encode and free, encode after the free);
+the tests read its results. The reference is ``mgpu_backend.ltx.text.encode_prompts`` in this
+process, with one thread like the ranks, so equality is exact.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from mgpu_backend.ltx import tiny
+from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
+from mgpu_backend.ltx.text import encode_prompts
+from mgpu_backend.parallel.comm import Comm
+from mgpu_backend.parallel.distributed_gemma import (
+    encode_prompts_distributed,
+    last_encode_stats,
+    prompt_owners,
+)
+from tests.dist_harness import run_ranks
+
+WORLD_SIZE = 2
+PROMPTS = [
+    "A fox steps through fresh snow at the edge of a pine forest.",
+    "",
+    "Rain drums on a tin roof while a kettle starts to whistle.",
+]
+SINGLE_PROMPT = ["A lighthouse beam sweeps across a stormy sea."]
+
+
+def _spec(bundle: dict) -> ModelSpec:
+    return ModelSpec(checkpoint_path=bundle["checkpoint_path"], gemma_root=bundle["gemma_root"])
+
+
+def _as_lists(contexts) -> list[list[torch.Tensor]]:
+    return [[context.video_context, context.audio_context] for context in contexts]
+
+
+def _fleet_scenario(bundle: dict, mode: str) -> dict:
+    torch.set_num_threads(1)
+    loader = ModelLoader(_spec(bundle), "cpu", torch.bfloat16)
+    comm = Comm.world()
+    out = {"contexts": _as_lists(encode_prompts_distributed(loader, PROMPTS, comm, mode))}
+    out["first"], out["bytes_first"] = last_encode_stats(), loader.bytes_read_from_disk
+    out["again"] = _as_lists(encode_prompts_distributed(loader, PROMPTS, comm, mode))
+    out["cached"], out["bytes_cached"] = last_encode_stats(), loader.bytes_read_from_disk
+    encode_prompts_distributed(loader, PROMPTS, comm, mode, free_after=True)
+    out["freed"] = last_encode_stats()
+    out["after_free"] = _as_lists(encode_prompts_distributed(loader, PROMPTS, comm, mode))
+    out["rebuilt"], out["bytes_end"] = last_encode_stats(), loader.bytes_read_from_disk
+    out["single"] = _as_lists(encode_prompts_distributed(loader, SINGLE_PROMPT, comm, mode))
+    out["single_stats"] = last_encode_stats()
+    return out
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> tiny.TinyBundle:
+    return tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def reference(bundle) -> dict[str, list[list[torch.Tensor]]]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        loader = ModelLoader(_spec(vars(bundle)), "cpu", torch.bfloat16)
+        return {
+            "prompts": _as_lists(encode_prompts(loader, PROMPTS)),
+            "single": _as_lists(encode_prompts(loader, SINGLE_PROMPT)),
+        }
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=["sharded", "batch_parallel"])
+def fleet(request, bundle) -> tuple[str, list[dict]]:
+    paths = {"checkpoint_path": bundle.checkpoint_path, "gemma_root": bundle.gemma_root}
+    return request.param, run_ranks(WORLD_SIZE, _fleet_scenario, paths, request.param)
+
+
+def _max_abs_diff(ours: list[list[torch.Tensor]], theirs: list[list[torch.Tensor]]) -> float:
+    assert len(ours) == len(theirs)
+    worst = 0.0
+    for mine, reference in zip(ours, theirs, strict=True):
+        for a, b in zip(mine, reference, strict=True):
+            assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+            worst = max(worst, (a.float() - b.float()).abs().max().item())
+    return worst
+
+
+def _gemma_weight_bytes(gemma_root: str) -> int:
+    total = 0
+    for path in Path(gemma_root).rglob("model*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            total += sum(f.get_tensor(key).nbytes for key in f.keys())
+    return total
+
+
+def test_every_rank_gets_exactly_the_single_process_contexts(fleet, reference):
+    mode, results = fleet
+    prompts_differ = _max_abs_diff([reference["prompts"][0]], [reference["prompts"][2]])
+    assert prompts_differ > 0, "the reference contexts of different prompts are equal: the comparison proves nothing"
+    for rank, out in enumerate(results):
+        for name in ("contexts", "again", "after_free"):
+            diff = _max_abs_diff(out[name], reference["prompts"])
+            assert diff == 0, f"{mode}, rank {rank}, {name}: max abs diff {diff} from encode_prompts"
+        diff = _max_abs_diff(out["single"], reference["single"])
+        assert diff == 0, f"{mode}, rank {rank}, one prompt: max abs diff {diff} from encode_prompts"
+
+
+def test_prompts_are_encoded_by_their_owners_only(fleet):
+    mode, results = fleet
+    owners = prompt_owners(len(PROMPTS), WORLD_SIZE, mode)
+    assert owners == ([0, 0, 0] if mode == "sharded" else [0, 1, 0])
+    for rank, out in enumerate(results):
+        assert out["first"]["encoded_here"] == owners.count(rank), (mode, rank, out["first"])
+        assert out["single_stats"]["encoded_here"] == (1 if rank == 0 else 0), (mode, rank, out["single_stats"])
+    if mode == "sharded":
+        # Rank 1 never builds Gemma or the processor: it reads nothing at all.
+        assert results[1]["bytes_end"] == 0, results[1]["bytes_end"]
+        assert results[0]["bytes_first"] > 0
+    else:
+        assert all(out["bytes_first"] > 0 for out in results), [out["bytes_first"] for out in results]
+
+
+def test_second_encode_reuses_the_cached_gemma_and_free_after_releases_it(fleet, bundle):
+    mode, results = fleet
+    gemma_bytes = _gemma_weight_bytes(bundle.gemma_root)
+    for rank, out in enumerate(results):
+        if out["first"]["encoded_here"] == 0:
+            assert not out["first"]["gemma_built"], (mode, rank, out["first"])
+            assert out["freed"]["released"] == {"gemma_bytes": 0, "device_bytes_returned": 0}, out["freed"]
+            continue
+        assert out["first"]["gemma_built"] and not out["cached"]["gemma_built"], (mode, rank)
+        assert out["bytes_cached"] == out["bytes_first"], (mode, rank, out["bytes_first"], out["bytes_cached"])
+        released = out["freed"]["released"]
+        # Gemma's file weights (its tied lm_head counted once), plus the small buffers its module ops add.
+        assert gemma_bytes <= released["gemma_bytes"] < 1.05 * gemma_bytes, (mode, rank, released, gemma_bytes)
+        assert released["device_bytes_returned"] == 0, released  # CPU ranks
+        # Rebuilt after the free, from the registry: no disk read.
+        assert out["rebuilt"]["gemma_built"], (mode, rank)
+        assert out["bytes_end"] == out["bytes_first"], (mode, rank, out["bytes_first"], out["bytes_end"])
+
+
+def test_unknown_mode_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="'sharded'.*'batch_parallel'"):
+        encode_prompts_distributed(None, ["a prompt"], Comm(None), "tensor_parallel")

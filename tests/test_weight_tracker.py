@@ -1,0 +1,201 @@
+"""The weight tracker swaps LoRA sets into a resident transformer exactly as ltx-core fuses them.
+
+Two gloo ranks on the tiny bundle run one scenario each (a cold job, then a warm job on the same
+tracker); the tests read its results. References come from a SEPARATE ModelLoader (its own
+registry), so they cannot be bent by anything the tracker does to its own loader.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from mgpu_backend.ltx import tiny
+from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
+from mgpu_backend.parallel.comm import Comm
+from mgpu_backend.parallel.weight_tracker import TransformerWeightTracker, stage_lora_set
+from tests.dist_harness import run_ranks
+
+WORLD_SIZE = 2
+BUCKET_BYTES = 64 * 1024  # small, so one swap needs several bucket broadcasts per owner
+
+
+def _spec(bundle: dict) -> ModelSpec:
+    return ModelSpec(
+        checkpoint_path=bundle["checkpoint_path"],
+        gemma_root=bundle["gemma_root"],
+        distilled_lora=bundle["distilled_lora_path"],
+    )
+
+
+def _differences(model: torch.nn.Module, reference: torch.nn.Module) -> tuple[int, float]:
+    """(keys not bitwise equal, max abs difference over all keys) between two transformers' weights."""
+    ours, theirs = model.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    unequal = sum(not torch.equal(ours[key], theirs[key]) for key in ours)
+    max_diff = max((ours[key].float() - theirs[key].float()).abs().max().item() for key in ours)
+    return unequal, max_diff
+
+
+def _tracker_scenario(bundle: dict) -> dict:
+    torch.set_num_threads(1)
+    spec = _spec(bundle)
+    loader = ModelLoader(spec, "cpu", torch.bfloat16)
+    reference_loader = ModelLoader(spec, "cpu", torch.bfloat16)
+    clean_reference = reference_loader.transformer("none")
+    distilled_reference = reference_loader.transformer("distilled")
+    distilled_set = stage_lora_set(spec, "distilled")
+    out: dict = {"lora_changes_weights": _differences(distilled_reference, clean_reference)}
+
+    # Cold job: stage 1 (no LoRA), stage 2 (distilled), then stage 1 again (a reset).
+    tracker = TransformerWeightTracker(Comm.world(), bucket_bytes=BUCKET_BYTES)
+    model = tracker.transformer(loader, "none")
+    out["built_equals_clean"] = _differences(model, clean_reference)
+    tracker.apply(distilled_set)
+    out["first_swap"] = vars(tracker.stats).copy()
+    out["fused_equals_ltx_core"] = _differences(model, distilled_reference)
+    # With the LoRA fused in the working copy, the loader's registry still serves the clean checkpoint.
+    out["registry_stays_clean"] = _differences(loader.transformer("none"), clean_reference)
+    before = vars(tracker.stats).copy()
+    weights_before = {key: value.clone() for key, value in model.state_dict().items()}
+    assert tracker.transformer(loader, "distilled") is model
+    out["unchanged_before"], out["unchanged_after"] = before, vars(tracker.stats).copy()
+    out["unchanged_weights_equal"] = all(torch.equal(weights_before[k], v) for k, v in model.state_dict().items())
+    tracker.apply(())
+    out["reset_equals_clean"] = _differences(model, clean_reference)
+    out["cold_job_bytes"] = loader.bytes_read_from_disk
+
+    # Warm job on the same tracker: both stages again, nothing read from disk.
+    for stage in ("none", "distilled"):
+        assert tracker.transformer(loader, stage) is model
+        out[f"warm_{stage}"] = _differences(model, clean_reference if stage == "none" else distilled_reference)
+    tracker.apply(())
+    out["warm_job_bytes"] = loader.bytes_read_from_disk - out["cold_job_bytes"]
+    out["stats_end"] = vars(tracker.stats).copy()
+    out["owned_keys"] = tracker.owned_keys()
+    out["key_bytes"] = {key: value.nbytes for key, value in model.velocity_model.state_dict().items()}
+    out["memory"] = tracker.memory_report()
+
+    # no_lora_swap: one set may be fused once, with no clean shard; a change is refused.
+    fixed = TransformerWeightTracker(Comm.world(), no_lora_swap=True)
+    fixed_model = fixed.transformer(loader, "distilled")
+    out["no_swap_fused_equals_ltx_core"] = _differences(fixed_model, distilled_reference)
+    out["no_swap_memory"] = fixed.memory_report()
+    try:
+        fixed.transformer(loader, "none")
+        out["no_swap_error"] = None
+    except RuntimeError as error:
+        out["no_swap_error"] = str(error)
+    return out
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory) -> tiny.TinyBundle:
+    return tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def results(bundle) -> list[dict]:
+    paths = {name: getattr(bundle, name) for name in ("checkpoint_path", "gemma_root", "distilled_lora_path")}
+    return run_ranks(WORLD_SIZE, _tracker_scenario, paths)
+
+
+def _lora_targets(lora_path: str) -> set[str]:
+    """The transformer keys the LoRA file has A/B pairs for, read straight from the file."""
+    with safe_open(lora_path, framework="pt") as f:
+        names = set(f.keys())
+    return {
+        name.removeprefix("diffusion_model.").removesuffix(".lora_A.weight") + ".weight"
+        for name in names
+        if name.endswith(".lora_A.weight") and name.replace(".lora_A.", ".lora_B.") in names
+    }
+
+
+def _file_tensor_bytes(path: str, prefix: str = "") -> int:
+    with safe_open(path, framework="pt") as f:
+        return sum(f.get_tensor(key).nbytes for key in f.keys() if key.startswith(prefix))
+
+
+def test_distilled_lora_fused_by_tracker_is_bitwise_ltx_core_fusion_on_every_rank(results, bundle):
+    for rank, out in enumerate(results):
+        changed, max_change = out["lora_changes_weights"]
+        assert changed == len(_lora_targets(bundle.distilled_lora_path)) and max_change > 0, (changed, max_change)
+        unequal, max_diff = out["fused_equals_ltx_core"]
+        assert unequal == 0, f"rank {rank}: {unequal} keys differ from ltx-core's fusion, max abs diff {max_diff}"
+        unequal, max_diff = out["warm_distilled"]
+        assert unequal == 0, f"rank {rank}, warm job: {unequal} keys differ, max abs diff {max_diff}"
+        unequal, max_diff = out["no_swap_fused_equals_ltx_core"]
+        assert unequal == 0, f"rank {rank}, no_lora_swap: {unequal} keys differ, max abs diff {max_diff}"
+
+
+def test_reset_restores_clean_weights_bitwise(results):
+    for rank, out in enumerate(results):
+        for name in ("built_equals_clean", "reset_equals_clean", "warm_none", "registry_stays_clean"):
+            unequal, max_diff = out[name]
+            assert unequal == 0, f"rank {rank}, {name}: {unequal} keys differ from clean, max abs diff {max_diff}"
+
+
+def test_swap_updates_exactly_the_lora_targets_in_several_buckets(results, bundle):
+    targets = _lora_targets(bundle.distilled_lora_path)
+    key_bytes = results[0]["key_bytes"]
+    target_bytes = sum(key_bytes[key] for key in targets)
+    assert targets <= key_bytes.keys(), sorted(targets - key_bytes.keys())[:3]
+    fused_per_rank = []
+    for rank, out in enumerate(results):
+        swap = out["first_swap"]
+        assert swap["keys_broadcast"] == len(targets), (rank, swap, len(targets))
+        assert swap["bytes_broadcast"] == target_bytes, (rank, swap, target_bytes)
+        assert swap["broadcasts"] > WORLD_SIZE, f"rank {rank}: {swap['broadcasts']} broadcasts, expected buckets"
+        fused_per_rank.append(swap["keys_fused"])
+    # Each target is fused by its owner alone.
+    assert sum(fused_per_rank) == len(targets), (fused_per_rank, len(targets))
+
+
+def test_unchanged_lora_set_does_no_work(results):
+    for rank, out in enumerate(results):
+        before, after = out["unchanged_before"], out["unchanged_after"]
+        assert after["unchanged"] == before["unchanged"] + 1, (rank, before, after)
+        assert {k: v for k, v in after.items() if k != "unchanged"} == {
+            k: v for k, v in before.items() if k != "unchanged"
+        }, (rank, before, after)
+        assert out["unchanged_weights_equal"], f"rank {rank}: weights changed on an unchanged LoRA set"
+        # Cold job: 2 swaps (to distilled, back to none); warm job: 2 more (its first "none" is unchanged).
+        assert out["stats_end"]["swaps"] == 4, (rank, out["stats_end"])
+
+
+def test_clean_copy_is_sharded_once_over_ranks_with_about_half_the_bytes_each(results):
+    key_bytes = results[0]["key_bytes"]
+    total = sum(key_bytes.values())
+    owned = [set(out["owned_keys"]) for out in results]
+    assert set.union(*owned) == key_bytes.keys(), "some keys have no owner"
+    assert sum(len(keys) for keys in owned) == len(key_bytes), "some keys have several owners"
+    for rank, out in enumerate(results):
+        memory = out["memory"]
+        assert memory["clean_shard_bytes"] == sum(key_bytes[key] for key in owned[rank])
+        share = memory["clean_shard_bytes"] / total
+        assert abs(share - 1 / WORLD_SIZE) < 0.02, f"rank {rank} holds {share:.4f} of {total} clean bytes"
+        assert memory["working_bytes"] == total, (rank, memory, total)
+        assert out["no_swap_memory"]["clean_shard_bytes"] == 0, out["no_swap_memory"]
+
+
+def test_warm_job_reads_nothing_from_disk(results, bundle):
+    expected_cold = _file_tensor_bytes(bundle.checkpoint_path, "model.diffusion_model.") + _file_tensor_bytes(
+        bundle.distilled_lora_path
+    )
+    for rank, out in enumerate(results):
+        assert out["cold_job_bytes"] == expected_cold, (rank, out["cold_job_bytes"], expected_cold)
+        assert out["warm_job_bytes"] == 0, f"rank {rank}: warm job read {out['warm_job_bytes']} bytes"
+
+
+def test_no_lora_swap_refuses_a_second_lora_set_with_advice(results):
+    for out in results:
+        assert out["no_swap_error"] is not None and "no_lora_swap" in out["no_swap_error"], out["no_swap_error"]
+
+
+def test_unknown_stage_lora_set_is_refused(bundle):
+    spec = ModelSpec(checkpoint_path=bundle.checkpoint_path, gemma_root=bundle.gemma_root)
+    with pytest.raises(ValueError, match="'none' or 'distilled'"):
+        stage_lora_set(spec, "stage2")
+    with pytest.raises(ValueError, match="distilled LoRA"):
+        stage_lora_set(spec, "distilled")
