@@ -97,9 +97,22 @@ def load(spec: dict, dtype: str = "bfloat16", progress: Progress = None, should_
     return run("load", {"spec": spec, "dtype": dtype}, progress=progress, should_cancel=should_cancel).fields
 
 
-def encode(spec: dict, prompts: list[str], dtype: str = "bfloat16", progress: Progress = None, should_cancel: ShouldCancel = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(video_context, audio_context) for each prompt, from the Gemma text encoder on the fleet."""
-    result = run("encode", {"spec": spec, "dtype": dtype, "prompts": list(prompts)}, progress=progress, should_cancel=should_cancel)
+def encode(
+    spec: dict,
+    prompts: list[str],
+    dtype: str = "bfloat16",
+    gemma_mode: str = "sharded",
+    free_gemma: bool = False,
+    progress: Progress = None,
+    should_cancel: ShouldCancel = None,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(video_context, audio_context) for each prompt, from the Gemma text encoder on the fleet.
+
+    ``gemma_mode``: 'sharded' (one copy split over the GPUs, loaded by rank 0) or 'batch_parallel'
+    (a copy per GPU, prompts split); ``free_gemma`` gives Gemma's memory back after encoding.
+    """
+    args = {"spec": spec, "dtype": dtype, "prompts": list(prompts), "gemma_mode": gemma_mode, "free_gemma": free_gemma}
+    result = run("encode", args, progress=progress, should_cancel=should_cancel)
     return [(result.tensors[f"video_context_{i}"], result.tensors[f"audio_context_{i}"]) for i in range(len(prompts))]
 
 

@@ -23,7 +23,7 @@ import torch
 from . import shm
 from .parallel.comm import Comm
 
-JOB_MODULES = ("mgpu_backend.builtin_jobs", "mgpu_backend.ltx.jobs")
+JOB_MODULES = ("mgpu_backend.builtin_jobs", "mgpu_backend.ltx.jobs", "mgpu_backend.diagnostics")
 
 JobFn = Callable[["JobContext", dict[str, Any], dict[str, torch.Tensor]], tuple[dict[str, Any], dict[str, torch.Tensor]]]
 JOBS: dict[str, JobFn] = {}
@@ -89,6 +89,8 @@ class JobContext:
 
         Collective: every rank must call it with the same arguments.
         """
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # report a step when it is done, not when it is queued
         now = time.perf_counter()
         seconds, self._last_step_time = now - self._last_step_time, now
         self.emit("progress", {"stage": stage, "step": step, "total": total, "seconds": round(seconds, 6)})

@@ -120,6 +120,12 @@ class Rank:
             time.sleep(HEARTBEAT_SECONDS)
             where, in_collective = main_thread_position(main_thread)
             fields = {"memory": device_memory(self.device), "where": where, "in_collective": in_collective}
+            model = self.state.get("model")
+            if model is not None:
+                try:
+                    fields["weights"] = model.memory_report()
+                except RuntimeError:  # the job thread is swapping weights right now; next beat
+                    pass
             try:
                 self.emit("heartbeat", fields, job="")
             except OSError:
@@ -174,7 +180,9 @@ class Rank:
         try:
             if op not in JOBS:
                 raise JobInputError(f"unknown job type {op!r}; known: {', '.join(sorted(JOBS))}")
-            fields, tensors = JOBS[op](ctx, message.fields.get("args", {}), message.tensors)
+            # Jobs never train: tensors made in one job (cached weights) must be usable in the next.
+            with torch.inference_mode():
+                fields, tensors = JOBS[op](ctx, message.fields.get("args", {}), message.tensors)
             if self.rank == 0:
                 self.send_result(fields, tensors, ctx.shared_outputs)
                 ctx.shared_outputs.clear()  # handed over: the client unlinks them now

@@ -26,15 +26,17 @@ from ltx_core.components.guiders import MultiModalGuiderParams
 from ltx_core.model.video_vae import SpatialTilingConfig, TemporalTilingConfig, TilingConfig
 
 from ..jobs import JobContext, JobInputError, job
+from ..parallel.distributed_gemma import GEMMA_MODES, encode_prompts_distributed, last_encode_stats, release_text_encoders
 from ..parallel.distributed_decode import decoded_images_shape, distributed_decode_images, last_decode_stats
 from ..parallel.guidance_parallel import build_stage1_parallel, plan_stage1
 from ..parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel, sequence_parallel_degree
+from ..parallel.weight_tracker import TransformerWeightTracker
 from ..parallel.tiled_data_parallel import DimensionTiling, TileCounts, VideoTilePlan, apply_tiled_data_parallel, balanced_tile_split
 from .decode import decode_audio
 from .latents import StageGeometry, job_generator
 from .loading import ModelFileError, ModelLoader, ModelSpec
 from .stages import GenerationParams, check_generation_fits, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
-from .text import TextContext, encode_prompts
+from .text import TextContext
 from .validation import TransformerDims, validate_stg_blocks
 
 log = logging.getLogger("mgpu.ltx")
@@ -65,10 +67,13 @@ class ResidentModel:
     ``video_encoder()``, ...), returning the kept instances.
     """
 
-    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, comm) -> None:
         self.spec, self.device, self.dtype = spec, device, dtype
         self.loader = ModelLoader(spec, device, dtype)
         self.components: dict[tuple, torch.nn.Module] = {}
+        # One working transformer per rank; a clean copy sharded over the ranks lets stage 1 (no
+        # LoRA) and stage 2 (distilled LoRA) swap in place. Without any LoRA, no clean copy is kept.
+        self.tracker = TransformerWeightTracker(comm, no_lora_swap=spec.distilled_lora is None and not spec.loras)
 
     def _kept(self, name: str, *args):
         key = (name, *args)
@@ -77,7 +82,8 @@ class ResidentModel:
         return self.components[key]
 
     def transformer(self, lora_set: str = "none"):
-        return self._kept("transformer", lora_set)
+        """The working transformer with the stage's LoRAs fused (collective on a LoRA swap)."""
+        return self.tracker.transformer(self.loader, lora_set)
 
     def video_encoder(self):
         return self._kept("video_encoder")
@@ -104,6 +110,15 @@ class ResidentModel:
     def bytes_read_from_disk(self) -> int:
         return self.loader.bytes_read_from_disk
 
+    def memory_report(self) -> dict:
+        """What this rank holds of the model, for ``status``: transformer working copy, clean shard,
+        and the other components (VAEs, vocoder, upsampler, connectors)."""
+        report = {key: value for key, value in self.tracker.memory_report().items() if key.endswith("_bytes")}
+        report["other_components_bytes"] = sum(
+            tensor.nbytes for module in self.components.values() for tensor in (*module.parameters(), *module.buffers())
+        )
+        return report
+
     def layer_count(self) -> int:
         return transformer_layer_count(self.transformer("none"))
 
@@ -127,12 +142,15 @@ def resident_model(ctx: JobContext, args: dict) -> ResidentModel:
         if resident is not None and resident.spec == spec and resident.dtype == dtype:
             return resident
         unload_models(ctx)
-        resident = ResidentModel(spec, ctx.device, dtype)  # validates the files from their headers
+        resident = ResidentModel(spec, ctx.device, dtype, ctx.comm)  # validates the files from their headers
     ctx.state["model"] = resident
     return resident
 
 
 def unload_models(ctx: JobContext) -> None:
+    resident = ctx.state.get("model")
+    if resident is not None:
+        release_text_encoders(resident.loader)
     for key in ("model", "stage1_parallel"):
         ctx.state.pop(key, None)
     gc.collect()
@@ -232,8 +250,6 @@ def load(ctx: JobContext, args: dict, tensors: dict):
     started = time.perf_counter()
     resident = resident_model(ctx, args)
     builders = [("transformer", "none"), ("video_encoder",), ("video_decoder",), ("audio_decoder",), ("vocoder",), ("embeddings_processor",)]
-    if resident.spec.distilled_lora is not None:
-        builders.append(("transformer", "distilled"))
     if resident.spec.spatial_upsampler_path is not None:
         builders.append(("spatial_upsampler",))
     for index, (name, *extra) in enumerate(builders, start=1):
@@ -245,7 +261,8 @@ def load(ctx: JobContext, args: dict, tensors: dict):
         "bytes_read": resident.bytes_read_from_disk,
         "load_seconds": seconds,
         "layers": resident.layer_count(),
-        "components": sorted({key[0] for key in resident.components}),
+        "components": sorted({"transformer", *(key[0] for key in resident.components)}),
+        "weights": resident.tracker.memory_report(),
     }, {}
 
 
@@ -257,8 +274,13 @@ def encode(ctx: JobContext, args: dict, tensors: dict):
         raise JobInputError(f"prompts must be a list of 1 to {MAX_PROMPTS} strings")
     if any(len(prompt) > MAX_PROMPT_CHARS for prompt in prompts):
         raise JobInputError(f"a prompt is longer than {MAX_PROMPT_CHARS} characters; shorten it")
+    gemma_mode = args.get("gemma_mode", "sharded")
+    if gemma_mode not in GEMMA_MODES:
+        raise JobInputError(f"gemma_mode must be one of {', '.join(GEMMA_MODES)}, got {gemma_mode!r}")
     resident = resident_model(ctx, args)
-    contexts = encode_prompts(resident, prompts)
+    contexts = encode_prompts_distributed(resident.loader, prompts, ctx.comm, gemma_mode, free_after=bool(args.get("free_gemma", False)))
+    stats = last_encode_stats()
+    ctx.log(f"text encode ({gemma_mode}): {stats.get('encoded_here', 0)} prompt(s) on this rank in {stats.get('seconds', 0):.2f} s")
     ctx.step("encode", 1, 1)
     out = {}
     for index, context in enumerate(contexts):
@@ -321,15 +343,22 @@ def sample(ctx: JobContext, args: dict, tensors: dict):
         positive, negative = _context(tensors, "positive"), _context(tensors, "negative")
         image = _image(tensors)
         mode = args.get("parallel", "auto")
-        passes = active_passes(params.video_guider, params.audio_guider)
+        dims = TransformerDims.from_checkpoint(resident.spec.checkpoint_path)
+    return run_stage1(ctx, resident, params, positive, negative, image, mode, dims)
+
+
+def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: TextContext, negative: TextContext,
+               image: torch.Tensor | None, mode: str, dims: TransformerDims):  # fmt: skip
+    """Plan, memory check and the stage-1 loop: shared by ``sample`` and the benchmark job."""
+    passes = active_passes(params.video_guider, params.audio_guider)
     plan, runner = stage1_parallel(ctx, resident, params.stage1.video_tokens, passes, mode)
     with input_errors():
-        dims = TransformerDims.from_checkpoint(resident.spec.checkpoint_path)
         check_generation_fits(params, ctx.device, dims, resident.dtype, sp_degree=plan.sp_degree, weights_resident=True)
     video, audio = sample_stage1(
         resident, params, _moved(positive, resident), _moved(negative, resident), image, pass_runner=runner, on_step=_progress(ctx, "stage1")
     )
-    return {"plan": plan.reason, "sp_degree": plan.sp_degree, "guidance_groups": plan.guidance_groups}, {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
+    fields = {"plan": plan.reason, "sp_degree": plan.sp_degree, "guidance_groups": plan.guidance_groups}
+    return fields, {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
 
 
 def upscale_tiling(ctx: JobContext, args: dict, video_grid: tuple[int, int, int]) -> TileCounts | None:
@@ -396,6 +425,9 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
         check_generation_fits(params, ctx.device, dims, resident.dtype, weights_resident=True)
     upsampled = upsample_video(resident, video_latent)
     ctx.step("upsample", 1, 1)
+    stage2_transformer = resident.transformer("distilled")  # the same working copy stage 1 used
+    if sequence_parallel_degree(stage2_transformer) > 1:
+        remove_sequence_parallel(stage2_transformer)  # stage 2 splits by tiles, not by tokens
     wrapper = None
     if tiling is not None:
         wrapper = lambda model: apply_tiled_data_parallel(model, ctx.comm, tiling, stage2_grid)  # noqa: E731
