@@ -1,0 +1,167 @@
+"""Shared helpers of the bench scripts: device timing, random weights, markdown tables, machine line.
+
+Every bench script prints one markdown table on stdout and nothing else (progress goes to stderr),
+and with ``--out PATH`` also writes the table under a one-line header saying which command ran on
+which machine and when, so a result pasted into docs/ carries its provenance.
+
+This module never loads checkpoints or downloads anything, and never talks to other ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import math
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from mgpu_backend.diagnostics import materialize_random_  # noqa: E402,F401 - one recipe for random weights
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def configure_logging() -> None:
+    """The project's own one-line reports (tiles applied, decode statistics) go to stderr too."""
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(name)s: %(message)s")
+
+
+@contextlib.contextmanager
+def stdout_to_stderr() -> Iterator[None]:
+    """Send anything the measured code prints to stderr, so stdout holds the table only."""
+    configure_logging()
+    with contextlib.redirect_stdout(sys.stderr):
+        yield
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name} asked for, but torch sees no CUDA device; use --device cpu with --tiny")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def bench_dtype(device: torch.device) -> torch.dtype:
+    """bf16 on GPUs, as the pipeline runs; fp32 on CPU, where bf16 kernels are slow and unrepresentative."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def machine_description(device: torch.device) -> str:
+    if device.type == "cuda":
+        properties = torch.cuda.get_device_properties(device)
+        hardware = f"{properties.name} ({properties.total_memory / 2**30:.0f} GiB), CUDA {torch.version.cuda}"
+    else:
+        hardware = f"CPU {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+    return f"{hardware}, torch {torch.__version__}, Python {platform.python_version()}"
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class IntervalTimer:
+    """Times intervals of device work: CUDA events on a GPU (no synchronisation inside the measured
+    code, so the intervals can sit inside a model call), wall clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pending: list[tuple[object, object]] = []
+
+    @contextlib.contextmanager
+    def interval(self) -> Iterator[None]:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+        else:
+            start = time.perf_counter()
+            yield
+            end = time.perf_counter()
+        self._pending.append((start, end))
+
+    def milliseconds(self) -> list[float]:
+        """Every recorded interval in order (waits for the device), and forgets them."""
+        synchronize(self.device)
+        if self.device.type == "cuda":
+            values = [start.elapsed_time(end) for start, end in self._pending]
+        else:
+            values = [(end - start) * 1e3 for start, end in self._pending]
+        self._pending = []
+        return values
+
+
+def time_calls(call: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> list[float]:
+    """Milliseconds of each of ``repeats`` calls after ``warmup`` untimed ones, each call ending in a
+    device synchronisation (so host overhead between kernels counts, as it does in a real step)."""
+    for _ in range(warmup):
+        call()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        synchronize(device)
+        times.append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_text(device: torch.device) -> str:
+    if device.type != "cuda":
+        return "n/a (CPU)"
+    return f"{torch.cuda.max_memory_allocated(device) / 1e9:.1f} GB"
+
+
+# --------------------------------------------------------------------------------------------------
+# Random weights at any size, made on the device itself
+# --------------------------------------------------------------------------------------------------
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------
+
+
+def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def emit(table: str, device: torch.device, out: str | None) -> None:
+    """Print the table on stdout; with ``out`` also write it under a command/machine/date line."""
+    print(table, flush=True)
+    if out:
+        command = "python " + " ".join(shlex.quote(arg) for arg in sys.argv)
+        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        header = f"`{command}` on {machine_description(device)}, {date}"
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(header + "\n\n" + table + "\n")
+        log(f"table written to {out}")
