@@ -25,6 +25,8 @@ import torch
 from ltx_core.components.guiders import MultiModalGuiderParams
 from ltx_core.model.video_vae import SpatialTilingConfig, TemporalTilingConfig, TilingConfig
 
+from kernels import install_fast_all_to_all
+
 from ..jobs import JobContext, JobInputError, job
 from ..parallel.distributed_gemma import GEMMA_MODES, encode_prompts_distributed, last_encode_stats, release_text_encoders
 from ..parallel.distributed_decode import decoded_images_shape, distributed_decode_images, last_decode_stats
@@ -309,7 +311,11 @@ def stage1_parallel(ctx: JobContext, resident: ResidentModel, video_tokens: int,
     layouts = ctx.state.setdefault("stage1_parallel", {})
     layout = (plan.guidance_groups, plan.sp_degree)
     if layout not in layouts:
-        layouts[layout] = build_stage1_parallel(ctx.comm, plan)
+        sp_comm, runner = build_stage1_parallel(ctx.comm, plan)
+        if ctx.device.type == "cuda" and sp_comm.world_size > 1:
+            exchange = install_fast_all_to_all(sp_comm, ctx.device)  # collective; falls back by itself
+            ctx.log(f"sequence-parallel all-to-all: {exchange}")
+        layouts[layout] = sp_comm, runner
     sp_comm, runner = layouts[layout]
     transformer = resident.transformer("none")
     if sp_comm.world_size > 1:

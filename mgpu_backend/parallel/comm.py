@@ -8,6 +8,8 @@ the default world itself; ``Comm.split`` makes subgroups collectively.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -24,6 +26,7 @@ class Comm:
             self.rank = dist.get_rank(group)
             self.world_size = dist.get_world_size(group)
             self.global_ranks = list(ranks) if ranks is not None else list(range(self.world_size))
+        self._all_to_all_exchange: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
 
     @classmethod
     def world(cls) -> Comm:
@@ -53,15 +56,36 @@ class Comm:
         assert mine is not None, f"rank {me} is in none of {groups}"
         return mine
 
+    def use_all_to_all(self, exchange: Callable[[torch.Tensor, int, int], torch.Tensor] | None) -> None:
+        """Route this Comm's ``all_to_all`` through ``exchange(tensor, scatter_dim, gather_dim)``, or back
+        to torch.distributed with ``None``.
+
+        The hook through which ``kernels/`` installs its CUDA-IPC all-to-all on one Comm (subgroups
+        made by ``split`` start without one). Every rank of the group must make the same choice, or
+        the ranks wait on different collectives: use ``kernels.install_fast_all_to_all``, which agrees
+        on it collectively, rather than calling this directly.
+        """
+        self._all_to_all_exchange = exchange
+
     def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split ``tensor`` into world_size chunks along ``scatter_dim``, send chunk i to rank i, and
         concatenate the received chunks along ``gather_dim``."""
         if self.world_size == 1:
             return tensor
-        inputs = [chunk.contiguous() for chunk in tensor.chunk(self.world_size, dim=scatter_dim)]
-        outputs = [torch.empty_like(chunk) for chunk in inputs]
-        dist.all_to_all(outputs, inputs, group=self.group)
-        return torch.cat(outputs, dim=gather_dim)
+        if self._all_to_all_exchange is not None:
+            return self._all_to_all_exchange(tensor, scatter_dim, gather_dim)
+        return self.torch_all_to_all(tensor, scatter_dim, gather_dim)
+
+    def torch_all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        """``all_to_all`` through torch.distributed, whatever exchange is installed (its fallback)."""
+        if self.world_size == 1:
+            return tensor
+        # all_to_all_single on chunks stacked along a new first dim: gloo of torch 2.11 has no list
+        # all_to_all, and both backends take the single-tensor form.
+        inputs = torch.stack(tensor.chunk(self.world_size, dim=scatter_dim))
+        outputs = torch.empty_like(inputs)
+        dist.all_to_all_single(outputs, inputs, group=self.group)
+        return torch.cat(outputs.unbind(0), dim=gather_dim)
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` (same shape on all ranks) along ``dim``, in rank order."""
