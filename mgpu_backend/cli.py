@@ -133,9 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("directory")
     tiny.set_defaults(func=cmd_make_tiny)
 
+    from .comfy_queue import add_queue_parser
     from .generate import add_generate_parser
 
     add_generate_parser(commands)
+    add_queue_parser(commands)
 
     rank = commands.add_parser("rank")  # internal: started by the server
     for name in ("--rank", "--world-size", "--fd", "--owner-pid"):

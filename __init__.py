@@ -1,0 +1,38 @@
+"""ComfyUI entry point of comfyui-mgpu: LTX-2 audio+video generation spread over several GPUs.
+
+ComfyUI imports this folder as a package from ``custom_nodes/`` and reads NODE_CLASS_MAPPINGS,
+NODE_DISPLAY_NAME_MAPPINGS and WEB_DIRECTORY. The nodes are imported relatively (ComfyUI owns the
+top-level name ``nodes``); ``mgpu_backend`` is imported absolutely, from this folder unless an
+installed copy is already importable. The panel's HTTP routes are added only inside ComfyUI.
+This file must stay cheap and must never start the fleet: that happens on the first node run.
+"""
+
+import importlib.util
+import os
+import sys
+
+_PACK_DIR = os.path.dirname(os.path.abspath(__file__))
+if importlib.util.find_spec("mgpu_backend") is None:
+    # Appended, not prepended: this folder also holds 'nodes' and 'tests', which must never shadow
+    # ComfyUI's own modules of the same names.
+    sys.path.append(_PACK_DIR)
+
+from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
+
+WEB_DIRECTORY = "./web"
+
+
+def _comfy_prompt_server():
+    try:
+        import server
+    except ImportError:
+        return None
+    return getattr(getattr(server, "PromptServer", None), "instance", None)
+
+
+if _comfy_prompt_server() is not None:
+    from .nodes.routes import register_routes
+
+    register_routes(_comfy_prompt_server())
+
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]

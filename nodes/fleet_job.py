@@ -1,0 +1,148 @@
+"""One node's call into the fleet, wired to ComfyUI: progress bar, per-rank text, cancel, errors.
+
+``FleetJob(node_id).call(api.sample, ...)`` hands the api function a ``progress`` callback and a
+``should_cancel`` poll and maps what comes back:
+
+- each progress event advances a ``comfy.utils.ProgressBar`` (one per stage: denoising steps, decode
+  tiles), shows per-rank step times on the node (``PromptServer.send_progress_text``, where this
+  ComfyUI has it) and is broadcast as an ``mgpu.status`` event for the web panel;
+- ComfyUI's interrupt (the Cancel button, ``POST /interrupt``) becomes a fleet cancel: every rank
+  stops at the same step boundary and the fleet stays warm; the node then raises ComfyUI's
+  ``InterruptProcessingException`` so ComfyUI reports an interrupt, not an error;
+- a ``FleetError`` becomes a ``RuntimeError`` carrying the fleet's message; the failing rank's
+  traceback goes to the log.
+
+ComfyUI modules are imported lazily and only if present, so nodes run (and are tested) without
+ComfyUI. Nothing here decides how work is split: that is the fleet's job.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from collections.abc import Callable
+
+from mgpu_backend.client import FleetCancelled, FleetError
+
+log = logging.getLogger("comfyui-mgpu")
+
+STATUS_EVENT = "mgpu.status"
+TEXT_INTERVAL_SECONDS = 0.5
+"""Per-rank text is throttled: a fast stage (decode tiles of a tiny model) would otherwise flood
+the websocket with one message per tile."""
+
+
+def comfy_module(name: str):
+    """A ComfyUI module if this process runs inside ComfyUI, else None."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def prompt_server():
+    server = comfy_module("server")
+    return getattr(getattr(server, "PromptServer", None), "instance", None)
+
+
+def interrupt_exception_type() -> type[BaseException] | None:
+    model_management = comfy_module("comfy.model_management")
+    return getattr(model_management, "InterruptProcessingException", None)
+
+
+def format_progress(event: dict) -> str:
+    """'stage1 3/40 · 1.21 s/step · rank 0 1.21 s | rank 1 1.25 s' from one progress event."""
+    stage, step, total = event.get("stage", "job"), event.get("step", 0), event.get("total", 0)
+    text = f"{stage} {step}/{total}"
+    if event.get("seconds") is not None:
+        text += f" · {float(event['seconds']):.2f} s/step"
+    rank_seconds = event.get("rank_seconds") or []
+    if len(rank_seconds) > 1:
+        text += " · " + " | ".join(
+            f"rank {rank} {seconds:.2f} s" if seconds is not None else f"rank {rank} -"
+            for rank, seconds in enumerate(rank_seconds)
+        )
+    return text
+
+
+class FleetJob:
+    """Progress, cancel and error mapping for one node execution (one or more fleet calls)."""
+
+    def __init__(self, node_id: str | None, title: str) -> None:
+        self.node_id, self.title = node_id, title
+        self.cancel_requested = False
+        self._bar = None
+        self._bar_stage: str | None = None
+        self._last_text = 0.0
+
+    # -- the two callbacks the api functions take ------------------------------------------------
+    def should_cancel(self) -> bool:
+        if not self.cancel_requested:
+            model_management = comfy_module("comfy.model_management")
+            if model_management is not None and model_management.processing_interrupted():
+                self.cancel_requested = True
+        return self.cancel_requested
+
+    def progress(self, event: dict) -> None:
+        self._advance_bar(event)
+        server = prompt_server()
+        if server is None:
+            return
+        server.send_sync(STATUS_EVENT, {"node": self.node_id, "title": self.title, **_json_safe(event)})
+        now = time.monotonic()
+        final = event.get("step") == event.get("total")
+        if hasattr(server, "send_progress_text") and self.node_id is not None and (final or now - self._last_text >= TEXT_INTERVAL_SECONDS):
+            self._last_text = now
+            server.send_progress_text(format_progress(event), self.node_id)
+
+    def _advance_bar(self, event: dict) -> None:
+        total, step = int(event.get("total") or 0), int(event.get("step") or 0)
+        if total <= 0:
+            return
+        stage = event.get("stage")
+        if self._bar is None or stage != self._bar_stage:
+            utils = comfy_module("comfy.utils")
+            if utils is None:
+                return
+            self._bar, self._bar_stage = utils.ProgressBar(total, node_id=self.node_id), stage
+        try:
+            self._bar.update_absolute(step, total)
+        except BaseException as exc:
+            # ComfyUI's progress hook raises its interrupt here. Letting it escape would abandon the
+            # fleet job mid-stream on the shared connection; turn it into a cancel instead, which
+            # the client sends at its next poll and which ends in FleetCancelled below.
+            interrupt = interrupt_exception_type()
+            if interrupt is None or not isinstance(exc, interrupt):
+                raise
+            self.cancel_requested = True
+
+    # -- running one api call ----------------------------------------------------------------------
+    def call(self, function: Callable, *args, **kwargs):
+        """``function(*args, progress=..., should_cancel=..., **kwargs)``, its fleet exceptions
+        mapped as ComfyUI expects them: an interrupt, or a RuntimeError with the fleet's message."""
+        try:
+            return function(*args, progress=self.progress, should_cancel=self.should_cancel, **kwargs)
+        except FleetCancelled as exc:
+            raise self._interrupt(exc) from None
+        except FleetError as exc:
+            where = f" (rank {exc.rank})" if exc.rank is not None else ""
+            if exc.traceback:
+                log.error("%s failed in the fleet%s:\n%s", self.title, where, exc.traceback)
+            raise RuntimeError(f"{self.title}: {exc}{where}") from None
+
+    def _interrupt(self, cancelled: FleetCancelled) -> BaseException:
+        model_management = comfy_module("comfy.model_management")
+        if model_management is None:
+            return cancelled
+        # Clear ComfyUI's interrupt flag the way its own cancel points do, so the next prompt
+        # does not start interrupted.
+        try:
+            model_management.throw_exception_if_processing_interrupted()
+        except model_management.InterruptProcessingException as exc:
+            return exc
+        return model_management.InterruptProcessingException()
+
+
+def _json_safe(event: dict) -> dict:
+    return {key: value for key, value in event.items() if isinstance(value, (str, int, float, bool, list, type(None)))}

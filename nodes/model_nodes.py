@@ -1,0 +1,239 @@
+"""Load Checkpoint MGPU (files + fleet options -> MGPU_MODEL) and MGPU Fleet Control.
+
+The loader picks files from ComfyUI's model folders (checkpoints, loras, latent_upscale_models,
+text_encoders), builds the model spec, and loads it into every rank right away so that a wrong
+file fails here and not three nodes later. Its output is a small handle, not a model: the weights
+live in the fleet processes. It never touches the weights itself.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+
+from mgpu_backend import api
+
+from .fleet_admin import format_status, status_snapshot, stop_fleet, unload_models
+from .fleet_job import FleetJob, prompt_server
+from .layouts import DTYPES, GEMMA_MODES, MODEL_TYPE, PARALLEL_PLANS, make_model_handle, parse_gpus
+
+log = logging.getLogger("comfyui-mgpu")
+
+CATEGORY = "MGPU/LTX-2"
+EMBEDDED = "(embedded tiny LTX-2, random weights)"
+NO_FILE = "(none)"
+
+
+def _folder_paths():
+    try:
+        import folder_paths
+    except ImportError:
+        return None
+    return folder_paths
+
+
+def model_file_choices(folder: str) -> list[str]:
+    """Files of one ComfyUI model folder (empty outside ComfyUI)."""
+    folder_paths = _folder_paths()
+    if folder_paths is None:
+        return []
+    try:
+        return folder_paths.get_filename_list(folder)
+    except KeyError:  # a ComfyUI too old to know this folder
+        return []
+
+
+def gemma_folder_choices() -> list[str]:
+    """Hugging Face model folders (with a config.json) inside the text_encoders folders.
+
+    ltx-core reads Gemma from its folder (config, tokenizer, safetensors shards), so folders are
+    listed here, not the single files ComfyUI's own text encoder loaders take.
+    """
+    folder_paths = _folder_paths()
+    if folder_paths is None:
+        return []
+    names = set()
+    for base in folder_paths.get_folder_paths("text_encoders"):
+        if not os.path.isdir(base):
+            continue
+        for entry in os.listdir(base):
+            if os.path.isfile(os.path.join(base, entry, "config.json")):
+                names.add(entry)
+    return sorted(names)
+
+
+def _resolve_file(folder: str, name: str) -> str:
+    folder_paths = _folder_paths()
+    if folder_paths is None:
+        if os.path.isfile(name):
+            return os.path.abspath(name)
+        raise ValueError(f"{name!r} is not a file; outside ComfyUI give a path or choose {EMBEDDED!r}")
+    path = folder_paths.get_full_path(folder, name)
+    if path is None:
+        raise ValueError(f"{name!r} is not in ComfyUI's {folder} folder any more; refresh the page and choose again")
+    return path
+
+
+def _resolve_gemma(name: str) -> str:
+    folder_paths = _folder_paths()
+    bases = folder_paths.get_folder_paths("text_encoders") if folder_paths is not None else [""]
+    for base in bases:
+        path = os.path.join(base, name)
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return os.path.abspath(path)
+    raise ValueError(
+        f"Gemma folder {name!r} has no config.json in any text_encoders folder; put the Hugging Face folder "
+        "(e.g. gemma-3-12b-it-qat-q4_0-unquantized) in models/text_encoders"
+    )
+
+
+def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: float, spatial_upsampler: str, gemma: str) -> dict:
+    """The ModelSpec JSON for the chosen files; the embedded tiny bundle is one set, never mixed."""
+    from mgpu_backend.ltx.loading import ModelSpec
+
+    if ckpt_name == EMBEDDED:
+        if gemma != EMBEDDED:
+            raise ValueError(f"the embedded tiny checkpoint only works with its own text encoder: set gemma to {EMBEDDED!r}")
+        for input_name, value in (("distilled_lora", distilled_lora), ("spatial_upsampler", spatial_upsampler)):
+            if value not in (EMBEDDED, NO_FILE):
+                raise ValueError(
+                    f"{input_name} {value!r} does not fit the embedded tiny checkpoint; choose {EMBEDDED!r} or {NO_FILE!r}"
+                )
+        tiny = ModelSpec.tiny()
+        spec = ModelSpec(
+            checkpoint_path=tiny.checkpoint_path,
+            gemma_root=tiny.gemma_root,
+            spatial_upsampler_path=tiny.spatial_upsampler_path if spatial_upsampler == EMBEDDED else None,
+            distilled_lora=tiny.distilled_lora if distilled_lora == EMBEDDED else None,
+            distilled_lora_strength=distilled_lora_strength,
+        )
+        return spec.to_json()
+    embedded = [name for name, value in (("distilled_lora", distilled_lora), ("spatial_upsampler", spatial_upsampler), ("gemma", gemma)) if value == EMBEDDED]
+    if embedded:
+        raise ValueError(
+            f"{', '.join(embedded)} is set to the embedded tiny bundle but the checkpoint is {ckpt_name!r}; "
+            "the tiny bundle is one set: choose real files for every input, or the embedded entry for the checkpoint too"
+        )
+    if gemma == NO_FILE:
+        raise ValueError("choose the Gemma 3 text encoder folder; LTX-2 cannot run without it")
+    spec = ModelSpec(
+        checkpoint_path=_resolve_file("checkpoints", ckpt_name),
+        gemma_root=_resolve_gemma(gemma),
+        spatial_upsampler_path=None if spatial_upsampler == NO_FILE else _resolve_file("latent_upscale_models", spatial_upsampler),
+        distilled_lora=None if distilled_lora == NO_FILE else _resolve_file("loras", distilled_lora),
+        distilled_lora_strength=distilled_lora_strength,
+    )
+    return spec.to_json()
+
+
+def gemma_options(handle: dict, api_function) -> dict:
+    """``{"gemma_mode": ...}`` for an api call that takes it, else ``{}`` with a warning.
+
+    The Gemma mode travels in every MGPU_MODEL handle; api.load/encode take it once the fleet's
+    distributed Gemma is wired in. Until then the fleet uses its one built-in way (logged once).
+    """
+    global _gemma_mode_warned
+    if "gemma_mode" in inspect.signature(api_function).parameters:
+        return {"gemma_mode": handle["gemma_mode"]}
+    if not _gemma_mode_warned:
+        _gemma_mode_warned = True
+        log.warning("this fleet version does not take a Gemma mode yet; gemma_mode=%s is ignored", handle["gemma_mode"])
+    return {}
+
+
+_gemma_mode_warned = False
+
+
+class LoadCheckpointMGPU:
+    """Pick the LTX-2 files and fleet options; load them into every rank of the fleet."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = (MODEL_TYPE,)
+    RETURN_NAMES = ("model",)
+    OUTPUT_TOOLTIPS = ("Handle of the model loaded in the fleet; connect it to every other MGPU node.",)
+    FUNCTION = "load"
+    DESCRIPTION = "Loads an LTX-2 audio+video model into every GPU of the MGPU fleet (one process per GPU)."
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "ckpt_name": ([EMBEDDED, *model_file_choices("checkpoints")], {"default": EMBEDDED, "tooltip": "The LTX-2 checkpoint from models/checkpoints, e.g. ltx-2-19b-dev.safetensors. The embedded tiny entry needs no download (random weights: noise out) and is for trying the graph."}),
+                "distilled_lora": ([EMBEDDED, NO_FILE, *model_file_choices("loras")], {"default": EMBEDDED, "tooltip": "The distilled LoRA TDP Upscale refines with, from models/loras, e.g. ltx-2-19b-distilled-lora-384.safetensors. (none) if you only run SP Sampler."}),
+                "distilled_lora_strength": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 2.0, "step": 0.05, "tooltip": "Strength of the distilled LoRA in stage 2. The official pipeline uses 1.0."}),
+                "spatial_upsampler": ([EMBEDDED, NO_FILE, *model_file_choices("latent_upscale_models")], {"default": EMBEDDED, "tooltip": "The 2x latent upsampler TDP Upscale needs, from models/latent_upscale_models, e.g. ltx-2-spatial-upscaler-x2-1.0.safetensors. (none) if you only run SP Sampler."}),
+                "gemma": ([EMBEDDED, *gemma_folder_choices()], {"default": EMBEDDED, "tooltip": "The Gemma 3 text encoder FOLDER (Hugging Face layout: config.json, tokenizer, safetensors shards) inside models/text_encoders, e.g. gemma-3-12b-it-qat-q4_0-unquantized."}),
+                "gpus": ("STRING", {"default": "all", "tooltip": "GPUs the fleet runs on: 'all' or a list like 0,1. Applies when the fleet starts; after changing it press Restart in the MGPU panel."}),
+                "gemma_mode": (list(GEMMA_MODES), {"default": GEMMA_MODES[0], "tooltip": "sharded: one Gemma copy split over the GPUs (least memory). batch_parallel: a copy per GPU, prompts encoded in parallel (faster, needs Gemma to fit on one GPU)."}),
+                "parallel": (list(PARALLEL_PLANS), {"default": PARALLEL_PLANS[0], "tooltip": "How SP Sampler spreads a step over the GPUs: sp splits the video tokens (sequence parallel), guidance runs the guidance passes on different GPUs, hybrid does both, auto lets the planner choose from GPU count and size."}),
+                "dtype": (list(DTYPES), {"default": DTYPES[0], "tooltip": "Compute precision in the fleet. bfloat16 is what LTX-2 is made for; float32 doubles the memory and is for checking results."}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    def load(self, ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, gpus, gemma_mode, parallel, dtype, unique_id=None):
+        gpus = parse_gpus(gpus)
+        spec = build_spec(ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma)
+        handle = make_model_handle(spec, dtype=dtype, gemma_mode=gemma_mode, parallel=parallel, gpus=gpus)
+        job = FleetJob(unique_id, "Load Checkpoint MGPU")
+        # Takes effect when this process starts the fleet; 'all' leaves the choice to the server
+        # (every visible GPU, or one CPU rank without CUDA).
+        api.configure(gpus=None if gpus == "all" else gpus)
+        job.call(api.load, spec, dtype=dtype, **gemma_options(handle, api.load))
+        self._warn_on_device_mismatch(gpus, unique_id)
+        return (handle,)
+
+    @staticmethod
+    def _warn_on_device_mismatch(gpus: str, node_id) -> None:
+        if gpus == "all" or os.environ.get("MGPU_CPU_RANKS"):
+            return
+        from mgpu_backend.fleet import DeviceSpec
+
+        wanted = DeviceSpec(gpus=tuple(int(gpu) for gpu in gpus.split(","))).describe()
+        running = status_snapshot().get("devices")
+        if running and running != wanted:
+            message = f"the fleet already runs on {running}, not {wanted}; press Restart in the MGPU panel to apply gpus={gpus}"
+            log.warning(message)
+            server = prompt_server()
+            if server is not None and hasattr(server, "send_progress_text") and node_id is not None:
+                server.send_progress_text(message, node_id)
+
+
+FLEET_ACTIONS = ("status", "unload models", "restart fleet")
+
+
+class MGPUFleetControl:
+    """Show the fleet, unload its models, or restart it (the next MGPU node starts a fresh one)."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("STRING",)
+    RETURN_NAMES = ("status",)
+    OUTPUT_TOOLTIPS = ("The fleet status after the action, as text.",)
+    FUNCTION = "control"
+    OUTPUT_NODE = True
+    DESCRIPTION = "Fleet housekeeping: status, unload models (free GPU memory, keep the processes), restart (new processes)."
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "action": (list(FLEET_ACTIONS), {"default": FLEET_ACTIONS[0], "tooltip": "status: show devices, memory, job and queue. unload models: free the GPUs' memory; the next job reloads. restart fleet: stop every fleet process; use it after changing gpus or when a job hangs."}),
+            }
+        }
+
+    @classmethod
+    def IS_CHANGED(cls, action):
+        return float("nan")  # the fleet changes under us: never reuse a cached answer
+
+    def control(self, action):
+        if action == "unload models":
+            message = unload_models()["message"]
+        elif action == "restart fleet":
+            message = stop_fleet()["message"]
+        elif action == "status":
+            message = ""
+        else:
+            raise ValueError(f"action must be one of {list(FLEET_ACTIONS)}, got {action!r}")
+        text = "\n".join(part for part in (message, format_status(status_snapshot())) if part)
+        return {"ui": {"text": [text]}, "result": (text,)}

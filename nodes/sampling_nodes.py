@@ -1,0 +1,208 @@
+"""SP Sampler (stage 1, from noise) and TDP Upscale (stage 2, 2x refine): the two denoising nodes.
+
+Each checks its inputs (sizes, frame counts, sigmas, tiles) with a message that says what to
+change before anything is sent, calls ``mgpu_backend.api`` and returns an AV LATENT in ComfyUI's
+LTX-2 layout. How the work is split over GPUs (sequence parallel, guidance parallel, tiled data
+parallel) is decided in the fleet, never here.
+"""
+
+from __future__ import annotations
+
+from mgpu_backend import api
+
+from .fleet_job import FleetJob
+from .layouts import (
+    MODEL_TYPE,
+    PARALLEL_PLANS,
+    check_model_handle,
+    conditioning_contexts,
+    first_frame,
+    latent_frame_rate,
+    make_av_latent,
+    split_latent,
+)
+from .model_nodes import CATEGORY
+
+FROM_LOADER = "(from loader)"
+MAX_SIDE = 8192
+MAX_FRAMES = 1025
+SEED_MAX = 2**63 - 1  # the fleet seeds torch generators with a signed 64-bit value
+
+
+def parse_stg_blocks(text: str) -> tuple[int, ...] | None:
+    """'29' or '28, 29' -> block indices; empty -> None, the fleet's default (the official block 29,
+    or the last block of a smaller model)."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if not all(part.isdigit() for part in parts):
+        raise ValueError(f"stg_blocks must be transformer block indices like 29 or 28,29 (or empty for the default); got {text!r}")
+    return tuple(int(part) for part in parts) or None
+
+
+def parse_sigmas(text: str, force_from_noise: bool) -> tuple[float, ...]:
+    """'0.625, 0.4, 0.0' -> a strictly decreasing schedule in [0, 1] that does not start from noise
+    (sigma 1.0) unless forced: TDP refines an upsampled latent, it does not generate one."""
+    from mgpu_backend.ltx.validation import validate_sigmas
+
+    try:
+        sigmas = tuple(float(part) for part in text.replace(";", ",").split(",") if part.strip())
+    except ValueError:
+        raise ValueError(f"sigmas must be numbers separated by commas like 0.625, 0.4, 0.0; got {text!r}") from None
+    import torch
+
+    validate_sigmas(torch.tensor(sigmas, dtype=torch.float64))
+    if sigmas[0] >= 1.0 and not force_from_noise:
+        raise ValueError(
+            f"sigmas start at {sigmas[0]} (pure noise): TDP Upscale refines the upsampled stage-1 latent and, "
+            "started from noise, its tiles would each invent their own picture; start below 1.0 "
+            "(e.g. 0.625, 0.4, 0.0) or turn on force_from_noise if you really mean it"
+        )
+    return sigmas
+
+
+def parse_tiles(text: str) -> tuple[int, int] | None:
+    """'auto' -> None (the fleet balances tiles over its ranks); '2x3' -> (2 height tiles, 3 width tiles)."""
+    cleaned = text.strip().lower().replace(" ", "")
+    if cleaned in ("", "auto"):
+        return None
+    height_tiles, separator, width_tiles = cleaned.partition("x")
+    if not separator or not height_tiles.isdigit() or not width_tiles.isdigit() or int(height_tiles) < 1 or int(width_tiles) < 1:
+        raise ValueError(f"tiles must be 'auto' or HxW tile counts like 2x2 (height x width); got {text!r}")
+    return int(height_tiles), int(width_tiles)
+
+
+class SPSampler:
+    """Stage 1: generate video and audio from noise with full multimodal guidance."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("av_latent",)
+    OUTPUT_TOOLTIPS = ("Video + audio latent as LTXVConcatAVLatent makes it; LTXVSeparateAVLatent splits it.",)
+    FUNCTION = "sample"
+    DESCRIPTION = (
+        "LTX-2 stage 1 on all GPUs of the fleet: the same result as one GPU, faster "
+        "(sequence parallel: each GPU holds a share of the video tokens; guidance passes may run on separate GPUs)."
+    )
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": (MODEL_TYPE, {"tooltip": "The model from Load Checkpoint MGPU."}),
+                "positive": ("CONDITIONING", {"tooltip": "Positive conditioning from MGPU Text Encode."}),
+                "negative": ("CONDITIONING", {"tooltip": "Negative conditioning from MGPU Text Encode."}),
+                "width": ("INT", {"default": 768, "min": 32, "max": MAX_SIDE, "step": 32, "tooltip": "Width of this stage in pixels, a multiple of 32. In the two-stage graph TDP Upscale doubles it (768 gives a 1536 video), so the final width is a multiple of 64."}),
+                "height": ("INT", {"default": 512, "min": 32, "max": MAX_SIDE, "step": 32, "tooltip": "Height of this stage in pixels, a multiple of 32. In the two-stage graph TDP Upscale doubles it (512 gives a 1024 video), so the final height is a multiple of 64."}),
+                "length": ("INT", {"default": 121, "min": 1, "max": MAX_FRAMES, "step": 8, "tooltip": "Number of frames, 8k+1 (the video VAE packs 8 frames per latent frame): 121 is 5 s at 24 fps."}),
+                "frame_rate": ("FLOAT", {"default": 24.0, "min": 1.0, "max": 120.0, "step": 0.01, "tooltip": "Frames per second. Sets how long the audio is; use the same value in CreateVideo."}),
+                "seed": ("INT", {"default": 10, "min": 0, "max": SEED_MAX, "control_after_generate": True, "tooltip": "Noise seed. The same seed and inputs give the same video on any number of GPUs."}),
+                "steps": ("INT", {"default": 40, "min": 1, "max": 200, "tooltip": "Denoising steps. The official LTX-2 default is 40; fewer is faster and rougher."}),
+                "video_cfg": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 20.0, "step": 0.1, "tooltip": "Classifier-free guidance of the video: how strongly it follows the prompt. 1.0 turns it off (one pass less per step)."}),
+                "audio_cfg": ("FLOAT", {"default": 7.0, "min": 0.0, "max": 20.0, "step": 0.1, "tooltip": "Classifier-free guidance of the audio. The official default 7.0 is higher than the video's."}),
+                "stg_scale": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 10.0, "step": 0.05, "tooltip": "Spatio-temporal guidance (a pass with perturbed attention in stg_blocks) for video and audio. 0 turns it off (one pass less per step)."}),
+                "stg_blocks": ("STRING", {"default": "", "tooltip": "Transformer blocks STG perturbs, e.g. 29 or 28,29; they must exist in the model. Empty: the official block 29 (the last block of a smaller model)."}),
+                "rescale": ("FLOAT", {"default": 0.7, "min": 0.0, "max": 1.0, "step": 0.05, "tooltip": "Rescales the guided prediction toward the conditional one's spread to avoid over-saturation. 0 turns it off."}),
+                "modality_scale": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 10.0, "step": 0.1, "tooltip": "Audio-video sync guidance (a pass with the cross-modal attention cut). 1.0 turns it off (one pass less per step)."}),
+                "parallel": ([FROM_LOADER, *PARALLEL_PLANS], {"default": FROM_LOADER, "tooltip": "How the steps are spread over the GPUs; (from loader) uses the loader's choice. sp: sequence parallel, guidance: passes on separate GPUs, hybrid: both, auto: planner."}),
+            },
+            "optional": {
+                "image": ("IMAGE", {"tooltip": "Optional first frame for image-to-video; it is resized to cover width x height and centre-cropped."}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    def sample(self, model, positive, negative, width, height, length, frame_rate, seed, steps, video_cfg, audio_cfg, stg_scale, stg_blocks, rescale, modality_scale, parallel, image=None, unique_id=None):
+        from mgpu_backend.ltx.validation import validate_generation
+
+        handle = check_model_handle(model)
+        validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate)
+        blocks = parse_stg_blocks(stg_blocks)
+        positive_contexts, negative_contexts = conditioning_contexts(positive, "positive"), conditioning_contexts(negative, "negative")
+        shared = {"stg_scale": stg_scale, "rescale_scale": rescale, "modality_scale": modality_scale, "stg_blocks": blocks}
+        job = FleetJob(unique_id, "SP Sampler")
+        video_latent, audio_latent = job.call(
+            api.sample,
+            handle["spec"],
+            positive_contexts,
+            negative_contexts,
+            width=width,
+            height=height,
+            num_frames=length,
+            frame_rate=frame_rate,
+            seed=seed,
+            steps=steps,
+            video_guidance=api.Guidance(cfg_scale=video_cfg, **shared),
+            audio_guidance=api.Guidance(cfg_scale=audio_cfg, **shared),
+            image=first_frame(image),
+            parallel=handle["parallel"] if parallel == FROM_LOADER else parallel,
+            dtype=handle["dtype"],
+        )
+        return (make_av_latent(video_latent, audio_latent, frame_rate, stages=1),)
+
+
+class TDPUpscale:
+    """Stage 2: 2x spatial upsample, then a short refinement with the distilled LoRA, tile by tile."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("LATENT",)
+    RETURN_NAMES = ("av_latent",)
+    OUTPUT_TOOLTIPS = ("The refined video latent at twice the size, with the input audio latent unchanged.",)
+    FUNCTION = "upscale"
+    DESCRIPTION = (
+        "LTX-2 stage 2 on all GPUs: the upsampled latent is cut into overlapping tiles refined on different GPUs "
+        "and blended. An upscaler only: the audio of stage 1 is passed through unchanged."
+    )
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": (MODEL_TYPE, {"tooltip": "The model from Load Checkpoint MGPU; it needs the spatial upsampler and the distilled LoRA."}),
+                "av_latent": ("LATENT", {"tooltip": "The stage-1 AV LATENT from SP Sampler (or LTXVConcatAVLatent)."}),
+                "positive": ("CONDITIONING", {"tooltip": "Positive conditioning from MGPU Text Encode (stage 2 uses no negative prompt)."}),
+                "seed": ("INT", {"default": 10, "min": 0, "max": SEED_MAX, "control_after_generate": True, "tooltip": "Seed of the noise added back at the first sigma."}),
+                "sigmas": ("STRING", {"default": "0.625, 0.4, 0.0", "tooltip": "Refinement schedule, strictly decreasing in [0, 1], comma separated. Higher first sigma: more change. Starting at 1.0 is refused unless force_from_noise."}),
+                "tiles": ("STRING", {"default": "auto", "tooltip": "Tile counts as HxW (height x width), e.g. 2x2, or auto for a balanced split over the GPUs. More tiles than GPUs is fine."}),
+                "overlap": ("INT", {"default": 4, "min": 0, "max": 64, "tooltip": "Overlap between neighbouring tiles in latent cells (32 output pixels each). More overlap hides seams and costs time."}),
+                "frame_rate": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 120.0, "step": 0.01, "tooltip": "0: the frame rate SP Sampler recorded in the latent. Set it only for a latent from native nodes (the rate it was sampled at)."}),
+                "force_from_noise": ("BOOLEAN", {"default": False, "tooltip": "Allow sigmas starting at 1.0 (pure noise). Tiles then do not share one picture: only for experiments."}),
+            },
+            "optional": {
+                "image": ("IMAGE", {"tooltip": "The first-frame image of image-to-video, to keep the first frame anchored at full size."}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    def upscale(self, model, av_latent, positive, seed, sigmas, tiles, overlap, frame_rate, force_from_noise, image=None, unique_id=None):
+        handle = check_model_handle(model)
+        spec = handle["spec"]
+        missing = [label for key, label in (("spatial_upsampler_path", "spatial_upsampler"), ("distilled_lora", "distilled_lora")) if not spec.get(key)]
+        if missing:
+            raise ValueError(f"TDP Upscale needs {' and '.join(missing)}; choose them in Load Checkpoint MGPU")
+        video_latent, audio_latent = split_latent(av_latent, "av_latent")
+        if audio_latent is None:
+            raise ValueError(
+                "av_latent has no audio: TDP Upscale takes the AV LATENT of SP Sampler "
+                "(or LTXVConcatAVLatent of a video and an audio latent)"
+            )
+        rate = latent_frame_rate(av_latent, frame_rate, "av_latent")
+        positive_contexts = conditioning_contexts(positive, "positive")
+        schedule, tile_counts = parse_sigmas(sigmas, force_from_noise), parse_tiles(tiles)
+        job = FleetJob(unique_id, "TDP Upscale")
+        refined_video, _ = job.call(
+            api.upscale,
+            spec,
+            video_latent,
+            audio_latent,
+            positive_contexts,
+            frame_rate=rate,
+            seed=seed,
+            sigmas=schedule,
+            tiles=tile_counts,
+            overlap=overlap,
+            image=first_frame(image),
+            force_from_noise=force_from_noise,
+            dtype=handle["dtype"],
+        )
+        # Stage 2 must not change the audio (TDP's audio is context only). Reusing the input tensor
+        # makes that exact, whatever precision the round trip through the fleet used.
+        return (make_av_latent(refined_video, audio_latent, rate, stages=2),)

@@ -1,0 +1,62 @@
+"""MGPU Text Encode: positive and negative prompt -> two CONDITIONING, encoded by Gemma on the fleet.
+
+LTX-2 conditions video and audio on two different text contexts; a native ComfyUI CONDITIONING
+has room for one, so the audio context rides in its options dict (see ``layouts``). Nothing here
+runs Gemma: the fleet does.
+"""
+
+from __future__ import annotations
+
+from mgpu_backend import api
+
+from .fleet_job import FleetJob
+from .layouts import MODEL_TYPE, check_model_handle, make_conditioning
+from .model_nodes import CATEGORY, gemma_options
+
+DEFAULT_PROMPT = (
+    "A red fox trots through fresh snow in a quiet birch forest at dawn, its breath visible in the cold air. "
+    "The camera follows at ground level. Soft crunching footsteps, distant birdsong."
+)
+DEFAULT_NEGATIVE_PROMPT = (
+    "blurry, low quality, distorted anatomy, flickering, jittery motion, watermark, text overlay, "
+    "muffled or distorted audio, silence"
+)
+
+
+class MGPUTextEncode:
+    """Encode the positive and negative prompt with the model's Gemma text encoder on the fleet."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("CONDITIONING", "CONDITIONING")
+    RETURN_NAMES = ("positive", "negative")
+    OUTPUT_TOOLTIPS = (
+        "The positive prompt's video and audio contexts, for SP Sampler and TDP Upscale.",
+        "The negative prompt's contexts, for SP Sampler's guidance.",
+    )
+    FUNCTION = "encode"
+    DESCRIPTION = "Encodes prompts for LTX-2 (video and audio contexts) with Gemma 3 on the MGPU fleet."
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": (MODEL_TYPE, {"tooltip": "The model from Load Checkpoint MGPU (its Gemma folder encodes the prompts)."}),
+                "positive": ("STRING", {"default": DEFAULT_PROMPT, "multiline": True, "dynamicPrompts": False, "tooltip": "What to see and hear: describe the scene, the motion, the camera and the sounds or speech, in a few sentences."}),
+                "negative": ("STRING", {"default": DEFAULT_NEGATIVE_PROMPT, "multiline": True, "dynamicPrompts": False, "tooltip": "What to steer away from (used by the video and audio guidance). May be empty."}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    def encode(self, model, positive, negative, unique_id=None):
+        handle = check_model_handle(model)
+        if not positive.strip():
+            raise ValueError("the positive prompt is empty; describe the video and its sound")
+        job = FleetJob(unique_id, "MGPU Text Encode")
+        contexts = job.call(
+            api.encode, handle["spec"], [positive, negative], dtype=handle["dtype"], **gemma_options(handle, api.encode)
+        )
+        (positive_video, positive_audio), (negative_video, negative_audio) = contexts
+        return (
+            make_conditioning(positive_video, positive_audio, positive),
+            make_conditioning(negative_video, negative_audio, negative),
+        )

@@ -1,0 +1,232 @@
+"""The pack inside a real ComfyUI: load it, queue the tiny API workflow headless, get an mp4 with video
+and audio, interrupt a long run with POST /interrupt, and see the same fleet serve the next run.
+
+Runs only with COMFYUI_DIR pointing at a ComfyUI checkout (its Python: COMFYUI_PYTHON, default this
+interpreter; it needs ComfyUI's requirements). ComfyUI starts with --cpu on a free port and a
+temporary --base-directory whose custom_nodes/ holds a symlink to this pack; its fleet runs
+MGPU_CPU_RANKS CPU ranks (default 2) behind a private socket of its own (XDG_RUNTIME_DIR). It
+never touches the checkout's own folders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from mgpu_backend import comfy_queue
+
+PACK_DIR = Path(__file__).resolve().parents[2]
+COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
+TINY_WORKFLOW = PACK_DIR / "workflows" / "api" / "ltx2_t2v_tiny.json"
+START_TIMEOUT_SECONDS = 240
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(not COMFYUI_DIR or not (Path(COMFYUI_DIR) / "main.py").is_file(), reason="set COMFYUI_DIR to a ComfyUI checkout"),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=30) as response:
+        return json.loads(response.read())
+
+
+def post_json(url: str, payload: dict):
+    request = urllib.request.Request(url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        body = response.read()
+        return json.loads(body) if body else None
+
+
+class ComfyUI:
+    def __init__(self, base: Path) -> None:
+        self.base, self.port = base, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = base / "comfyui.log"
+        (base / "custom_nodes").mkdir(parents=True)
+        (base / "custom_nodes" / "comfyui-mgpu").symlink_to(PACK_DIR, target_is_directory=True)
+        runtime = base / "run"
+        runtime.mkdir(mode=0o700)
+        env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "MGPU_CPU_RANKS": os.environ.get("MGPU_CPU_RANKS", "2"), "OMP_NUM_THREADS": "1"}
+        env.pop("MGPU_SOCKET", None)  # ComfyUI must start its own fleet
+        command = [
+            os.environ.get("COMFYUI_PYTHON", sys.executable), str(Path(COMFYUI_DIR) / "main.py"),
+            "--cpu", "--listen", "127.0.0.1", "--port", str(self.port), "--base-directory", str(base),
+            "--disable-auto-launch", "--database-url", f"sqlite:///{base / 'comfyui.db'}",
+        ]  # fmt: skip
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(command, cwd=base, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_ready(self) -> float:
+        started = time.monotonic()
+        while time.monotonic() - started < START_TIMEOUT_SECONDS:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.log_text()[-4000:]}")
+            try:
+                get_json(f"{self.url}/object_info/MGPUSPSampler")
+                return time.monotonic() - started
+            except OSError:
+                time.sleep(1.0)
+        raise TimeoutError(f"ComfyUI did not serve the MGPU nodes within {START_TIMEOUT_SECONDS} s:\n{self.log_text()[-4000:]}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def comfyui(tmp_path_factory):
+    instance = ComfyUI(tmp_path_factory.mktemp("comfyui-base"))
+    try:
+        seconds = instance.wait_ready()
+        print(f"\nComfyUI with the pack up in {seconds:.1f} s at {instance.url}")
+        yield instance
+    finally:
+        instance.stop()
+        run_log = instance.log_text().partition("Starting server")[2]
+        print(f"--- ComfyUI log after start-up ---{run_log}")
+
+
+def queue(comfyui: ComfyUI, **overrides) -> comfy_queue.Outcome:
+    workflow = comfy_queue.apply_overrides(json.loads(TINY_WORKFLOW.read_text()), [f"{key}={value}" for key, value in overrides.items()])
+    return comfy_queue.queue_prompt(comfyui.url, workflow, say=lambda text: None, timeout=600)
+
+
+def saved_video(comfyui: ComfyUI, outcome: comfy_queue.Outcome) -> Path:
+    (entry,) = [item for _, item in comfy_queue.output_files(outcome.outputs) if item["filename"].endswith(".mp4")]
+    return comfyui.base / entry["type"] / entry["subfolder"] / entry["filename"]
+
+
+def test_comfyui_knows_the_nodes_the_workflows_use_as_the_tables_say(comfyui):
+    from ..test_workflows import SCHEMAS, builder
+
+    info = get_json(f"{comfyui.url}/object_info")
+    problems = []
+    for node_type, schema in SCHEMAS.items():
+        if node_type not in info:
+            problems.append(f"ComfyUI has no node {node_type}")
+            continue
+        declared = info[node_type]
+        inputs = {**declared["input"].get("required", {}), **declared["input"].get("optional", {})}
+        order = declared.get("input_order", {})
+        names = order.get("required", []) + order.get("optional", [])
+        widgets, sockets = [], []
+        for name in names:
+            kind, options = inputs[name][0], inputs[name][1] if len(inputs[name]) > 1 else {}
+            kind = "COMBO" if isinstance(kind, list) else kind
+            if kind in builder.WIDGET_TYPES:
+                widgets.append(name)
+                if options.get("image_upload"):
+                    widgets.append("upload")
+            else:
+                sockets.append((name, kind, name in order.get("optional", [])))
+        expected_widgets = [name for name, kind, _ in schema["widgets"] if kind != "CONTROL"]
+        if widgets != expected_widgets:
+            problems.append(f"{node_type}: widgets {widgets} != table {expected_widgets}")
+        for name, kind, allowed in schema["widgets"]:
+            if kind == "COMBO" and isinstance(allowed, list) and node_type in builder.NATIVE_NODES:
+                served = inputs[name][1].get("options", inputs[name][0])
+                if served != allowed:
+                    problems.append(f"{node_type}.{name}: options {served} != table {allowed}")
+        if sockets != [tuple(entry) for entry in schema["sockets"]]:
+            problems.append(f"{node_type}: sockets {sockets} != table {schema['sockets']}")
+        if declared["output"] != [kind for _, kind in schema["outputs"]]:
+            problems.append(f"{node_type}: outputs {declared['output']} != table {schema['outputs']}")
+    assert problems == [], "\n".join(problems)
+    templates = get_json(f"{comfyui.url}/workflow_templates")
+    assert sorted(templates.get("comfyui-mgpu", [])) == sorted(builder.WORKFLOWS), templates
+    assert "/extensions/comfyui-mgpu/mgpu_panel.js" in get_json(f"{comfyui.url}/extensions")
+
+
+def test_tiny_workflow_writes_an_mp4_with_a_video_and_an_audio_stream(comfyui):
+    import av
+
+    outcome = queue(comfyui)
+    print(f"\ntiny two-stage workflow (fleet start, load, encode, sample, upscale, decode, mux): {outcome.seconds:.1f} s")
+    path = saved_video(comfyui, outcome)
+    with av.open(str(path)) as container:
+        video, audio = container.streams.video, container.streams.audio
+        assert len(video) == 1 and len(audio) == 1, f"{path}: {len(video)} video / {len(audio)} audio streams"
+        assert (video[0].codec_context.width, video[0].codec_context.height) == (192, 128)
+        frames = sum(1 for _ in container.decode(video=0))
+    assert frames == 9, f"{path}: {frames} frames, expected the 9 the workflow asks for"
+    status = get_json(f"{comfyui.url}/mgpu/status")
+    assert status["running"] and status["world_size"] == int(os.environ.get("MGPU_CPU_RANKS", "2")), status
+
+
+def test_interrupt_stops_a_long_run_and_the_same_fleet_serves_the_next(comfyui):
+    before = get_json(f"{comfyui.url}/mgpu/status")
+    failure: list[BaseException] = []
+
+    def long_run():
+        try:
+            queue(comfyui, **{"4.steps": 200, "4.seed": 11})
+        except comfy_queue.QueueError as exc:
+            failure.append(exc)
+
+    runner = threading.Thread(target=long_run)
+    runner.start()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        job = get_json(f"{comfyui.url}/mgpu/status").get("current_job") or {}
+        if job.get("op") == "sample" and (job.get("step") or 0) >= 2:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("the long run never reached step 2 of stage 1")
+    interrupted_at = time.monotonic()
+    post_json(f"{comfyui.url}/interrupt", {})
+    runner.join(timeout=120)
+    stop_seconds = time.monotonic() - interrupted_at
+    assert not runner.is_alive(), "the run did not end within 120 s of POST /interrupt"
+    assert failure and failure[0].exit_code == 3 and "interrupted at node 4" in str(failure[0]), failure
+    print(f"\nPOST /interrupt at step {job['step']}/200 ended the run in {stop_seconds:.1f} s")
+    after = get_json(f"{comfyui.url}/mgpu/status")
+    assert after["current_job"] is None and after["server_pid"] == before["server_pid"] and after["fleet_restarts"] == before["fleet_restarts"], after
+
+    outcome = queue(comfyui, **{"4.seed": 12})
+    assert saved_video(comfyui, outcome).is_file()
+    print(f"the next run on the same fleet: {outcome.seconds:.1f} s")
+    assert get_json(f"{comfyui.url}/mgpu/status")["server_pid"] == before["server_pid"]
+
+
+def test_stopping_comfyui_ends_its_fleet(comfyui):
+    status = get_json(f"{comfyui.url}/mgpu/status")
+    pids = [status["server_pid"], *(rank["pid"] for rank in status["ranks"])]
+    comfyui.stop()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(process_alive(pid) for pid in pids):
+        time.sleep(0.5)
+    assert not [pid for pid in pids if process_alive(pid)], f"fleet processes {pids} outlived ComfyUI"
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -1,0 +1,616 @@
+"""The ComfyUI nodes without ComfyUI: declarations, the node -> api mapping (api monkeypatched), the AV
+LATENT and CONDITIONING layouts, input validation, and how fleet progress, cancel and errors map
+onto ComfyUI (fake ComfyUI modules; one test against a real one-rank fleet)."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import logging
+import math
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from mgpu_backend import api
+from mgpu_backend.client import FleetCancelled, FleetError
+
+PACK_DIR = Path(__file__).resolve().parent.parent
+CATEGORY = "MGPU/LTX-2"
+DISPLAY_NAMES = {
+    "Load Checkpoint MGPU", "MGPU Text Encode", "SP Sampler", "TDP Upscale", "Distributed VAE Decode", "MGPU Fleet Control",
+}  # fmt: skip
+WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN"}
+
+
+def load_pack():
+    """The pack imported the way ComfyUI imports it (a package from its folder path)."""
+    name = "comfyui_mgpu_pack"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, PACK_DIR / "__init__.py", submodule_search_locations=[str(PACK_DIR)])
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+pack = load_pack()
+layouts = sys.modules["comfyui_mgpu_pack.nodes.layouts"]
+fleet_job = sys.modules["comfyui_mgpu_pack.nodes.fleet_job"]
+model_nodes = sys.modules["comfyui_mgpu_pack.nodes.model_nodes"]
+sampling_nodes = sys.modules["comfyui_mgpu_pack.nodes.sampling_nodes"]
+NODES = pack.NODE_CLASS_MAPPINGS
+
+
+def node(name):
+    return NODES[name]()
+
+
+class ApiRecorder:
+    """Stands in for one mgpu_backend.api function: records its calls, returns a canned result, and
+    shows the real function's signature (nodes look at it to see what the fleet api takes)."""
+
+    def __init__(self, signature_of=None, result=None) -> None:
+        self.calls, self.result = [], result
+        if signature_of is not None:
+            self.__signature__ = inspect.signature(signature_of)
+
+    def __call__(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        return self.result(*args, **kwargs) if callable(self.result) else self.result
+
+
+@pytest.fixture
+def fake_api(monkeypatch):
+    """Every fleet-facing api function replaced; a test that reaches the fleet by mistake fails."""
+    recorders = {name: ApiRecorder(getattr(api, name)) for name in ("configure", "load", "encode", "sample", "upscale", "decode", "unload", "restart", "status")}
+    for name, recorder in recorders.items():
+        monkeypatch.setattr(api, name, recorder)
+    return recorders
+
+
+def contexts(seed: int, tokens: int = 5):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(1, tokens, 32, generator=generator), torch.randn(1, tokens, 16, generator=generator)
+
+
+def mgpu_conditioning(seed: int, prompt: str = "a prompt"):
+    return layouts.make_conditioning(*contexts(seed), prompt)
+
+
+def tiny_handle(**overrides):
+    spec = {"checkpoint_path": "/m/ckpt.safetensors", "gemma_root": "/m/gemma", "spatial_upsampler_path": "/m/up.safetensors", "distilled_lora": "/m/lora.safetensors", "distilled_lora_strength": 1.0, "loras": []}
+    return layouts.make_model_handle({**spec, **overrides}, dtype="float32", gemma_mode="sharded", parallel="sp", gpus="all")
+
+
+def av_latent(frames: int = 2, height: int = 2, width: int = 3, audio_frames: int = 7, frame_rate=24.0):
+    generator = torch.Generator().manual_seed(frames * 100 + width)
+    video = torch.randn(1, 128, frames, height, width, generator=generator)
+    audio = torch.randn(1, 8, audio_frames, 16, generator=generator)
+    return layouts.make_av_latent(video, audio, frame_rate), video, audio
+
+
+SAMPLER_INPUTS = dict(
+    width=96, height=64, length=9, frame_rate=25.0, seed=7, steps=3, video_cfg=3.5, audio_cfg=6.0,
+    stg_scale=1.0, stg_blocks="1", rescale=0.5, modality_scale=2.0, parallel="(from loader)",
+)  # fmt: skip
+UPSCALE_INPUTS = dict(seed=11, sigmas="0.625, 0.4, 0.0", tiles="auto", overlap=2, frame_rate=0.0, force_from_noise=False)
+
+
+# --- declarations ----------------------------------------------------------------------------------
+
+
+def test_pack_exports_six_nodes_with_the_issue_display_names_and_web_directory():
+    assert set(pack.NODE_DISPLAY_NAME_MAPPINGS.values()) == DISPLAY_NAMES
+    assert set(pack.NODE_DISPLAY_NAME_MAPPINGS) == set(NODES)
+    assert pack.WEB_DIRECTORY == "./web"
+    scripts = sorted(path.name for path in (PACK_DIR / "web").glob("*.js"))
+    assert scripts, "WEB_DIRECTORY holds no JavaScript extension"
+
+
+def test_nodes_package_is_not_shipped_in_the_wheel():
+    # ComfyUI has a top-level module 'nodes': the wheel must not install ours under that name.
+    import tomllib
+
+    from setuptools import find_packages
+
+    config = tomllib.loads((PACK_DIR / "pyproject.toml").read_text())
+    shipped = find_packages(str(PACK_DIR), **config["tool"]["setuptools"]["packages"]["find"])
+    assert "mgpu_backend" in shipped and not [name for name in shipped if name.split(".")[0] in ("nodes", "tests")], shipped
+
+
+@pytest.mark.parametrize("name", sorted(NODES))
+def test_every_input_has_a_tooltip_and_every_widget_a_default_and_range(name):
+    node_class = NODES[name]
+    assert node_class.CATEGORY == CATEGORY
+    assert callable(getattr(node_class, node_class.FUNCTION))
+    assert len(node_class.RETURN_TYPES) == len(getattr(node_class, "OUTPUT_TOOLTIPS", ())), "each output needs a tooltip"
+    declared = node_class.INPUT_TYPES()
+    inputs = {**declared["required"], **declared.get("optional", {})}
+    for input_name, spec in inputs.items():
+        options = spec[1] if len(spec) > 1 else {}
+        tooltip = options.get("tooltip", "")
+        assert len(tooltip) >= 20, f"{name}.{input_name}: tooltip {tooltip!r} is missing or too short to act on"
+        kind = spec[0]
+        if isinstance(kind, list):
+            assert options.get("default") in kind, f"{name}.{input_name}: combo default {options.get('default')!r} not among {kind}"
+        elif kind in WIDGET_KINDS:
+            assert "default" in options, f"{name}.{input_name}: widget without default"
+            if kind in ("INT", "FLOAT"):
+                assert options["min"] <= options["default"] <= options["max"], f"{name}.{input_name}: default outside [min, max]"
+                if kind == "FLOAT":
+                    assert options.get("step", 0) > 0, f"{name}.{input_name}: FLOAT without a step"
+
+
+def test_sampler_defaults_are_the_issue_values():
+    required = NODES["MGPUSPSampler"].INPUT_TYPES()["required"]
+    defaults = {name: spec[1]["default"] for name, spec in required.items() if len(spec) > 1 and "default" in spec[1]}
+    expected = {"width": 768, "height": 512, "length": 121, "frame_rate": 24.0, "seed": 10, "steps": 40, "video_cfg": 3.0,
+                "audio_cfg": 7.0, "stg_scale": 1.0, "rescale": 0.7, "modality_scale": 3.0}  # fmt: skip
+    assert {name: defaults[name] for name in expected} == expected
+    upscale = NODES["MGPUTDPUpscale"].INPUT_TYPES()["required"]
+    assert upscale["sigmas"][1]["default"] == "0.625, 0.4, 0.0" and upscale["force_from_noise"][1]["default"] is False
+    assert upscale["tiles"][1]["default"] == "auto"
+
+
+def test_loader_lists_embedded_bundle_first_outside_comfyui():
+    required = NODES["MGPULoadCheckpoint"].INPUT_TYPES()["required"]
+    for input_name in ("ckpt_name", "distilled_lora", "spatial_upsampler", "gemma"):
+        assert required[input_name][0][0] == model_nodes.EMBEDDED, input_name
+    assert required["gemma_mode"][0] == ["sharded", "batch_parallel"]
+    assert required["parallel"][0] == ["auto", "sp", "guidance", "hybrid"]
+
+
+# --- node -> api mapping ----------------------------------------------------------------------------
+
+
+def load_with_gemma_mode(spec, dtype="bfloat16", gemma_mode="sharded", progress=None, should_cancel=None):
+    """api.load as it reads once the fleet takes a Gemma mode."""
+
+
+def encode_with_gemma_mode(spec, prompts, dtype="bfloat16", gemma_mode="sharded", progress=None, should_cancel=None):
+    """api.encode as it reads once the fleet takes a Gemma mode."""
+
+
+def test_loader_loads_the_embedded_bundle_and_returns_a_self_describing_handle(fake_api):
+    from mgpu_backend.ltx.loading import ModelSpec
+
+    fake_api["load"].__signature__ = inspect.signature(load_with_gemma_mode)
+    fake_api["load"].result = {"seconds": 0.1}
+    (handle,) = node("MGPULoadCheckpoint").load(
+        model_nodes.EMBEDDED, model_nodes.EMBEDDED, 0.8, model_nodes.NO_FILE, model_nodes.EMBEDDED,
+        " 1, 0 ", "batch_parallel", "hybrid", "float32", unique_id="4",
+    )  # fmt: skip
+    tiny = ModelSpec.tiny()
+    expected_spec = ModelSpec(tiny.checkpoint_path, tiny.gemma_root, None, tiny.distilled_lora, 0.8).to_json()
+    assert handle == {"spec": expected_spec, "dtype": "float32", "gemma_mode": "batch_parallel", "parallel": "hybrid", "gpus": "1,0"}
+    assert fake_api["configure"].calls == [((), {"gpus": "1,0"})]
+    ((args, kwargs),) = fake_api["load"].calls
+    assert args == (expected_spec,) and kwargs["dtype"] == "float32" and kwargs["gemma_mode"] == "batch_parallel"
+    assert callable(kwargs["progress"]) and callable(kwargs["should_cancel"])
+    assert ModelSpec.from_json(handle["spec"]) == ModelSpec(tiny.checkpoint_path, tiny.gemma_root, None, tiny.distilled_lora, 0.8)
+
+
+def test_gemma_mode_is_left_out_with_one_warning_while_the_fleet_api_lacks_it(fake_api, monkeypatch, caplog):
+    monkeypatch.setattr(model_nodes, "_gemma_mode_warned", False)
+    fake_api["load"].__signature__ = inspect.signature(lambda spec, dtype="bfloat16", progress=None, should_cancel=None: None)
+    fake_api["encode"].__signature__ = inspect.signature(lambda spec, prompts, dtype="bfloat16", progress=None, should_cancel=None: None)
+    fake_api["encode"].result = [contexts(1), contexts(2)]
+    with caplog.at_level(logging.WARNING, logger="comfyui-mgpu"):
+        (handle,) = node("MGPULoadCheckpoint").load(model_nodes.EMBEDDED, model_nodes.EMBEDDED, 1.0, model_nodes.EMBEDDED, model_nodes.EMBEDDED, "all", "batch_parallel", "auto", "bfloat16")
+        node("MGPUTextEncode").encode(handle, "a fox", "")
+    assert "gemma_mode" not in fake_api["load"].calls[0][1] and "gemma_mode" not in fake_api["encode"].calls[0][1]
+    assert handle["gemma_mode"] == "batch_parallel"
+    assert caplog.text.count("does not take a Gemma mode yet; gemma_mode=batch_parallel is ignored") == 1
+
+
+def test_text_encode_returns_two_conditionings_carrying_both_contexts(fake_api):
+    fake_api["encode"].__signature__ = inspect.signature(encode_with_gemma_mode)
+    positive, negative = contexts(1), contexts(2)
+    fake_api["encode"].result = [positive, negative]
+    handle = tiny_handle()
+    positive_cond, negative_cond = node("MGPUTextEncode").encode(handle, "a fox in snow", "", unique_id="2")
+    ((args, kwargs),) = fake_api["encode"].calls
+    assert args == (handle["spec"], ["a fox in snow", ""]) and kwargs["dtype"] == "float32" and kwargs["gemma_mode"] == "sharded"
+    for conditioning, (video, audio), prompt in ((positive_cond, positive, "a fox in snow"), (negative_cond, negative, "")):
+        assert len(conditioning) == 1 and conditioning[0][0] is video
+        assert conditioning[0][1] == {"mgpu_audio_context": audio, "mgpu_prompt": prompt}
+        got_video, got_audio = layouts.conditioning_contexts(conditioning, "x")
+        assert got_video is video and got_audio is audio
+
+
+def test_sp_sampler_maps_every_input_onto_api_sample_and_returns_a_concat_av_latent(fake_api):
+    video = torch.randn(1, 128, 2, 2, 3)
+    audio = torch.randn(1, 8, 9, 16, dtype=torch.bfloat16)
+    fake_api["sample"].result = (video, audio)
+    positive, negative = mgpu_conditioning(1), mgpu_conditioning(2)
+    image = torch.rand(2, 64, 96, 4)
+    (latent,) = node("MGPUSPSampler").sample(tiny_handle(), positive, negative, **SAMPLER_INPUTS, image=image, unique_id="5")
+    ((args, kwargs),) = fake_api["sample"].calls
+    assert args[0] == tiny_handle()["spec"]
+    assert args[1][0] is positive[0][0] and args[1][1] is positive[0][1]["mgpu_audio_context"]
+    assert args[2][0] is negative[0][0] and args[2][1] is negative[0][1]["mgpu_audio_context"]
+    expected = {"width": 96, "height": 64, "num_frames": 9, "frame_rate": 25.0, "seed": 7, "steps": 3, "parallel": "sp", "dtype": "float32"}
+    assert {key: kwargs[key] for key in expected} == expected
+    assert kwargs["video_guidance"] == api.Guidance(cfg_scale=3.5, stg_scale=1.0, rescale_scale=0.5, modality_scale=2.0, stg_blocks=(1,))
+    assert kwargs["audio_guidance"] == api.Guidance(cfg_scale=6.0, stg_scale=1.0, rescale_scale=0.5, modality_scale=2.0, stg_blocks=(1,))
+    assert kwargs["image"].shape == (64, 96, 3) and torch.equal(kwargs["image"], image[0, :, :, :3])
+    got_video, got_audio = latent["samples"].unbind()
+    assert torch.equal(got_video, video) and got_video.dtype == torch.float32
+    assert torch.equal(got_audio, audio.float()) and got_audio.dtype == torch.float32
+    assert latent["sample_rate"] == 16000 and latent["type"] == "audio" and latent["frame_rate"] == 25.0 and latent["mgpu_stages"] == 1
+
+
+def test_sp_sampler_explicit_parallel_plan_overrides_the_loader_and_empty_stg_blocks_means_default(fake_api):
+    fake_api["sample"].result = (torch.zeros(1, 128, 2, 2, 3), torch.zeros(1, 8, 9, 16))
+    node("MGPUSPSampler").sample(tiny_handle(), mgpu_conditioning(1), mgpu_conditioning(2), **{**SAMPLER_INPUTS, "parallel": "guidance", "stg_blocks": " "})
+    kwargs = fake_api["sample"].calls[0][1]
+    assert kwargs["parallel"] == "guidance" and kwargs["image"] is None
+    assert kwargs["video_guidance"].stg_blocks is None and kwargs["audio_guidance"].stg_blocks is None
+
+
+def test_tdp_upscale_passes_the_input_audio_through_unchanged(fake_api):
+    latent, video, audio = av_latent(frame_rate=24.0)
+    refined = torch.randn(1, 128, 2, 4, 6)
+    fake_api["upscale"].result = (refined, audio.to(torch.bfloat16).float() + 1.0)  # a fleet that changed the audio
+    positive = mgpu_conditioning(3)
+    (result,) = node("MGPUTDPUpscale").upscale(tiny_handle(), latent, positive, **{**UPSCALE_INPUTS, "tiles": "2x3"}, unique_id="6")
+    ((args, kwargs),) = fake_api["upscale"].calls
+    assert args[1] is video and args[2] is audio and args[3][0] is positive[0][0]
+    expected = {"frame_rate": 24.0, "seed": 11, "sigmas": (0.625, 0.4, 0.0), "tiles": (2, 3), "overlap": 2, "force_from_noise": False, "image": None}
+    assert {key: kwargs[key] for key in expected} == expected
+    out_video, out_audio = result["samples"].unbind()
+    assert torch.equal(out_video, refined)
+    max_diff = (out_audio - audio).abs().max().item()
+    assert max_diff == 0.0, f"stage 2 changed the audio latent: max abs difference {max_diff}"
+    assert result["frame_rate"] == 24.0 and result["mgpu_stages"] == 2
+
+
+def test_distributed_decode_returns_comfy_image_and_audio(fake_api):
+    latent, video, audio = av_latent()
+    frames = torch.rand(9, 64, 96, 3)
+    waveform = torch.randn(1, 2, 9000)
+    fake_api["decode"].result = (frames, waveform, 24000)
+    latent["mgpu_stages"] = 2
+    images, sound = node("MGPUDistributedVAEDecode").decode(tiny_handle(), latent, 3, 256, 32)
+    ((args, kwargs),) = fake_api["decode"].calls
+    assert args[1] is video and args[2] is audio
+    assert (kwargs["seed"], kwargs["spatial_tile_pixels"], kwargs["temporal_tile_frames"]) == (3, 256, 32)
+    assert (kwargs["frame_rate"], kwargs["after_stages"]) == (24.0, 2), "the decoder noise must follow the stages that made the latent"
+    assert images.shape == (9, 64, 96, 3) and images.dtype == torch.float32 and torch.equal(images, frames)
+    assert sound["sample_rate"] == 24000 and torch.equal(sound["waveform"], waveform)
+
+
+def test_distributed_decode_takes_a_video_only_latent_and_returns_no_audio(fake_api):
+    video = torch.randn(1, 128, 2, 2, 3)
+    fake_api["decode"].result = (torch.rand(9, 64, 96, 3), None, None)
+    images, sound = node("MGPUDistributedVAEDecode").decode(tiny_handle(), {"samples": video}, 10, 512, 64)
+    assert fake_api["decode"].calls[0][0][2] is None and sound is None and images.shape == (9, 64, 96, 3)
+    assert (fake_api["decode"].calls[0][1]["frame_rate"], fake_api["decode"].calls[0][1]["after_stages"]) == (24.0, 0)
+
+
+# --- AV LATENT layout ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def comfy_nested_tensor(monkeypatch):
+    """ComfyUI's own comfy.nested_tensor (only that module) when COMFYUI_DIR names a checkout."""
+    import os
+
+    comfy_dir = os.environ.get("COMFYUI_DIR")
+    path = Path(comfy_dir or "/nonexistent") / "comfy" / "nested_tensor.py"
+    if not path.is_file():
+        pytest.skip("set COMFYUI_DIR to a ComfyUI checkout to test against its NestedTensor")
+    spec = importlib.util.spec_from_file_location("comfy.nested_tensor", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "comfy", types.ModuleType("comfy"))
+    monkeypatch.setitem(sys.modules, "comfy.nested_tensor", module)
+    return module
+
+
+def test_av_latent_is_comfy_nested_tensor_that_native_separate_unbinds(comfy_nested_tensor):
+    latent, video, audio = av_latent()
+    assert isinstance(latent["samples"], comfy_nested_tensor.NestedTensor)
+    # What LTXVSeparateAVLatent does with it:
+    parts = latent["samples"].unbind()
+    assert parts[0] is not None and torch.equal(parts[0], video) and torch.equal(parts[1], audio)
+    # A latent built by native LTXVConcatAVLatent parses back into the same tensors.
+    native = {"samples": comfy_nested_tensor.NestedTensor((video, audio)), "sample_rate": 16000, "type": "audio"}
+    got_video, got_audio = layouts.split_latent(native, "av_latent")
+    assert got_video is video and got_audio is audio
+
+
+def test_av_latent_outside_comfyui_uses_the_stand_in_with_the_same_surface():
+    latent, video, audio = av_latent()
+    samples = latent["samples"]
+    assert samples.is_nested and samples.shape == video.shape
+    assert torch.equal(samples.unbind()[0], video) and torch.equal(samples.unbind()[1], audio)
+    got_video, got_audio = layouts.split_latent(latent, "av_latent")
+    assert torch.equal(got_video, video) and torch.equal(got_audio, audio)
+    assert set(latent) == {"samples", "sample_rate", "type", "frame_rate"}
+
+
+def test_split_latent_refuses_batches_audio_only_and_foreign_latents():
+    video, audio = torch.zeros(2, 128, 2, 2, 3), torch.zeros(1, 8, 5, 16)
+    with pytest.raises(ValueError, match="batch of 2.*batch_size 1"):
+        layouts.split_latent(layouts.make_av_latent(video, audio, 24), "av_latent")
+    with pytest.raises(ValueError, match="audio-only LATENT"):
+        layouts.split_latent({"samples": audio}, "av_latent")
+    with pytest.raises(ValueError, match=r"not an LTX-2 latent: samples \[1, 4, 64, 64\]"):
+        layouts.split_latent({"samples": torch.zeros(1, 4, 64, 64)}, "av_latent")
+    with pytest.raises(ValueError, match=r"\[1, 16, 2, 2, 3\], not LTX-2's"):
+        layouts.split_latent({"samples": torch.zeros(1, 16, 2, 2, 3)}, "av_latent")
+
+
+# --- validation before any work ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"length": 120}, r"frames must be 8k\+1.*got 120; use 121"),
+        ({"width": 100}, r"width must be a multiple of 32.*got 100; use 96"),
+        ({"height": 48}, r"height must be a multiple of 32.*got 48; use 64"),
+        ({"stg_blocks": "29a"}, r"stg_blocks must be transformer block indices"),
+    ],
+)
+def test_sp_sampler_refuses_bad_inputs_before_calling_the_fleet(fake_api, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        node("MGPUSPSampler").sample(tiny_handle(), mgpu_conditioning(1), mgpu_conditioning(2), **{**SAMPLER_INPUTS, **overrides})
+    assert fake_api["sample"].calls == []
+
+
+def test_native_conditioning_is_refused_with_what_to_connect(fake_api):
+    native = [[torch.zeros(1, 5, 32), {"pooled_output": None}]]
+    with pytest.raises(ValueError, match="native text encoder.*use|'MGPU Text Encode'"):
+        node("MGPUSPSampler").sample(tiny_handle(), native, mgpu_conditioning(2), **SAMPLER_INPUTS)
+    combined = mgpu_conditioning(1) + mgpu_conditioning(2)
+    with pytest.raises(ValueError, match="holds 2 conditionings"):
+        node("MGPUSPSampler").sample(tiny_handle(), mgpu_conditioning(1), combined, **SAMPLER_INPUTS)
+    assert fake_api["sample"].calls == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"sigmas": "1.0, 0.5, 0.0"}, r"start at 1.0 \(pure noise\).*force_from_noise"),
+        ({"sigmas": "0.4, 0.625, 0.0"}, r"decrease strictly"),
+        ({"sigmas": "0.6, abc"}, r"numbers separated by commas"),
+        ({"sigmas": "0.5"}, r"at least two values"),
+        ({"tiles": "3"}, r"tiles must be 'auto' or HxW"),
+        ({"tiles": "0x2"}, r"tiles must be 'auto' or HxW"),
+        ({"frame_rate": 25.0}, r"sampled at 24.0 fps but frame_rate is 25.0"),
+    ],
+)
+def test_tdp_upscale_refuses_bad_inputs_before_calling_the_fleet(fake_api, overrides, message):
+    latent, _, _ = av_latent(frame_rate=24.0)
+    with pytest.raises(ValueError, match=message):
+        node("MGPUTDPUpscale").upscale(tiny_handle(), latent, mgpu_conditioning(1), **{**UPSCALE_INPUTS, **overrides})
+    assert fake_api["upscale"].calls == []
+
+
+def test_tdp_upscale_from_noise_runs_only_when_forced(fake_api):
+    latent, video, audio = av_latent()
+    fake_api["upscale"].result = (video, audio)
+    node("MGPUTDPUpscale").upscale(tiny_handle(), latent, mgpu_conditioning(1), **{**UPSCALE_INPUTS, "sigmas": "1.0, 0.0", "force_from_noise": True})
+    assert fake_api["upscale"].calls[0][1]["sigmas"] == (1.0, 0.0) and fake_api["upscale"].calls[0][1]["force_from_noise"] is True
+
+
+def test_tdp_upscale_needs_upsampler_lora_audio_and_a_known_frame_rate(fake_api):
+    latent, video, _ = av_latent()
+    with pytest.raises(ValueError, match="needs spatial_upsampler and distilled_lora"):
+        node("MGPUTDPUpscale").upscale(tiny_handle(spatial_upsampler_path=None, distilled_lora=None), latent, mgpu_conditioning(1), **UPSCALE_INPUTS)
+    with pytest.raises(ValueError, match="has no audio"):
+        node("MGPUTDPUpscale").upscale(tiny_handle(), {"samples": video}, mgpu_conditioning(1), **UPSCALE_INPUTS)
+    native, _, _ = av_latent(frame_rate=None)
+    with pytest.raises(ValueError, match="does not record its frame rate.*e.g. 24"):
+        node("MGPUTDPUpscale").upscale(tiny_handle(), native, mgpu_conditioning(1), **UPSCALE_INPUTS)
+    assert fake_api["upscale"].calls == []
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        (("(embedded tiny LTX-2, random weights)", "(none)", "(none)", "gemma-3-12b"), "only works with its own text encoder"),
+        (("(embedded tiny LTX-2, random weights)", "real-lora.safetensors", "(none)", "(embedded tiny LTX-2, random weights)"), "does not fit the embedded tiny checkpoint"),
+        (("ltx-2-19b-dev.safetensors", "(none)", "(none)", "(embedded tiny LTX-2, random weights)"), "the tiny bundle is one set"),
+    ],
+)
+def test_loader_refuses_mixing_the_tiny_bundle_with_real_files(fake_api, files, message):
+    ckpt, lora, upsampler, gemma = files
+    with pytest.raises(ValueError, match=message):
+        node("MGPULoadCheckpoint").load(ckpt, lora, 1.0, upsampler, gemma, "all", "sharded", "auto", "bfloat16")
+    assert fake_api["load"].calls == []
+
+
+@pytest.mark.parametrize("text", ["0,0", "gpu0", "1;2", "-1"])
+def test_loader_refuses_malformed_gpu_lists(fake_api, text):
+    with pytest.raises(ValueError, match="gpus must be 'all' or a list of distinct GPU indices like 0,1"):
+        node("MGPULoadCheckpoint").load(model_nodes.EMBEDDED, model_nodes.EMBEDDED, 1.0, model_nodes.EMBEDDED, model_nodes.EMBEDDED, text, "sharded", "auto", "bfloat16")
+    assert fake_api["configure"].calls == [] and fake_api["load"].calls == []
+
+
+def test_nodes_refuse_a_model_input_that_is_not_an_mgpu_handle(fake_api):
+    with pytest.raises(ValueError, match="must come from 'Load Checkpoint MGPU'"):
+        node("MGPUTextEncode").encode(object(), "a fox", "")
+
+
+# --- progress, cancel and errors ----------------------------------------------------------------------
+
+
+class FakeComfy:
+    """comfy.utils / comfy.model_management / server stand-ins with ComfyUI's interrupt semantics."""
+
+    class InterruptProcessingException(Exception):
+        pass
+
+    def __init__(self, monkeypatch) -> None:
+        self.interrupted = False
+        self.bar_updates, self.texts, self.events = [], [], []
+        fake = self
+
+        class ProgressBar:
+            def __init__(self, total, node_id=None):
+                self.total, self.node_id = total, node_id
+
+            def update_absolute(self, value, total=None, preview=None):
+                fake.bar_updates.append((self.node_id, value, total))
+                fake.throw_exception_if_processing_interrupted()  # as ComfyUI's progress hook does
+
+        class PromptServer:
+            instance = None
+
+            def send_sync(self, event, data, sid=None):
+                fake.events.append((event, data))
+
+            def send_progress_text(self, text, node_id, sid=None):
+                fake.texts.append((node_id, text))
+
+        PromptServer.instance = PromptServer()
+        management = types.ModuleType("comfy.model_management")
+        management.InterruptProcessingException = self.InterruptProcessingException
+        management.processing_interrupted = lambda: self.interrupted
+        management.throw_exception_if_processing_interrupted = self.throw_exception_if_processing_interrupted
+        utils = types.ModuleType("comfy.utils")
+        utils.ProgressBar = ProgressBar
+        server = types.ModuleType("server")
+        server.PromptServer = PromptServer
+        comfy = types.ModuleType("comfy")
+        comfy.__path__ = []
+        for name, module in (("comfy", comfy), ("comfy.model_management", management), ("comfy.utils", utils), ("server", server)):
+            monkeypatch.setitem(sys.modules, name, module)
+
+    def throw_exception_if_processing_interrupted(self):
+        if self.interrupted:
+            self.interrupted = False
+            raise self.InterruptProcessingException()
+
+
+def scripted_job(steps: int, cancel_at_poll: int | None = None, interrupt_after_step: int | None = None, comfy=None):
+    """A fake api function: emits progress, polls should_cancel like the client, cancels like the fleet."""
+
+    def run(*, progress, should_cancel):
+        polls = 0
+        for step in range(1, steps + 1):
+            progress({"stage": "stage1", "step": step, "total": steps, "seconds": 0.5, "rank_seconds": [0.5, 0.75]})
+            if comfy is not None and interrupt_after_step == step:
+                comfy.interrupted = True
+            polls += 1
+            if should_cancel():
+                raise FleetCancelled(f"cancelled at step {step}", "cancelled")
+        return f"finished {steps} steps after {polls} polls"
+
+    return run
+
+
+def test_progress_drives_the_comfy_bar_per_rank_text_and_panel_events(monkeypatch):
+    comfy = FakeComfy(monkeypatch)
+    job = fleet_job.FleetJob("12", "SP Sampler")
+    assert job.call(scripted_job(3)) == "finished 3 steps after 3 polls"
+    assert comfy.bar_updates == [("12", 1, 3), ("12", 2, 3), ("12", 3, 3)]
+    assert comfy.texts[0] == ("12", "stage1 1/3 · 0.50 s/step · rank 0 0.50 s | rank 1 0.75 s")
+    assert comfy.texts[-1][1].startswith("stage1 3/3")  # the last step is never throttled away
+    assert [event for event, _ in comfy.events] == ["mgpu.status"] * 3
+    assert comfy.events[-1][1] == {"node": "12", "title": "SP Sampler", "stage": "stage1", "step": 3, "total": 3, "seconds": 0.5, "rank_seconds": [0.5, 0.75]}
+
+
+def test_comfy_interrupt_becomes_a_fleet_cancel_then_comfys_interrupt_exception(monkeypatch):
+    comfy = FakeComfy(monkeypatch)
+    job = fleet_job.FleetJob("5", "SP Sampler")
+    with pytest.raises(FakeComfy.InterruptProcessingException):
+        job.call(scripted_job(10, interrupt_after_step=2, comfy=comfy))
+    assert job.cancel_requested
+    assert comfy.bar_updates[-1] == ("5", 2, 10), "the job went on after the interrupt"
+    assert comfy.interrupted is False, "ComfyUI's interrupt flag must be cleared for the next prompt"
+
+
+def test_interrupt_raised_by_the_progress_hook_does_not_escape_mid_job(monkeypatch):
+    comfy = FakeComfy(monkeypatch)
+    job = fleet_job.FleetJob("5", "TDP Upscale")
+    comfy.interrupted = True  # set before the first progress event: the bar's hook raises it
+    with pytest.raises(FakeComfy.InterruptProcessingException):
+        job.call(scripted_job(10))
+    assert job.cancel_requested and comfy.bar_updates == [("5", 1, 10)]
+
+
+def test_fleet_error_becomes_runtime_error_with_the_fleet_message_and_logged_traceback(monkeypatch, caplog):
+    FakeComfy(monkeypatch)
+
+    def failing(*, progress, should_cancel):
+        raise FleetError("out of memory on cuda:2", rank=2, traceback="Traceback...\nOutOfMemoryError: CUDA out of memory")
+
+    with caplog.at_level(logging.ERROR, logger="comfyui-mgpu"), pytest.raises(RuntimeError) as raised:
+        fleet_job.FleetJob("7", "Distributed VAE Decode").call(failing)
+    assert str(raised.value) == "Distributed VAE Decode: out of memory on cuda:2 (rank 2)"
+    assert "OutOfMemoryError: CUDA out of memory" in caplog.text
+
+
+def test_cancel_without_comfyui_surfaces_as_fleet_cancelled():
+    job = fleet_job.FleetJob(None, "SP Sampler")
+    job.cancel_requested = True
+    with pytest.raises(FleetCancelled):
+        job.call(scripted_job(3))
+
+
+@pytest.fixture
+def one_rank_fleet(tmp_path, monkeypatch):
+    from .fleet_harness import start_server, stop_server
+
+    tmp_path.chmod(0o700)
+    socket_path = tmp_path / "fleet.sock"
+    process = start_server(socket_path, 1, "--idle-timeout", "0")
+    try:
+        monkeypatch.setenv("MGPU_SOCKET", str(socket_path))  # never start a fleet of its own
+        api.configure(address=str(socket_path))
+        yield socket_path
+    finally:
+        api.configure()
+        stop_server(process)
+
+
+def test_comfy_interrupt_cancels_a_real_fleet_job_which_keeps_serving(monkeypatch, one_rank_fleet):
+    comfy = FakeComfy(monkeypatch)
+    job = fleet_job.FleetJob("9", "SP Sampler")
+    real_progress = job.progress
+
+    def progress_then_press_cancel(event):
+        real_progress(event)
+        if event["step"] == 2:
+            comfy.interrupted = True
+
+    job.progress = progress_then_press_cancel
+    with pytest.raises(FakeComfy.InterruptProcessingException):
+        job.call(api.run, "count", {"steps": 200, "seconds_per_step": 0.02})
+    stopped_at = comfy.bar_updates[-1][1]
+    assert 2 <= stopped_at < 200, f"cancel did not stop the job early: last step {stopped_at}"
+    result = fleet_job.FleetJob("9", "SP Sampler").call(api.run, "count", {"steps": 3})
+    assert result.fields == {"steps": 3, "total": 3.0}, result.fields
+    status = api.status()
+    assert status["jobs_completed"] >= 1 and status["current_job"] is None and math.isclose(len(status["ranks"]), 1)
+
+
+def test_fleet_control_shows_unloads_and_stops_a_real_fleet(one_rank_fleet):
+    control = node("MGPUFleetControl")
+    assert math.isnan(NODES["MGPUFleetControl"].IS_CHANGED("status")), "a cached status would be stale"
+    (text,) = control.control("status")["result"]
+    assert text.startswith("fleet on 1 CPU rank(s)") and "rank 0 cpu alive" in text and "current job: none" in text, text
+    (text,) = control.control("unload models")["result"]
+    assert text.startswith("models unloaded; the next MGPU node reloads its model"), text
+    (text,) = control.control("restart fleet")["result"]
+    assert text.startswith("fleet stopped; it was started by hand (MGPU_SOCKET is set)") and "fleet not running" in text, text
+    (text,) = control.control("status")["result"]
+    assert text.startswith("fleet not running: no fleet server answers at"), text
+
+
+def test_loader_warns_on_the_node_when_the_running_fleet_has_other_gpus(fake_api, monkeypatch, caplog):
+    comfy = FakeComfy(monkeypatch)
+    monkeypatch.delenv("MGPU_CPU_RANKS", raising=False)
+    monkeypatch.setattr(model_nodes, "status_snapshot", lambda: {"running": True, "devices": "GPUs 0,1,2,3"})
+    with caplog.at_level(logging.WARNING, logger="comfyui-mgpu"):
+        node("MGPULoadCheckpoint").load(model_nodes.EMBEDDED, model_nodes.EMBEDDED, 1.0, model_nodes.EMBEDDED, model_nodes.EMBEDDED, "0,1", "sharded", "auto", "bfloat16", unique_id="1")
+    expected = "the fleet already runs on GPUs 0,1,2,3, not GPUs 0,1; press Restart in the MGPU panel to apply gpus=0,1"
+    assert ("1", expected) in comfy.texts and expected in caplog.text
