@@ -172,7 +172,11 @@ def measure(args: argparse.Namespace) -> str:
     def distributed_call():
         results["distributed"] = distributed_decode_images(decoder, latent, tiling, Comm(None), generator=noise())
 
+    def tiled_decode_to_host_call():
+        decode_video(loader, latent, tiling, generator=noise()).cpu()
+
     decode_row("ltx-core tiled_decode (mgpu_backend.ltx.decode.decode_video), frames left on the decode device", tiled_decode_call)
+    decode_row("ltx-core tiled_decode, then the IMAGE frames copied to host memory (what a ComfyUI node needs)", tiled_decode_to_host_call)
     decode_row("distributed_decode_images, world 1, frames into host memory", distributed_call)
     reference = results.pop("tiled_decode").cpu()
     difference = (results["distributed"] - reference).abs().max().item()
