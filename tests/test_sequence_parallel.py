@@ -30,6 +30,7 @@ from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
 from ltx_core.tools import AudioLatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, LatentState, VideoLatentShape
 
+from mgpu_backend.ltx.tiny import LTX2_TRANSFORMER_ARCHITECTURE
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.sequence_parallel import (
     VideoTokenShards,
@@ -48,27 +49,6 @@ AUDIO_TOKENS = 9
 TOLERANCE = 1e-5
 
 
-# The fixed architecture options ltx-core's LTXModelConfigurator checks (those of every LTX-2 checkpoint).
-_LTX2_ARCHITECTURE = {
-    "dropout": 0.0,
-    "attention_bias": True,
-    "num_vector_embeds": None,
-    "activation_fn": "gelu-approximate",
-    "num_embeds_ada_norm": 1000,
-    "use_linear_projection": False,
-    "only_cross_attention": False,
-    "cross_attention_norm": True,
-    "double_self_attention": False,
-    "upcast_attention": False,
-    "standardization_norm": "rms_norm",
-    "norm_elementwise_affine": False,
-    "qk_norm": "rms_norm",
-    "positional_embedding_type": "rope",
-    "use_audio_video_cross_attention": True,
-    "share_ff": False,
-    "av_cross_ada_norm": True,
-    "use_middle_indices_grid": True,
-}
 
 
 def tiny_transformer_config(variant: str = "19b") -> dict:
@@ -76,7 +56,7 @@ def tiny_transformer_config(variant: str = "19b") -> dict:
     heads of 4, interleaved RoPE like the 19B model. ``variant="22b"`` switches on the newer options
     (split RoPE, gated attention, cross-attention AdaLN) so SP is checked against them too."""
     transformer = {
-        **_LTX2_ARCHITECTURE,
+        **LTX2_TRANSFORMER_ARCHITECTURE,
         "num_layers": 2,
         "num_attention_heads": 8,
         "attention_head_dim": 8,

@@ -21,6 +21,7 @@ from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
 from ltx_core.tools import AudioLatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, VideoLatentShape
 
+from mgpu_backend.ltx.tiny import LTX2_TRANSFORMER_ARCHITECTURE
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.tiled_data_parallel import (
     DimensionTiling,
@@ -64,24 +65,7 @@ def _tiny_transformer_config() -> dict:
             "audio_out_channels": AUDIO_CHANNELS * AUDIO_MEL_BINS,
             "audio_cross_attention_dim": CONTEXT_DIM,
             "caption_proj_before_connector": True,
-            "dropout": 0.0,
-            "attention_bias": True,
-            "num_vector_embeds": None,
-            "activation_fn": "gelu-approximate",
-            "num_embeds_ada_norm": 1000,
-            "use_linear_projection": False,
-            "only_cross_attention": False,
-            "cross_attention_norm": True,
-            "double_self_attention": False,
-            "upcast_attention": False,
-            "standardization_norm": "rms_norm",
-            "norm_elementwise_affine": False,
-            "qk_norm": "rms_norm",
-            "positional_embedding_type": "rope",
-            "use_audio_video_cross_attention": True,
-            "share_ff": False,
-            "av_cross_ada_norm": True,
-            "use_middle_indices_grid": True,
+            **LTX2_TRANSFORMER_ARCHITECTURE,
         }
     }
 

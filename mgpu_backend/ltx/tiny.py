@@ -142,6 +142,29 @@ _GEMMA_LAYERS = GEMMA_TEXT_CONFIG["num_hidden_layers"]
 
 # --- The main checkpoint's ``config`` metadata -----------------------------------------------------
 
+# The fixed architecture options of every LTX-2 checkpoint, which ltx-core's LTXModelConfigurator
+# checks; any LTX-2 transformer configuration (tiny, test or full size) includes them.
+LTX2_TRANSFORMER_ARCHITECTURE = {
+    "dropout": 0.0,
+    "attention_bias": True,
+    "num_vector_embeds": None,
+    "activation_fn": "gelu-approximate",
+    "num_embeds_ada_norm": 1000,
+    "use_linear_projection": False,
+    "only_cross_attention": False,
+    "cross_attention_norm": True,
+    "double_self_attention": False,
+    "upcast_attention": False,
+    "standardization_norm": "rms_norm",
+    "norm_elementwise_affine": False,
+    "qk_norm": "rms_norm",
+    "positional_embedding_type": "rope",
+    "use_audio_video_cross_attention": True,
+    "share_ff": False,
+    "av_cross_ada_norm": True,
+    "use_middle_indices_grid": True,
+}
+
 TRANSFORMER_CONFIG = {
     "num_layers": 2,
     "num_attention_heads": 8,
@@ -167,24 +190,7 @@ TRANSFORMER_CONFIG = {
     "timestep_scale_multiplier": 1000,
     "av_ca_timestep_scale_multiplier": 1,
     "rope_type": "interleaved",
-    "dropout": 0.0,
-    "attention_bias": True,
-    "num_vector_embeds": None,
-    "activation_fn": "gelu-approximate",
-    "num_embeds_ada_norm": 1000,
-    "use_linear_projection": False,
-    "only_cross_attention": False,
-    "cross_attention_norm": True,
-    "double_self_attention": False,
-    "upcast_attention": False,
-    "standardization_norm": "rms_norm",
-    "norm_elementwise_affine": False,
-    "qk_norm": "rms_norm",
-    "positional_embedding_type": "rope",
-    "use_audio_video_cross_attention": True,
-    "share_ff": False,
-    "av_cross_ada_norm": True,
-    "use_middle_indices_grid": True,
+    **LTX2_TRANSFORMER_ARCHITECTURE,
 }
 
 VIDEO_VAE_CONFIG = {
