@@ -92,6 +92,17 @@ VIDEO_GUIDANCE = Guidance(cfg_scale=3.0)  # ltx-pipelines 1.0.0 LTX-2.0 defaults
 AUDIO_GUIDANCE = Guidance(cfg_scale=7.0)
 
 
+def parse_tiles(text: str) -> tuple[int, int] | None:
+    """'auto' -> None (the fleet balances tiles over its ranks); '2x3' -> (2 height tiles, 3 width tiles)."""
+    cleaned = text.strip().lower().replace(" ", "")
+    if cleaned in ("", "auto"):
+        return None
+    height_tiles, separator, width_tiles = cleaned.partition("x")
+    if not separator or not height_tiles.isdigit() or not width_tiles.isdigit() or int(height_tiles) < 1 or int(width_tiles) < 1:
+        raise ValueError(f"tiles must be 'auto' or HxW tile counts like 2x2 (height x width); got {text!r}")
+    return int(height_tiles), int(width_tiles)
+
+
 def load(spec: dict, dtype: str = "bfloat16", progress: Progress = None, should_cancel: ShouldCancel = None) -> dict:
     """Validate the model files and load every component into every rank. Returns load figures."""
     return run("load", {"spec": spec, "dtype": dtype}, progress=progress, should_cancel=should_cancel).fields

@@ -167,7 +167,10 @@ def run_generate(args) -> int:
         )
     if args.height % 64 or args.width % 64:
         raise SystemExit(f"error: height and width must be multiples of 64 for the two-stage job, got {args.height}x{args.width}")
-    tiles = None if args.tiles == "auto" else _parse_tiles(args.tiles)
+    try:
+        tiles = api.parse_tiles(args.tiles)
+    except ValueError as exc:
+        raise SystemExit(f"error: --tiles: {exc}") from None
     sigmas = _parse_floats(args.stage2_sigmas, "--stage2-sigmas")
     image = _load_image(args.image) if args.image else None
     video_guidance, audio_guidance = (
@@ -236,11 +239,3 @@ def run_generate(args) -> int:
         )
         print(f"debug dump: {args.debug_dump}")
     return 0
-
-
-def _parse_tiles(text: str) -> tuple[int, int]:
-    try:
-        height_tiles, width_tiles = (int(part) for part in text.lower().split("x"))
-    except ValueError:
-        raise SystemExit(f"error: --tiles takes HxW like 2x2, or 'auto'; got {text!r}") from None
-    return height_tiles, width_tiles

@@ -9,6 +9,7 @@ parallel) is decided in the fleet, never here.
 from __future__ import annotations
 
 from mgpu_backend import api
+from mgpu_backend.api import parse_tiles
 
 from .fleet_job import FleetJob
 from .layouts import (
@@ -57,17 +58,6 @@ def parse_sigmas(text: str, force_from_noise: bool) -> tuple[float, ...]:
             "(e.g. 0.625, 0.4, 0.0) or turn on force_from_noise if you really mean it"
         )
     return sigmas
-
-
-def parse_tiles(text: str) -> tuple[int, int] | None:
-    """'auto' -> None (the fleet balances tiles over its ranks); '2x3' -> (2 height tiles, 3 width tiles)."""
-    cleaned = text.strip().lower().replace(" ", "")
-    if cleaned in ("", "auto"):
-        return None
-    height_tiles, separator, width_tiles = cleaned.partition("x")
-    if not separator or not height_tiles.isdigit() or not width_tiles.isdigit() or int(height_tiles) < 1 or int(width_tiles) < 1:
-        raise ValueError(f"tiles must be 'auto' or HxW tile counts like 2x2 (height x width); got {text!r}")
-    return int(height_tiles), int(width_tiles)
 
 
 class SPSampler:
