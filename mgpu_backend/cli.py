@@ -69,7 +69,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         used = memory.get("allocated", memory.get("rss"))
         total = f" of {_format_bytes(memory['total'])}" if "total" in memory else ""
         state = "alive" if rank["alive"] else "DEAD"
-        print(f"  rank {rank['rank']}: pid {rank['pid']} {rank['device']} {state}, memory {_format_bytes(used)}{total}")
+        peak = f", peak {_format_bytes(memory['peak'])}" if "peak" in memory else ""
+        print(f"  rank {rank['rank']}: pid {rank['pid']} {rank['device']} {state}, memory {_format_bytes(used)}{total}{peak}")
+        weights = rank.get("weights")
+        if weights:
+            print(
+                f"    weights: transformer working copy {_format_bytes(weights.get('working_bytes'))}, "
+                f"clean shard {_format_bytes(weights.get('clean_shard_bytes'))}, other components {_format_bytes(weights.get('other_components_bytes'))}"
+            )
     job = status["current_job"]
     print(f"current job: {job['id']} {job['op']} {job['stage']} {job['step']}/{job['total']}" if job else "current job: none")
     print(f"queue: {status['queue_length']} waiting, {status['jobs_completed']} done, {status['fleet_restarts']} fleet restart(s)")
@@ -134,10 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.set_defaults(func=cmd_make_tiny)
 
     from .comfy_queue import add_queue_parser
+    from .doctor import add_doctor_parser
     from .generate import add_generate_parser
 
     add_generate_parser(commands)
     add_queue_parser(commands)
+    add_doctor_parser(commands)
 
     rank = commands.add_parser("rank")  # internal: started by the server
     for name in ("--rank", "--world-size", "--fd", "--owner-pid"):

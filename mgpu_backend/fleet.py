@@ -290,6 +290,7 @@ class Fleet:
                 "device": rank.device,
                 "alive": rank.process.poll() is None,
                 "memory": rank.info.get("memory"),
+                "weights": rank.info.get("weights"),
             }
             for rank in self.ranks
         ]

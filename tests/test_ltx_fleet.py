@@ -215,3 +215,23 @@ def test_debug_dump_is_identical_at_1_2_and_4_cpu_ranks(tmp_path):
         for name, tensor in dumps[1].items():
             diff = (tensor.float() - dumps[ranks][name].float()).abs().max().item()
             assert diff == 0.0, f"{name} at {ranks} ranks differs from 1 rank by {diff}"
+
+
+def test_every_job_logs_its_disk_reads_and_status_reports_weight_memory_per_rank(fleet, spec):
+    logs = []
+    run(fleet, "unload", {})
+    run(fleet, "load", {"spec": spec}, on_log=logs.append)
+    run(fleet, "encode", {"spec": spec, "prompts": [PROMPT]}, on_log=logs.append)  # first use of Gemma reads it
+    run(fleet, "encode", {"spec": spec, "prompts": [PROMPT]}, on_log=logs.append)
+    cold = [line for line in logs if line.startswith("[rank 0] load:")]
+    warm = [line for line in logs if line.startswith("[rank 0] encode:")]
+    assert cold and float(cold[0].split(": ")[1].split(" MiB")[0]) > 1.0, logs
+    assert len(warm) == 2 and "0.0 MiB read from disk" in warm[1], logs
+    time.sleep(2.5)  # one heartbeat carries the weight report
+    with FleetClient.connect(str(fleet), autostart=False) as client:
+        ranks = client.status()["ranks"]
+    shards = [rank["weights"]["clean_shard_bytes"] for rank in ranks]
+    working = [rank["weights"]["working_bytes"] for rank in ranks]
+    assert working[0] == working[1] > 0, "every rank holds the whole working transformer"
+    assert abs(shards[0] - shards[1]) < 0.2 * sum(shards), f"the clean copy is split about evenly: {shards}"
+    assert 0.95 * working[0] <= sum(shards) <= working[0] * 1.0001, "the clean shards add up to one transformer"

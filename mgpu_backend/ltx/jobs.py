@@ -14,6 +14,7 @@ the same spec reads nothing from disk, and a fleet that restarted reloads on the
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import math
@@ -73,6 +74,7 @@ class ResidentModel:
         self.spec, self.device, self.dtype = spec, device, dtype
         self.loader = ModelLoader(spec, device, dtype)
         self.components: dict[tuple, torch.nn.Module] = {}
+        self.load_seconds = 0.0  # time spent building components from files or the registry
         # One working transformer per rank; a clean copy sharded over the ranks lets stage 1 (no
         # LoRA) and stage 2 (distilled LoRA) swap in place. Without any LoRA, no clean copy is kept.
         self.tracker = TransformerWeightTracker(comm, no_lora_swap=spec.distilled_lora is None and not spec.loras)
@@ -80,12 +82,17 @@ class ResidentModel:
     def _kept(self, name: str, *args):
         key = (name, *args)
         if key not in self.components:
+            started = time.perf_counter()
             self.components[key] = getattr(self.loader, name)(*args)
+            self.load_seconds += time.perf_counter() - started
         return self.components[key]
 
     def transformer(self, lora_set: str = "none"):
         """The working transformer with the stage's LoRAs fused (collective on a LoRA swap)."""
-        return self.tracker.transformer(self.loader, lora_set)
+        started = time.perf_counter()
+        model = self.tracker.transformer(self.loader, lora_set)
+        self.load_seconds += time.perf_counter() - started
+        return model
 
     def video_encoder(self):
         return self._kept("video_encoder")
@@ -246,7 +253,33 @@ def _progress(ctx: JobContext, stage: str) -> Callable[[int, int], None]:
 # -- jobs --------------------------------------------------------------------------------------
 
 
-@job("load")
+def ltx_job(name: str):
+    """Register an LTX-2 job that reports, in the job log, what it read from disk and how long it
+    spent building weights (0 bytes on a warm fleet)."""
+
+    def register(fn):
+        @job(name)
+        @functools.wraps(fn)
+        def run(ctx: JobContext, args: dict, tensors: dict):
+            before = ctx.state.get("model")
+            bytes_before = before.bytes_read_from_disk if before is not None else 0
+            seconds_before = before.load_seconds if before is not None else 0.0
+            result = fn(ctx, args, tensors)
+            after = ctx.state.get("model")
+            if after is not None:
+                if after is not before:
+                    bytes_before, seconds_before = 0, 0.0
+                read = after.bytes_read_from_disk - bytes_before
+                ctx.log(f"{name}: {read / 2**20:.1f} MiB read from disk, {after.load_seconds - seconds_before:.2f} s building weights")
+            return result
+
+        return run
+
+    return register
+
+
+
+@ltx_job("load")
 def load(ctx: JobContext, args: dict, tensors: dict):
     """Load every component of the model into this rank (a no-op for the resident model)."""
     started = time.perf_counter()
@@ -258,7 +291,6 @@ def load(ctx: JobContext, args: dict, tensors: dict):
         getattr(resident, name)(*extra)
         ctx.step("load", index, len(builders))
     seconds = time.perf_counter() - started
-    ctx.log(f"model resident: {resident.bytes_read_from_disk / 2**20:.1f} MiB read from disk in total, {seconds:.2f} s for this job")
     return {
         "bytes_read": resident.bytes_read_from_disk,
         "load_seconds": seconds,
@@ -268,7 +300,7 @@ def load(ctx: JobContext, args: dict, tensors: dict):
     }, {}
 
 
-@job("encode")
+@ltx_job("encode")
 def encode(ctx: JobContext, args: dict, tensors: dict):
     """Video and audio text contexts of each prompt (Gemma + the checkpoint's connectors)."""
     prompts = args.get("prompts")
@@ -326,7 +358,7 @@ def stage1_parallel(ctx: JobContext, resident: ResidentModel, video_tokens: int,
     return plan, runner
 
 
-@job("sample")
+@ltx_job("sample")
 def sample(ctx: JobContext, args: dict, tensors: dict):
     """Stage 1: full-frame generation from noise, sequence/guidance parallel (faithful)."""
     resident = resident_model(ctx, args)
@@ -398,7 +430,7 @@ def upscale_tiling(ctx: JobContext, args: dict, video_grid: tuple[int, int, int]
     raise JobInputError(f"the {video_grid[1]}x{video_grid[2]} latent is too small for {tiles[0]}x{tiles[1]} tiles: {last_error}")
 
 
-@job("upscale")
+@ltx_job("upscale")
 def upscale(ctx: JobContext, args: dict, tensors: dict):
     """Stage 2: spatial 2x, then the distilled-LoRA refinement over TDP tiles; audio stays frozen."""
     resident = resident_model(ctx, args)
@@ -471,7 +503,7 @@ def noise_history(after_stages, height: int, width: int, frames: int, frame_rate
     raise JobInputError(f"after_stages must be 0, 1 or 2, got {after_stages!r}")
 
 
-@job("decode")
+@ltx_job("decode")
 def decode(ctx: JobContext, args: dict, tensors: dict):
     """Distributed VAE decode of the video (frames to the client through shared memory) + audio."""
     resident = resident_model(ctx, args)
@@ -509,7 +541,7 @@ def decode(ctx: JobContext, args: dict, tensors: dict):
     return result, out_tensors
 
 
-@job("unload")
+@ltx_job("unload")
 def unload(ctx: JobContext, args: dict, tensors: dict):
     """Drop the resident model and its parallel groups' state; the fleet stays up."""
     had = ctx.state.get("model") is not None
