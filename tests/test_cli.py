@@ -1,0 +1,56 @@
+"""The command line as a user types it: sub-commands, their errors and exit codes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from mgpu_backend.ltx.tiny import make_tiny_bundle
+
+from .fleet_harness import REPO
+
+
+def cli(*args: str, cwd=None, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
+    env.pop("MGPU_SOCKET", None)
+    return subprocess.run([sys.executable, "-m", "mgpu_backend", *args], cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_make_tiny_writes_the_same_bundle_as_the_library(tmp_path):
+    completed = cli("make-tiny", str(tmp_path / "cli"))
+    assert completed.returncode == 0, completed.stderr
+    assert "checkpoint_path" in completed.stdout
+    library = make_tiny_bundle(tmp_path / "lib")
+    for name in ("ltx-2-tiny.safetensors",):
+        assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "lib" / name).read_bytes()
+    assert library.checkpoint_path.endswith("ltx-2-tiny.safetensors")
+
+
+def test_generate_refuses_sizes_that_are_not_multiples_of_64_before_starting_anything(tmp_path):
+    completed = cli("generate", "--prompt", "x", "--height", "100", "--output", str(tmp_path / "o.mp4"), "--cpu-ranks", "1",
+                    env_extra={"MGPU_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
+    assert completed.returncode != 0
+    assert "height and width must be multiples of 64" in completed.stderr
+    assert not (tmp_path / "o.mp4").exists()
+
+
+def test_generate_with_half_a_real_model_says_which_flags_are_missing(tmp_path):
+    completed = cli("generate", "--prompt", "x", "--checkpoint-path", str(tmp_path / "a.safetensors"))
+    assert completed.returncode != 0
+    assert "--gemma-root" in completed.stderr and "--distilled-lora" in completed.stderr
+
+
+def test_status_and_stop_without_a_server_say_how_to_start_one(tmp_path):
+    socket_dir = tmp_path / "s"
+    socket_dir.mkdir(mode=0o700)
+    for command in ("status", "stop"):
+        completed = cli(command, "--socket", str(socket_dir / "fleet.sock"))
+        assert completed.returncode == 1
+        assert "python -m mgpu_backend serve" in completed.stderr
+
+
+def test_serve_rejects_both_gpus_and_cpu_ranks():
+    completed = cli("serve", "--gpus", "0", "--cpu-ranks", "2")
+    assert completed.returncode == 2
+    assert "not allowed with argument" in completed.stderr
