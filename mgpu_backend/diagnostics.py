@@ -141,3 +141,226 @@ def bench_stage1(ctx: JobContext, args: dict, tensors: dict):
 
 def json_key(config: dict) -> str:
     return json.dumps(config, sort_keys=True)
+
+
+# -- jobs of ``python -m mgpu_backend doctor`` ---------------------------------------------------------
+# Each one measures or checks one thing on every rank of a short-lived fleet the doctor started, and
+# returns plain numbers; the doctor (mgpu_backend/doctor.py) judges them and words the advice.
+
+import logging  # noqa: E402 - used by the doctor's jobs only, kept with them
+
+SP_CHECK_WARN_ABOVE = 1e-4  # fp32 float rounding of a 2-layer model stays far below this
+SP_CHECK_FAIL_ABOVE = 1e-2  # beyond any rounding: sharding or the exchange is wrong
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest_rank_seconds(ctx: JobContext, seconds: float) -> float:
+    """The time of the slowest rank: a collective is only as fast as its last participant."""
+    return float(ctx.control.all_reduce_max(torch.tensor([seconds], dtype=torch.float64)).item())
+
+
+def _timed_collective(ctx: JobContext, run, iterations: int, warmup: int) -> float:
+    """Seconds per call of ``run()``, measured on every rank together, slowest rank's figure."""
+    for _ in range(warmup):
+        run()
+    _synchronize(ctx.device)
+    ctx.control.barrier()  # start the clocks together, so no rank's time includes waiting for another
+    started = time.perf_counter()
+    for _ in range(iterations):
+        run()
+    _synchronize(ctx.device)
+    return _slowest_rank_seconds(ctx, (time.perf_counter() - started) / iterations)
+
+
+def _check_all_reduce(ctx: JobContext, numel: int) -> None:
+    values = torch.full((numel,), float(ctx.rank + 1), device=ctx.device)
+    ctx.comm.all_reduce_sum(values)
+    expected = ctx.world_size * (ctx.world_size + 1) / 2  # small integers: exact in float32
+    wrong = int((values != expected).sum().item())
+    if wrong:
+        raise RuntimeError(f"all-reduce returned wrong sums in {wrong} of {numel} elements (expected {expected:g})")
+
+
+def _check_all_to_all(ctx: JobContext, numel: int) -> None:
+    chunk = numel // ctx.world_size
+    # Chunk j sent by rank r holds r * world + j, so rank r must receive j * world + r from rank j.
+    sent = (ctx.rank * ctx.world_size + torch.arange(ctx.world_size, device=ctx.device, dtype=torch.float32)).repeat_interleave(chunk)
+    received = ctx.comm.all_to_all(sent, scatter_dim=0, gather_dim=0)
+    expected = (torch.arange(ctx.world_size, device=ctx.device, dtype=torch.float32) * ctx.world_size + ctx.rank).repeat_interleave(chunk)
+    if not torch.equal(received, expected):
+        wrong = int((received != expected).sum().item())
+        raise RuntimeError(f"all-to-all delivered wrong data in {wrong} of {numel} elements")
+
+
+@job("doctor_collectives")
+def doctor_collectives(ctx: JobContext, args: dict, tensors: dict):
+    """Algorithm bandwidth and latency of the fleet's all-reduce and all-to-all (``ctx.comm``, NCCL on
+    GPUs, gloo on CPU) at a few message sizes, each checked for correct data before it is timed."""
+    sizes = args.get("sizes_bytes")
+    if not isinstance(sizes, list) or not sizes or not all(isinstance(s, int) and 4 <= s <= 2**31 for s in sizes):
+        raise JobInputError(f"sizes_bytes must be a list of byte counts from 4 to 2**31, got {sizes!r}")
+    iterations = _int(args, "iterations", 10, 1, 10_000)
+    warmup = _int(args, "warmup", 2, 0, 1000)
+    results = []
+    for index, size in enumerate(sizes):
+        # float32 elements, a whole number per rank so the all-to-all chunks are equal
+        numel = max(1, size // 4 // ctx.world_size) * ctx.world_size
+        _check_all_reduce(ctx, numel)
+        _check_all_to_all(ctx, numel)
+        buffer = torch.zeros(numel, device=ctx.device)  # zeros stay zeros, however often they are summed
+        for op, run in (
+            ("all_reduce", lambda: ctx.comm.all_reduce_sum(buffer)),
+            ("all_to_all", lambda: ctx.comm.all_to_all(buffer, scatter_dim=0, gather_dim=0)),
+        ):
+            seconds = _timed_collective(ctx, run, iterations, warmup)
+            results.append({"op": op, "bytes": numel * 4, "seconds": seconds})
+        ctx.step("doctor_collectives", index + 1, len(sizes))
+    return {"backend": ctx.comm.backend, "world_size": ctx.world_size, "results": results}, {}
+
+
+class _LogCapture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _install_and_explain(comm, device: torch.device) -> tuple[str, list[str]]:
+    """``kernels.install_fast_all_to_all`` on ``comm`` (collective), with the lines it logs saying why
+    it chose what it chose: the reasons exist only in its log."""
+    from kernels import install_fast_all_to_all
+
+    logger = logging.getLogger("kernels")
+    capture, level = _LogCapture(), logger.level
+    logger.addHandler(capture)
+    logger.setLevel(logging.INFO)
+    try:
+        choice = install_fast_all_to_all(comm, device)
+    finally:
+        logger.removeHandler(capture)
+        logger.setLevel(level)
+    return choice, capture.lines
+
+
+@job("doctor_all_to_all_kernel")
+def doctor_all_to_all_kernel(ctx: JobContext, args: dict, tensors: dict):
+    """Whether the CUDA-IPC all-to-all kernel can serve this fleet, and why; if it can, check that it
+    moves the same bytes as torch.distributed and time both at one size. CUDA fleets of 2+ ranks only:
+    the doctor never asks where there is no CUDA, so nothing is ever built there."""
+    from kernels import CUDA_IPC, uninstall_fast_all_to_all
+
+    if ctx.device.type != "cuda" or ctx.world_size < 2:
+        raise JobInputError("the all-to-all kernel check needs a CUDA fleet of at least 2 ranks")
+    size = _int(args, "bytes", 16 << 20, 4 * ctx.world_size, 2**31)
+    iterations = _int(args, "iterations", 10, 1, 10_000)
+    choice, reasons = _install_and_explain(ctx.comm, ctx.device)
+    fields = {"choice": choice, "reasons": reasons}
+    if choice == CUDA_IPC:
+        try:
+            numel = size // 4 // ctx.world_size * ctx.world_size
+            generator = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
+            sent = torch.randn(numel, device=ctx.device, generator=generator)
+            by_kernel = ctx.comm.all_to_all(sent, scatter_dim=0, gather_dim=0)
+            by_torch = ctx.comm.torch_all_to_all(sent, scatter_dim=0, gather_dim=0)
+            fields["max_abs_diff_vs_torch"] = float((by_kernel - by_torch).abs().max().item())
+            fields["bytes"] = numel * 4
+            fields["kernel_seconds"] = _timed_collective(ctx, lambda: ctx.comm.all_to_all(sent, 0, 0), iterations, 2)
+            fields["torch_seconds"] = _timed_collective(ctx, lambda: ctx.comm.torch_all_to_all(sent, 0, 0), iterations, 2)
+        finally:
+            uninstall_fast_all_to_all(ctx.comm)
+    return fields, {}
+
+
+def sp_check_groups(world_size: int, heads: int) -> list[list[int]]:
+    """SP groups for the doctor's check: the whole fleet when its size divides the head count, else
+    consecutive groups of the largest degree that does, and the ranks left over on their own."""
+    degree = max(d for d in range(1, world_size + 1) if heads % d == 0)
+    whole = world_size // degree * degree
+    return [list(range(start, start + degree)) for start in range(0, whole, degree)] + [[r] for r in range(whole, world_size)]
+
+
+def _sp_check_inputs(config: dict, device: torch.device, seed: int, text_tokens: int):
+    """Video and audio transformer inputs (``Modality``) of a small stage-1 geometry, seeded on the CPU
+    so every rank holds the same numbers whatever its device."""
+    from .ltx.latents import StageGeometry
+    from .ltx.stages import _modality
+
+    geometry = StageGeometry(height=64, width=96, num_frames=17, frame_rate=24.0)  # 3x2x3 = 18 video tokens
+    generator = torch.Generator().manual_seed(seed)
+    caption_channels = config["transformer"]["caption_channels"]
+    sigma = torch.tensor([0.7], device=device)
+    inputs = []
+    for tools in (geometry.video_tools(), geometry.audio_tools()):
+        start = torch.randn(tools.target_shape.to_torch_shape(), generator=generator)
+        state = tools.create_initial_state(device, torch.float32, start.to(device))
+        context = torch.randn(1, text_tokens, caption_channels, generator=generator).to(device)
+        inputs.append(_modality(state, context, sigma))
+    return inputs[0], inputs[1]
+
+
+@job("doctor_sp_check")
+def doctor_sp_check(ctx: JobContext, args: dict, tensors: dict):
+    """A small random LTXModel run once as it is and once under ``apply_sequence_parallel``, fp32, same
+    inputs on every rank; returns the largest difference over the ranks (NaN/inf flagged apart).
+
+    ``reference_noise`` (default 0) perturbs the reference model's weights: the doctor's tests use it to
+    make sure a real disagreement is reported.
+    """
+    from .parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel, sequence_parallel_degree
+
+    config = args.get("config")
+    if not isinstance(config, dict) or not isinstance(config.get("transformer"), dict):
+        raise JobInputError("doctor_sp_check needs 'config' with a 'transformer' section")
+    seed = _int(args, "seed", 0, 0, 2**31)
+    noise = _float(args, "reference_noise", 0.0, 0.0, 1.0)
+    model = random_transformer(config, ctx.device, torch.float32, seed)
+    video, audio = _sp_check_inputs(config, ctx.device, seed, text_tokens=8)
+
+    reference_model = model
+    if noise:
+        reference_model = random_transformer(config, ctx.device, torch.float32, seed)
+        for parameter in reference_model.parameters():
+            parameter.add_(noise)
+    reference = reference_model(video=video, audio=audio, perturbations=None)
+
+    groups = sp_check_groups(ctx.world_size, model.velocity_model.num_attention_heads)
+    sp_comm = ctx.comm.split(groups) if len(groups) > 1 else ctx.comm
+    exchange = "none"
+    if sp_comm.world_size > 1:
+        exchange = sp_comm.backend
+        if ctx.device.type == "cuda":  # as stage 1 does: the kernel where it can serve, else torch
+            exchange, _ = _install_and_explain(sp_comm, ctx.device)
+    apply_sequence_parallel(model, sp_comm)
+    applied_degree = sequence_parallel_degree(model)  # proof the sharded path ran, not the plain one
+    try:
+        sharded = model(video=video, audio=audio, perturbations=None)
+    finally:
+        remove_sequence_parallel(model)
+        if ctx.device.type == "cuda" and sp_comm.world_size > 1:
+            from kernels import uninstall_fast_all_to_all
+
+            uninstall_fast_all_to_all(sp_comm)
+
+    finite = all(bool(torch.isfinite(t).all()) for t in (*sharded, *reference))
+    difference = max(float((a.float() - b.float()).abs().max()) for a, b in zip(sharded, reference)) if finite else 0.0
+    # NaN does not survive a max all-reduce reliably: reduce "some rank saw non-finite values" apart.
+    summary = ctx.control.all_reduce_max(torch.tensor([difference, 0.0 if finite else 1.0], dtype=torch.float64))
+    return {
+        "max_abs_diff": float(summary[0]),
+        "finite": not bool(summary[1]),
+        "groups": groups,
+        "sp_degree": len(groups[0]),
+        "applied_sp_degree": applied_degree,
+        "exchange": exchange,
+        "video_tokens": int(video.latent.shape[1]),
+        "audio_tokens": int(audio.latent.shape[1]),
+        "output_scale": float(sharded[0].abs().max()),
+        "warn_above": SP_CHECK_WARN_ABOVE,
+        "fail_above": SP_CHECK_FAIL_ABOVE,
+    }, {}

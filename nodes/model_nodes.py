@@ -8,7 +8,6 @@ live in the fleet processes. It never touches the weights itself.
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 
@@ -127,24 +126,6 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
     return spec.to_json()
 
 
-def gemma_options(handle: dict, api_function) -> dict:
-    """``{"gemma_mode": ...}`` for an api call that takes it, else ``{}`` with a warning.
-
-    The Gemma mode travels in every MGPU_MODEL handle; api.load/encode take it once the fleet's
-    distributed Gemma is wired in. Until then the fleet uses its one built-in way (logged once).
-    """
-    global _gemma_mode_warned
-    if "gemma_mode" in inspect.signature(api_function).parameters:
-        return {"gemma_mode": handle["gemma_mode"]}
-    if not _gemma_mode_warned:
-        _gemma_mode_warned = True
-        log.warning("this fleet version does not take a Gemma mode yet; gemma_mode=%s is ignored", handle["gemma_mode"])
-    return {}
-
-
-_gemma_mode_warned = False
-
-
 class LoadCheckpointMGPU:
     """Pick the LTX-2 files and fleet options; load them into every rank of the fleet."""
 
@@ -180,7 +161,7 @@ class LoadCheckpointMGPU:
         # Takes effect when this process starts the fleet; 'all' leaves the choice to the server
         # (every visible GPU, or one CPU rank without CUDA).
         api.configure(gpus=None if gpus == "all" else gpus)
-        job.call(api.load, spec, dtype=dtype, **gemma_options(handle, api.load))
+        job.call(api.load, spec, dtype=dtype)
         self._warn_on_device_mismatch(gpus, unique_id)
         return (handle,)
 

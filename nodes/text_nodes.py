@@ -11,7 +11,7 @@ from mgpu_backend import api
 
 from .fleet_job import FleetJob
 from .layouts import MODEL_TYPE, check_model_handle, make_conditioning
-from .model_nodes import CATEGORY, gemma_options
+from .model_nodes import CATEGORY
 
 DEFAULT_PROMPT = (
     "A red fox trots through fresh snow in a quiet birch forest at dawn, its breath visible in the cold air. "
@@ -53,7 +53,7 @@ class MGPUTextEncode:
             raise ValueError("the positive prompt is empty; describe the video and its sound")
         job = FleetJob(unique_id, "MGPU Text Encode")
         contexts = job.call(
-            api.encode, handle["spec"], [positive, negative], dtype=handle["dtype"], **gemma_options(handle, api.encode)
+            api.encode, handle["spec"], [positive, negative], dtype=handle["dtype"], gemma_mode=handle["gemma_mode"]
         )
         (positive_video, positive_audio), (negative_video, negative_audio) = contexts
         return (

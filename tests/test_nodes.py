@@ -167,18 +167,9 @@ def test_loader_lists_embedded_bundle_first_outside_comfyui():
 # --- node -> api mapping ----------------------------------------------------------------------------
 
 
-def load_with_gemma_mode(spec, dtype="bfloat16", gemma_mode="sharded", progress=None, should_cancel=None):
-    """api.load as it reads once the fleet takes a Gemma mode."""
-
-
-def encode_with_gemma_mode(spec, prompts, dtype="bfloat16", gemma_mode="sharded", progress=None, should_cancel=None):
-    """api.encode as it reads once the fleet takes a Gemma mode."""
-
-
 def test_loader_loads_the_embedded_bundle_and_returns_a_self_describing_handle(fake_api):
     from mgpu_backend.ltx.loading import ModelSpec
 
-    fake_api["load"].__signature__ = inspect.signature(load_with_gemma_mode)
     fake_api["load"].result = {"seconds": 0.1}
     (handle,) = node("MGPULoadCheckpoint").load(
         model_nodes.EMBEDDED, model_nodes.EMBEDDED, 0.8, model_nodes.NO_FILE, model_nodes.EMBEDDED,
@@ -189,26 +180,12 @@ def test_loader_loads_the_embedded_bundle_and_returns_a_self_describing_handle(f
     assert handle == {"spec": expected_spec, "dtype": "float32", "gemma_mode": "batch_parallel", "parallel": "hybrid", "gpus": "1,0"}
     assert fake_api["configure"].calls == [((), {"gpus": "1,0"})]
     ((args, kwargs),) = fake_api["load"].calls
-    assert args == (expected_spec,) and kwargs["dtype"] == "float32" and kwargs["gemma_mode"] == "batch_parallel"
+    assert args == (expected_spec,) and kwargs["dtype"] == "float32"
     assert callable(kwargs["progress"]) and callable(kwargs["should_cancel"])
     assert ModelSpec.from_json(handle["spec"]) == ModelSpec(tiny.checkpoint_path, tiny.gemma_root, None, tiny.distilled_lora, 0.8)
 
 
-def test_gemma_mode_is_left_out_with_one_warning_while_the_fleet_api_lacks_it(fake_api, monkeypatch, caplog):
-    monkeypatch.setattr(model_nodes, "_gemma_mode_warned", False)
-    fake_api["load"].__signature__ = inspect.signature(lambda spec, dtype="bfloat16", progress=None, should_cancel=None: None)
-    fake_api["encode"].__signature__ = inspect.signature(lambda spec, prompts, dtype="bfloat16", progress=None, should_cancel=None: None)
-    fake_api["encode"].result = [contexts(1), contexts(2)]
-    with caplog.at_level(logging.WARNING, logger="comfyui-mgpu"):
-        (handle,) = node("MGPULoadCheckpoint").load(model_nodes.EMBEDDED, model_nodes.EMBEDDED, 1.0, model_nodes.EMBEDDED, model_nodes.EMBEDDED, "all", "batch_parallel", "auto", "bfloat16")
-        node("MGPUTextEncode").encode(handle, "a fox", "")
-    assert "gemma_mode" not in fake_api["load"].calls[0][1] and "gemma_mode" not in fake_api["encode"].calls[0][1]
-    assert handle["gemma_mode"] == "batch_parallel"
-    assert caplog.text.count("does not take a Gemma mode yet; gemma_mode=batch_parallel is ignored") == 1
-
-
 def test_text_encode_returns_two_conditionings_carrying_both_contexts(fake_api):
-    fake_api["encode"].__signature__ = inspect.signature(encode_with_gemma_mode)
     positive, negative = contexts(1), contexts(2)
     fake_api["encode"].result = [positive, negative]
     handle = tiny_handle()
