@@ -298,6 +298,13 @@ def combine_guidance(
     return guided[0], guided[1]
 
 
+def _image_conditionings(loader, params: GenerationParams, geometry: StageGeometry, image: torch.Tensor | None) -> list:
+    """The first-frame conditioning of image-to-video at this stage's size (none without an image)."""
+    if image is None:
+        return []
+    return first_frame_conditioning(image, geometry, loader.video_encoder(), loader.dtype, loader.device, crf=params.image_crf)
+
+
 def sample_stage1(
     loader,
     params: GenerationParams,
@@ -318,11 +325,7 @@ def sample_stage1(
     geometry = params.stage1
     video_tools, audio_tools = geometry.video_tools(), geometry.audio_tools()
     with torch.inference_mode():
-        conditionings = []
-        if image is not None:
-            conditionings = first_frame_conditioning(
-                image, geometry, loader.video_encoder(), dtype, device, crf=params.image_crf
-            )
+        conditionings = _image_conditionings(loader, params, geometry, image)
         transformer = loader.transformer("none")
         layer_count = transformer_layer_count(transformer)
         validate_stg_blocks(params.video_guider, layer_count, "video")
@@ -433,11 +436,7 @@ def refine_stage2(
     sigmas = sigmas.to(device)
     video_tools, audio_tools = geometry.video_tools(), geometry.audio_tools()
     with torch.inference_mode():
-        conditionings = []
-        if image is not None:
-            conditionings = first_frame_conditioning(
-                image, geometry, loader.video_encoder(), dtype, device, crf=params.image_crf
-            )
+        conditionings = _image_conditionings(loader, params, geometry, image)
         x0_model = loader.transformer("distilled")
         transformer = x0_model if transformer_wrapper is None else transformer_wrapper(x0_model)
 
