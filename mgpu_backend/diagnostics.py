@@ -278,11 +278,11 @@ def doctor_all_to_all_kernel(ctx: JobContext, args: dict, tensors: dict):
 
 
 def sp_check_groups(world_size: int, heads: int) -> list[list[int]]:
-    """SP groups for the doctor's check: the whole fleet when its size divides the head count, else
-    consecutive groups of the largest degree that does, and the ranks left over on their own."""
-    degree = max(d for d in range(1, world_size + 1) if heads % d == 0)
-    whole = world_size // degree * degree
-    return [list(range(start, start + degree)) for start in range(0, whole, degree)] + [[r] for r in range(whole, world_size)]
+    """SP groups for the doctor's check, laid out as stage 1 can lay them out (world = groups x SP
+    degree, the degree dividing the heads): the whole fleet when its size divides the head count, else
+    equal consecutive groups of the largest degree that divides both."""
+    degree = max(d for d in range(1, world_size + 1) if world_size % d == 0 and heads % d == 0)
+    return [list(range(start, start + degree)) for start in range(0, world_size, degree)]
 
 
 def _sp_check_inputs(config: dict, device: torch.device, seed: int, text_tokens: int):
