@@ -54,6 +54,18 @@ class DeviceSpec:
     def describe(self) -> str:
         return f"GPUs {','.join(map(str, self.gpus))}" if self.gpus else f"{self.cpu_ranks} CPU rank(s)"
 
+    def visible_device_ids(self, environ: dict | None = None) -> list[str]:
+        """CUDA_VISIBLE_DEVICES for the ranks. ``gpus`` index the GPUs this process sees, so under
+        an existing CUDA_VISIBLE_DEVICES=2,3 the indices 0,1 mean the physical GPUs 2 and 3."""
+        inherited = (environ if environ is not None else os.environ).get("CUDA_VISIBLE_DEVICES")
+        if not inherited:
+            return [str(gpu) for gpu in self.gpus]
+        ids = [part.strip() for part in inherited.split(",") if part.strip()]
+        missing = [gpu for gpu in self.gpus if gpu >= len(ids)]
+        if missing:
+            raise ValueError(f"GPU index {missing[0]} is not visible: CUDA_VISIBLE_DEVICES={inherited} shows {len(ids)} GPU(s)")
+        return [ids[gpu] for gpu in self.gpus]
+
     @classmethod
     def parse(cls, gpus: str | None, cpu_ranks: int | None) -> DeviceSpec:
         if gpus and cpu_ranks:
@@ -112,7 +124,7 @@ class Fleet:
         self.generation += 1
         self.events = queue.Queue()
         store_path = os.path.join(self._store_dir.name, f"store-{self.generation}")
-        visible = ",".join(map(str, self.devices.gpus))
+        visible = ",".join(self.devices.visible_device_ids())
         for rank in range(self.devices.world_size):
             parent_sock, child_sock = (protocol.tune_socket(end) for end in socket.socketpair())
             device = f"cuda:{rank}" if self.devices.gpus else "cpu"

@@ -334,3 +334,13 @@ def test_tcp_loopback_fallback_serves_with_the_token_and_refuses_without(tmp_pat
         sock.close()
     finally:
         stop_server(process)
+
+
+def test_gpu_indices_are_taken_within_an_inherited_cuda_visible_devices():
+    from mgpu_backend.fleet import DeviceSpec
+
+    assert DeviceSpec(gpus=(0, 1)).visible_device_ids({}) == ["0", "1"]
+    assert DeviceSpec(gpus=(0, 1)).visible_device_ids({"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]
+    assert DeviceSpec(gpus=(1,)).visible_device_ids({"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}) == ["GPU-bb"]
+    with pytest.raises(ValueError, match="GPU index 2 is not visible: CUDA_VISIBLE_DEVICES=5,6"):
+        DeviceSpec(gpus=(2,)).visible_device_ids({"CUDA_VISIBLE_DEVICES": "5,6"})
