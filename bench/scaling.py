@@ -1,0 +1,115 @@
+"""Stage-1 scaling over GPUs: step time and faithfulness of each plan against one GPU, in one run.
+
+For every world size (1 and the others asked for) it starts a fleet on that many GPUs and runs the
+fleet's own stage-1 code (``bench_stage1``: planner, SP over the IPC kernel or NCCL, guidance
+groups) on the same random transformer (built on every GPU from one seed), with all four guidance
+passes. It prints, per token count and plan, the median step time, the speed-up over world 1, and
+the max abs difference of the final latents against world 1 (SP is faithful: bf16 noise only).
+
+    python bench/scaling.py --worlds 1,2 --plans sp,guidance,auto        # on a machine with 2 GPUs
+    python bench/scaling.py --tiny --worlds 1,2 --plans sp,guidance      # CPU smoke run (gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from mgpu_backend.client import FleetClient  # noqa: E402
+
+TINY_OVERRIDES = {
+    "num_layers": 2, "num_attention_heads": 8, "attention_head_dim": 16, "audio_num_attention_heads": 8,
+    "audio_attention_head_dim": 8, "cross_attention_dim": 128, "audio_cross_attention_dim": 64, "caption_channels": 64,
+}  # fmt: skip
+GUIDANCE = {
+    "video_guidance": {"cfg_scale": 3.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0},
+    "audio_guidance": {"cfg_scale": 7.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default=str(REPO / "configs" / "ltx2-19b-transformer.json"))
+    parser.add_argument("--worlds", default="1,2", help="world sizes; 1 is always run as the reference")
+    parser.add_argument("--plans", default="sp,guidance,auto", help="stage-1 plans to time at worlds above 1")
+    parser.add_argument("--sizes", default="768x512x121,1536x1024x121", help="WxHxF stage-1 sizes (6144 and 24576 video tokens)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is warm-up")
+    parser.add_argument("--tiny", action="store_true", help="2-layer model on CPU ranks (smoke run)")
+    parser.add_argument("--out", help="append the table, with command, machine and date, to this file")
+    args = parser.parse_args()
+
+    config = {"transformer": json.loads(Path(args.config).read_text())["transformer"]}
+    if args.tiny:
+        config["transformer"].update(TINY_OVERRIDES)
+        args.sizes = "96x64x9,192x128x17"
+    worlds = sorted({1, *(int(w) for w in args.worlds.split(","))})
+    plans = args.plans.split(",")
+    sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
+    if not args.tiny and torch.cuda.device_count() < max(worlds):
+        raise SystemExit(f"world {max(worlds)} needs {max(worlds)} GPUs; this machine has {torch.cuda.device_count()}")
+
+    results: dict[tuple, dict] = {}
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as tmp:
+            os.chmod(tmp, 0o700)
+            devices = {"cpu_ranks": world} if args.tiny else {"gpus": ",".join(map(str, range(world)))}
+            client = FleetClient.connect(str(Path(tmp) / "fleet.sock"), idle_timeout=600, **devices)
+            try:
+                for size in sizes:
+                    for plan in (["sp"] if world == 1 else plans):
+                        width, height, frames = size
+                        job = {"config": config, "seed": 10, "width": width, "height": height, "num_frames": frames,
+                               "steps": args.steps, "parallel": plan, **GUIDANCE}  # fmt: skip
+                        print(f"world {world} {size} {plan} ...", file=sys.stderr, flush=True)
+                        started = time.perf_counter()
+                        result = client.run("bench_stage1", job)
+                        results[(world, size, plan)] = {
+                            "fields": result.fields, "video": result.tensors["video_latent"], "audio": result.tensors["audio_latent"],
+                            "wall": time.perf_counter() - started,
+                        }  # fmt: skip
+            finally:
+                client.shutdown()
+        time.sleep(2)
+
+    lines = [
+        "| stage-1 size | video tokens | GPUs | plan (groups x SP) | s/step | speed-up vs 1 GPU | max abs diff video / audio vs 1 GPU |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for size in sizes:
+        reference = results[(1, size, "sp")]
+        reference_step = statistics.median(reference["fields"]["step_seconds"][1:])
+        for (world, result_size, plan), result in results.items():
+            if result_size != size:
+                continue
+            fields = result["fields"]
+            step = statistics.median(fields["step_seconds"][1:])
+            video_diff = (result["video"] - reference["video"]).abs().max().item()
+            audio_diff = (result["audio"] - reference["audio"]).abs().max().item()
+            layout = f"{plan} ({fields['guidance_groups']} x {fields['sp_degree']})"
+            lines.append(
+                f"| {'x'.join(map(str, size))} | {fields['video_tokens']} | {world} | {layout} | {step:.3f} | "
+                f"{reference_step / step:.2f}x | {video_diff:.3g} / {audio_diff:.3g} |"
+            )
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        machine = f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() and not args.tiny else "CPU (gloo)"
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        with open(args.out, "a") as file:
+            file.write(f"\n`python {' '.join(sys.argv)}` on {machine}, torch {torch.__version__}, {stamp}\n\n{table}\n")
+
+
+if __name__ == "__main__":
+    main()
