@@ -177,6 +177,8 @@ class Rank:
             owner_pid=self.owner_pid,
         )
         started = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)  # the peak reported at 'done' is this job's
         try:
             if op not in JOBS:
                 raise JobInputError(f"unknown job type {op!r}; known: {', '.join(sorted(JOBS))}")
