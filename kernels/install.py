@@ -5,7 +5,8 @@
 their answers through torch.distributed, and the kernel is installed on the Comm only when every
 rank can use it. Otherwise the Comm keeps torch.distributed, and the log says once which path was
 chosen and, for each rank that could not, why. Setting ``MGPU_ALL_TO_ALL=torch`` keeps
-torch.distributed everywhere (an off switch for the kernel).
+torch.distributed everywhere (an off switch for the kernel). Whether the fleet's stage 1 asks for
+the kernel at all is the caller's policy (``mgpu_backend.ltx.jobs``: only with ``MGPU_ALL_TO_ALL=ipc``).
 
 It must never leave ranks of one group on different paths, and never raise because the kernel is
 unavailable: unavailability is a logged fallback, not an error.
@@ -37,8 +38,8 @@ def _local_exchange(comm, device, timeout_s: float, buffer_bytes: int, max_buffe
     choice = os.environ.get(CHOICE_ENV, "auto").strip().lower()
     if choice == "torch":
         raise KernelUnavailable(f"{CHOICE_ENV}=torch asks for torch.distributed")
-    if choice not in ("", "auto"):
-        raise ValueError(f"{CHOICE_ENV} must be 'auto' or 'torch', got {choice!r}")
+    if choice not in ("", "auto", "ipc"):
+        raise ValueError(f"{CHOICE_ENV} must be 'ipc', 'auto' or 'torch', got {choice!r}")
     if not torch.cuda.is_available():
         raise KernelUnavailable("CUDA is not available in this process")
     library = load_library()

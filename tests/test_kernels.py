@@ -235,7 +235,7 @@ def test_mgpu_all_to_all_torch_switches_the_kernel_off(monkeypatch):
     with pytest.raises(kernels.KernelUnavailable, match="MGPU_ALL_TO_ALL=torch asks for torch.distributed"):
         kernel_install._local_exchange(Comm(None), None, 30.0, 1 << 20, 1 << 30)
     monkeypatch.setenv("MGPU_ALL_TO_ALL", "fast")
-    with pytest.raises(ValueError, match="must be 'auto' or 'torch', got 'fast'"):
+    with pytest.raises(ValueError, match="must be 'ipc', 'auto' or 'torch', got 'fast'"):
         kernel_install._local_exchange(Comm(None), None, 30.0, 1 << 20, 1 << 30)
 
 

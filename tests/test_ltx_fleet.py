@@ -235,3 +235,15 @@ def test_every_job_logs_its_disk_reads_and_status_reports_weight_memory_per_rank
     assert working[0] == working[1] > 0, "every rank holds the whole working transformer"
     assert abs(shards[0] - shards[1]) < 0.2 * sum(shards), f"the clean copy is split about evenly: {shards}"
     assert 0.95 * working[0] <= sum(shards) <= working[0] * 1.0001, "the clean shards add up to one transformer"
+
+
+def test_sp_exchange_stays_on_torch_distributed_unless_the_ipc_kernel_is_asked_for(monkeypatch):
+    from mgpu_backend.ltx import jobs
+
+    installed = []
+    monkeypatch.setattr(jobs, "install_fast_all_to_all", lambda comm, device: installed.append(comm) or "cuda-ipc")
+    monkeypatch.delenv("MGPU_ALL_TO_ALL", raising=False)
+    assert jobs.sp_all_to_all("comm", torch.device("cuda", 0)).startswith("torch.distributed (NCCL")
+    monkeypatch.setenv("MGPU_ALL_TO_ALL", "ipc")
+    assert jobs.sp_all_to_all("comm", torch.device("cuda", 0)) == "cuda-ipc"
+    assert installed == ["comm"]

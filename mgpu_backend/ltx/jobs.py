@@ -18,6 +18,7 @@ import functools
 import gc
 import logging
 import math
+import os
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -335,6 +336,18 @@ def active_passes(video: MultiModalGuiderParams, audio: MultiModalGuiderParams) 
     return passes
 
 
+def sp_all_to_all(sp_comm, device: torch.device) -> str:
+    """Which all-to-all the SP exchange uses on GPUs: NCCL unless ``MGPU_ALL_TO_ALL=ipc``.
+
+    The CUDA-IPC kernel is exact, but across two H200s it moved 16 MiB at 150 GB/s against NCCL's
+    159 GB/s (docs/BENCHMARKS.md) and it synchronises the host once per exchange, so NCCL stays
+    the default until multi-GPU measurements show sizes where the kernel wins (issue 11).
+    """
+    if os.environ.get("MGPU_ALL_TO_ALL", "").strip().lower() != "ipc":
+        return "torch.distributed (NCCL; MGPU_ALL_TO_ALL=ipc selects the CUDA-IPC kernel)"
+    return install_fast_all_to_all(sp_comm, device)  # collective; falls back to torch.distributed by itself
+
+
 def stage1_parallel(ctx: JobContext, resident: ResidentModel, video_tokens: int, passes: list[str], mode: str):
     """Plan stage 1 over the fleet, build its groups (once per layout) and put SP on the transformer."""
     video_heads, audio_heads = resident.attention_heads()
@@ -345,8 +358,7 @@ def stage1_parallel(ctx: JobContext, resident: ResidentModel, video_tokens: int,
     if layout not in layouts:
         sp_comm, runner = build_stage1_parallel(ctx.comm, plan)
         if ctx.device.type == "cuda" and sp_comm.world_size > 1:
-            exchange = install_fast_all_to_all(sp_comm, ctx.device)  # collective; falls back by itself
-            ctx.log(f"sequence-parallel all-to-all: {exchange}")
+            ctx.log(f"sequence-parallel all-to-all: {sp_all_to_all(sp_comm, ctx.device)}")
         layouts[layout] = sp_comm, runner
     sp_comm, runner = layouts[layout]
     transformer = resident.transformer("none")
