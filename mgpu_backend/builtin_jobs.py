@@ -23,6 +23,8 @@ def echo(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
         gathered = ctx.control.all_gather(checksum.unsqueeze(0), dim=0)
         if not torch.equal(gathered, checksum.expand_as(gathered)):
             raise RuntimeError(f"ranks received different tensors: {gathered.tolist()}")
+    if fields.get("copy"):  # return new tensors, as a real job does, instead of the inputs themselves
+        tensors = {name: tensor.clone() for name, tensor in tensors.items()}
     return {"fields": fields, "ranks_agreed": ctx.world_size}, tensors
 
 

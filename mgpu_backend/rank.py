@@ -83,6 +83,7 @@ class Rank:
         self.current_job: str | None = None
         self.cancelled_jobs: set[str] = set()
         self.state: dict = {}
+        self.input_segments: dict[str, tuple[torch.Tensor, dict]] = {}  # rank 0: this job's mapped inputs
 
         store = dist.FileStore(store_path, world_size)
         backend = "nccl" if device.type == "cuda" else "gloo"
@@ -136,8 +137,17 @@ class Rank:
         """Rank 0 takes the next job from the server and broadcasts its frame; others receive it."""
         if self.rank == 0:
             message = self.jobs.get()
-            for descriptor in message.shm:  # large inputs the client left in shared memory
-                message.tensors[descriptor["name"]] = shm.read_tensor(descriptor)
+            # Large inputs the client left in shared memory, mapped in place. The server unlinks them
+            # at the end of the job, except one handed back as a result (see send_result).
+            self.input_segments = {}
+            try:
+                for descriptor in message.shm:
+                    tensor = shm.read_tensor(descriptor, unlink=False, shared=True)
+                    message.tensors[descriptor["name"]] = tensor
+                    self.input_segments[descriptor["name"]] = (tensor, descriptor)
+            except (OSError, protocol.ProtocolError) as exc:  # fail this job on every rank, not the fleet
+                message.tensors, self.input_segments = {}, {}
+                message.fields = {**message.fields, "input_error": f"cannot map an input segment: {exc}"}
             message.shm = []
             if self.world_size > 1:
                 frame = b"".join(bytes(part) for part in protocol.encode(message))
@@ -161,6 +171,7 @@ class Rank:
             self.current_job = message.job
             self.run_job(message)
             self.current_job = None
+            self.input_segments = {}
 
     def run_job(self, message: Message) -> None:
         op = message.fields.get("op")
@@ -180,6 +191,8 @@ class Rank:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # the peak reported at 'done' is this job's
         try:
+            if message.fields.get("input_error"):
+                raise JobInputError(message.fields["input_error"])
             if op not in JOBS:
                 raise JobInputError(f"unknown job type {op!r}; known: {', '.join(sorted(JOBS))}")
             # Jobs never train: tensors made in one job (cached weights) must be usable in the next.
@@ -201,7 +214,14 @@ class Rank:
         self.emit("done", status)
 
     def send_result(self, fields: dict, tensors: dict[str, torch.Tensor], shared_outputs: dict) -> None:
+        """Send rank 0's result: tensors built in shared memory and inputs returned as they are go
+        by segment name; other large tensors are copied into new segments; small ones go inline."""
         in_place = [shared_outputs.pop(name)[1] for name, tensor in tensors.items() if name in shared_outputs and shared_outputs[name][0] is tensor]
+        for name, tensor in tensors.items():
+            for input_tensor, descriptor in self.input_segments.values():
+                if tensor is input_tensor:  # an input handed back (edited in place or not): no copy
+                    in_place.append({**descriptor, "name": name})
+                    break
         rest = {name: tensor for name, tensor in tensors.items() if name not in {d["name"] for d in in_place}}
         inline, copied = shm.split_for_transfer(rest, owner_pid=self.owner_pid)
         self.emit("result", {"result": fields}, tensors=inline, shm_descriptors=in_place + copied)

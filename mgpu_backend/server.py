@@ -268,13 +268,16 @@ class Server:
             self.last_activity = time.monotonic()
 
     def _run(self, job: Job) -> None:
+        handed_back: set[str] = set()
         try:
-            self._run_on_fleet(job)
-        finally:  # rank 0 unlinks the inputs it mapped; these are the ones it never reached
+            handed_back = self._run_on_fleet(job)
+        finally:  # the job's inputs, except those now a result segment the client unlinks
             for descriptor in job.input_segments:
-                shm.unlink_segment(descriptor["segment"])
+                if descriptor["segment"] not in handed_back:
+                    shm.unlink_segment(descriptor["segment"])
 
-    def _run_on_fleet(self, job: Job) -> None:
+    def _run_on_fleet(self, job: Job) -> set[str]:
+        """Run the job and deliver its result; return the segments the result names."""
         def forward(event: Message) -> None:
             if event.type == "progress":
                 job.stage, job.step, job.total = event.fields.get("stage", ""), event.fields.get("step", 0), event.fields.get("total", 0)
@@ -285,11 +288,11 @@ class Server:
         except JobFailed as exc:
             fields = {"message": str(exc), "kind": exc.kind, "rank": exc.rank, "traceback": exc.traceback}
             job.client.send(Message("error", fields, job=job.id))
-            return
+            return set()
         except Exception as exc:  # noqa: BLE001 - the server must survive anything a job does
             log.exception("job %s failed in the server", job.id)
             job.client.send(Message("error", {"message": f"server error: {exc}", "kind": "error"}, job=job.id))
-            return
+            return set()
         segments = [desc["segment"] for desc in result.shm]
         if segments:
             job.client.pending_segments[job.id] = segments
@@ -297,6 +300,7 @@ class Server:
         if not delivered:
             for segment in segments:
                 shm.unlink_segment(segment)
+        return set(segments)
 
     def status(self) -> dict:
         with self.lock:

@@ -94,14 +94,16 @@ def create_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, owner_p
     return bytes_to_tensor(memoryview(mapping), dtype, shape), descriptor
 
 
-def read_tensor(descriptor: dict, unlink: bool = True) -> torch.Tensor:
+def read_tensor(descriptor: dict, unlink: bool = True, shared: bool = False) -> torch.Tensor:
     """Map the segment a descriptor names and return its tensor; unlink the segment by default.
 
     The returned tensor keeps the mapping alive (no copy); the memory is freed when it is dropped.
+    ``shared`` maps it MAP_SHARED, so writes to the tensor land in the segment (a rank can then
+    hand an input back as a result by name); otherwise writes stay private to this process.
     """
     name, dtype, shape, nbytes = validate_descriptor(descriptor)
     path = segment_path(descriptor["segment"])
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    fd = os.open(path, (os.O_RDWR if shared else os.O_RDONLY) | os.O_NOFOLLOW)
     try:
         stat = os.fstat(fd)
         if stat.st_uid != os.getuid():
@@ -110,7 +112,8 @@ def read_tensor(descriptor: dict, unlink: bool = True) -> torch.Tensor:
             raise ProtocolError(f"segment {path.name} holds {stat.st_size} bytes, expected {nbytes}")
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        mapping = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ | mmap.PROT_WRITE, flags=mmap.MAP_PRIVATE)
+        flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
+        mapping = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ | mmap.PROT_WRITE, flags=flags)
     finally:
         os.close(fd)
         if unlink:

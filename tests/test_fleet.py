@@ -344,3 +344,27 @@ def test_gpu_indices_are_taken_within_an_inherited_cuda_visible_devices():
     assert DeviceSpec(gpus=(1,)).visible_device_ids({"CUDA_VISIBLE_DEVICES": "GPU-aa,GPU-bb"}) == ["GPU-bb"]
     with pytest.raises(ValueError, match="GPU index 2 is not visible: CUDA_VISIBLE_DEVICES=5,6"):
         DeviceSpec(gpus=(2,)).visible_device_ids({"CUDA_VISIBLE_DEVICES": "5,6"})
+
+
+def test_an_input_segment_that_cannot_be_mapped_fails_only_that_job(fleet):
+    with connect(fleet) as client:
+        restarts = client.status()["fleet_restarts"]
+        descriptor = {"name": "x", "dtype": "float32", "shape": [4], "nbytes": 16, "segment": f"mgpu-{os.getuid()}-{os.getpid()}-{'0' * 16}"}
+        protocol.send_message(client.sock, protocol.Message("submit", {"op": "echo", "args": {}}, shm=[descriptor]))
+        while (reply := protocol.recv_message(client.sock)).type == "accepted":
+            pass
+        assert reply.type == "error" and reply.fields["kind"] == "input_error"
+        assert "cannot map an input segment" in reply.fields["message"]
+        assert client.status()["fleet_restarts"] == restarts
+        assert client.run("count", {"steps": 2}).fields["total"] == 6
+
+
+def test_an_input_handed_back_unchanged_reaches_the_client_by_reference_and_is_unlinked(fleet):
+    big = torch.randn(3 * 2**20)  # 12 MB: travels through shared memory
+    before = {name for name in os.listdir("/dev/shm") if name.startswith("mgpu-")}
+    with connect(fleet) as client:
+        handed_back = client.run("echo", {}, {"big": big})
+        copied = client.run("echo", {"copy": True}, {"big": big})
+    assert torch.equal(handed_back.tensors["big"], big) and torch.equal(copied.tensors["big"], big)
+    leftover = {name for name in os.listdir("/dev/shm") if name.startswith("mgpu-")} - before
+    assert leftover == set()
