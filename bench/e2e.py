@@ -333,7 +333,7 @@ class Timeline:
 
 
 def fleet_peak(device: torch.device) -> int | None:
-    """Rank 0's peak device memory since the rank started (it is never reset between jobs)."""
+    """Rank 0's peak device memory in the job that just ended (ranks reset the counter per job)."""
     if device.type != "cuda":
         return None
     memory = api.status()["ranks"][0].get("memory") or {}
@@ -551,8 +551,8 @@ def report(job: Job, config: random_bundle.BundleConfig, official: Run, cold: Ru
     lines.append(f"- {OTHER}: the official pipeline's time outside the functions above (garbage collection and CUDA cache release between stages)")
     if device.type == "cuda":
         lines.append(
-            "- peak GPU memory: official = the peak within each stage (reset before it); fleet = rank 0's running peak "
-            "since it started, read after each job (the rank never resets it): a stage whose figure rises set a new peak"
+            "- peak GPU memory: official = the peak within each stage (reset before it); fleet = rank 0's peak within "
+            "each job (ranks reset it per job), which holds the resident weights of every component loaded so far"
         )
     lines.append(
         "- the bundle was written (or reused) just before, so both sides' loads read its files mostly from the page "
