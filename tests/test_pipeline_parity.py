@@ -18,6 +18,8 @@ Test-side adjustments to the reference, none of which changes its arithmetic:
 
 from __future__ import annotations
 
+import copy
+
 import types
 import zlib
 
@@ -114,7 +116,7 @@ def reference_side(bundle):
             text_config = types.SimpleNamespace(**tiny.GEMMA_TEXT_CONFIG)
 
             def to_dict(self) -> dict:
-                return tiny.GEMMA_CONFIG
+                return copy.deepcopy(tiny.GEMMA_CONFIG)  # ltx-core edits the dict it gets
 
         patch.setattr(encoder_configurator, "GEMMA3_CONFIG_FOR_LTX", TinyGemmaConfig())
         from ltx_pipelines import ti2vid_two_stages as reference_module
