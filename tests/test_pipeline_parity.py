@@ -19,7 +19,6 @@ Test-side adjustments to the reference, none of which changes its arithmetic:
 from __future__ import annotations
 
 import copy
-
 import types
 import zlib
 
