@@ -23,6 +23,7 @@ from .ltx.jobs import _float, _guider, _int, run_stage1
 from .ltx.stages import GenerationParams, transformer_layer_count
 from .ltx.text import TextContext
 from .ltx.validation import TransformerDims
+from .parallel.cuda_graphs import cuda_graphs_wanted
 
 
 def random_transformer(config: dict, device: torch.device, dtype: torch.dtype, seed: int) -> X0Model:
@@ -129,7 +130,8 @@ def bench_stage1(ctx: JobContext, args: dict, tensors: dict):
     ctx.step = timed_step
     started = time.perf_counter()
     dims = TransformerDims.from_config(config["transformer"], sum(p.numel() for p in model.model.parameters()))
-    fields, out = run_stage1(ctx, model, params, positive, negative, None, args.get("parallel", "auto"), dims)
+    cuda_graphs = cuda_graphs_wanted(args.get("cuda_graphs"), ctx.device)
+    fields, out = run_stage1(ctx, model, params, positive, negative, None, args.get("parallel", "auto"), dims, cuda_graphs)
     boundaries = [started, *marks]
     fields["step_seconds"] = [b - a for a, b in zip(boundaries, boundaries[1:])]
     fields["video_tokens"] = params.stage1.video_tokens

@@ -308,7 +308,13 @@ def remove_sequence_parallel(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def sequence_parallel_comm(model: torch.nn.Module) -> Comm | None:
+    """The Comm of the SP group ``model`` runs with, or None when SP is not applied."""
+    state = getattr(_velocity_model(model), _STATE_ATTRIBUTE, None)
+    return None if state is None else state.comm
+
+
 def sequence_parallel_degree(model: torch.nn.Module) -> int:
     """The SP degree ``model`` currently runs with (1 when SP is not applied)."""
-    state = getattr(_velocity_model(model), _STATE_ATTRIBUTE, None)
-    return 1 if state is None else state.comm.world_size
+    comm = sequence_parallel_comm(model)
+    return 1 if comm is None else comm.world_size

@@ -1,0 +1,156 @@
+"""Batch-1 conditional-pass forward on ONE GPU: eager vs CUDA-graph replay (issue 12).
+
+At high SP degrees a rank's shard of the video tokens is small and an eager forward is bound by
+kernel launches and Python. This bench times ltx-core's X0Model called plainly and through
+``mgpu_backend.parallel.cuda_graphs.CapturedForward`` at several video token counts: 6144 (stage 1
+at 768x512, 121 frames, the whole sequence on one GPU), 1920 and 1152 (shard-sized sequences: the
+latent grid is 16x24 with 5 and 3 latent frames). Audio is always the 121-frame clip's 126 tokens
+and the text contexts 1024 tokens, because a rank under SP keeps audio and text whole.
+
+The full-size run uses the LTX-2 19B configuration (configs/ltx2-19b-transformer.json) with seeded
+random weights made on the GPU in bf16 (``mgpu_backend.diagnostics.random_transformer``). Each row:
+median ms per call over ``--repeats`` calls after ``--warmup`` (each call ends in a device
+synchronisation, so host overhead counts), the one-off capture time (warm-up + capture + first
+replay), and the max abs difference captured vs eager on two different inputs of that shape.
+Targets: 1152 tokens <= 90 ms, no loss at 6144.
+
+    python bench/graphs.py --tiny                 # CPU smoke run: tiny model, eager-fallback rows
+    python bench/graphs.py --device cuda --out docs/bench/graphs-h200.md
+
+Prints a markdown table on stdout only. It must never load checkpoints or download anything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from _common import (  # noqa: I001 - _common puts the repository on sys.path first
+    bench_dtype,
+    emit,
+    log,
+    markdown_table,
+    median,
+    peak_memory_text,
+    reset_peak_memory,
+    resolve_device,
+    stdout_to_stderr,
+    synchronize,
+    time_calls,
+)
+from ltx_core.model.transformer.modality import Modality
+from tdp import load_transformer_config
+
+from mgpu_backend.diagnostics import random_transformer
+from mgpu_backend.ltx.latents import StageGeometry
+from mgpu_backend.parallel.cuda_graphs import CapturedForward
+
+SIGMA = 0.9  # an early stage-1 sigma; the compute does not depend on it
+FULL_SIZE = {
+    "video": {6144: StageGeometry(512, 768, 121, 24.0), 1920: StageGeometry(512, 768, 33, 24.0), 1152: StageGeometry(512, 768, 17, 24.0)},
+    "audio": StageGeometry(512, 768, 121, 24.0),
+    "text_tokens": 1024,
+}
+TINY = {
+    "video": {288: StageGeometry(256, 384, 17, 24.0), 192: StageGeometry(256, 384, 9, 24.0)},
+    "audio": StageGeometry(256, 384, 17, 24.0),
+    "text_tokens": 64,
+}
+
+
+def forward_inputs(video_geometry: StageGeometry, audio_geometry: StageGeometry, text_tokens: int,
+                   caption_channels: int, device: torch.device, dtype: torch.dtype, seed: int) -> tuple[Modality, Modality]:  # fmt: skip
+    """Video and audio ``Modality`` as the stage-1 loop builds them (ltx-core's latent tools), with
+    random latents and text contexts."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    sigma = torch.full((1,), SIGMA, device=device, dtype=torch.float32)
+
+    def modality(tools, latent_shape) -> Modality:
+        latent = torch.randn(latent_shape, generator=generator, device=device, dtype=dtype)
+        state = tools.create_initial_state(device, dtype, latent)
+        context = torch.randn((1, text_tokens, caption_channels), generator=generator, device=device, dtype=dtype)
+        return Modality(
+            latent=state.latent, sigma=sigma, timesteps=state.denoise_mask * sigma, positions=state.positions,
+            context=context, context_mask=None, attention_mask=state.attention_mask,
+        )  # fmt: skip
+
+    video = modality(video_geometry.video_tools(), video_geometry.video_shape.to_torch_shape())
+    audio = modality(audio_geometry.audio_tools(), audio_geometry.audio_shape.to_torch_shape())
+    return video, audio
+
+
+def measure(args: argparse.Namespace) -> str:
+    device = resolve_device(args.device)
+    if device.type != "cuda" and not args.tiny:
+        raise SystemExit("the full-size model (19B parameters) needs a GPU: use --device cuda, or --tiny on a CPU")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = bench_dtype(device)
+    setup = TINY if args.tiny else FULL_SIZE
+    transformer_config = load_transformer_config(args.tiny, args.transformer_config)
+    started = time.perf_counter()
+    model = random_transformer({"transformer": transformer_config}, device, dtype, args.seed)
+    synchronize(device)
+    log(f"random transformer built on {device} in {dtype} in {time.perf_counter() - started:.1f} s")
+    captured = CapturedForward(model)
+
+    rows = []
+    for video_tokens, video_geometry in setup["video"].items():
+        grid = "x".join(map(str, video_geometry.video_shape.to_torch_shape()[2:]))
+        assert video_geometry.video_tokens == video_tokens, (video_geometry.video_tokens, video_tokens)
+        inputs = [
+            forward_inputs(video_geometry, setup["audio"], setup["text_tokens"], transformer_config["caption_channels"],
+                           device, dtype, args.seed + 1 + index)  # fmt: skip
+            for index in range(2)
+        ]
+        reset_peak_memory(device)
+        with torch.inference_mode():
+            eager = [model(video=v, audio=a, perturbations=None) for v, a in inputs]
+            eager_ms = median(time_calls(lambda: model(video=inputs[0][0], audio=inputs[0][1], perturbations=None),
+                                         device, warmup=args.warmup, repeats=args.repeats))  # fmt: skip
+            captures_before = captured.captures
+            capture_started = time.perf_counter()
+            replayed = [captured(v, a, None) for v, a in inputs]  # the first call captures
+            synchronize(device)
+            first_calls_s = time.perf_counter() - capture_started
+            captured_ms = median(time_calls(lambda: captured(inputs[1][0], inputs[1][1], None),
+                                            device, warmup=args.warmup, repeats=args.repeats))  # fmt: skip
+        diff = max(float((e.float() - r.float()).abs().max()) for pair_e, pair_r in zip(eager, replayed) for e, r in zip(pair_e, pair_r))
+        path = "graph" if captured.captures > captures_before else "eager: " + "; ".join(captured.summary()["eager_reasons"])
+        rows.append([
+            str(video_tokens), grid, str(inputs[0][1].latent.shape[1]), f"{eager_ms:.1f}", f"{captured_ms:.1f}",
+            f"{eager_ms / captured_ms:.2f}x", f"{first_calls_s:.2f}", f"{diff:.3g}", path, peak_memory_text(device),
+        ])  # fmt: skip
+        log(f"{video_tokens} video tokens: eager {eager_ms:.1f} ms, captured {captured_ms:.1f} ms, max abs diff {diff:.3g} ({path})")
+        del eager, replayed
+    log(f"capture summary: {captured.summary()}")
+    headers = [
+        "video tokens", "latent grid F'xH'xW'", "audio tokens", "eager ms", "captured ms", "speed-up",
+        "capture s (2 calls)", "max abs diff", "path", "peak GPU memory",
+    ]  # fmt: skip
+    return markdown_table(headers, rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="tiny 2-layer model and small grids (CPU smoke run)")
+    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls per row and path (default 3)")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per row and path; the median is reported")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
+    parser.add_argument("--transformer-config", help="path of ltx2-19b-transformer.json (default: searched)")
+    parser.add_argument("--out", help="also write the table, under a command/machine/date line, to this file")
+    args = parser.parse_args()
+    if args.warmup < 0 or args.repeats < 1:
+        parser.error(f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
+    if args.tiny and args.device is None:
+        args.device = "cpu"
+    with stdout_to_stderr():
+        table = measure(args)
+    emit(table, resolve_device(args.device), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""CUDA-graph capture of the transformer forward (mgpu_backend.parallel.cuda_graphs).
+
+CPU tests: the eager fallback is exactly the plain call, the signature separates what a graph
+cannot share, the runner wrapper changes nothing, and the device-resident RoPE grids give the same
+numbers. GPU tests (skipped without CUDA): captured vs eager in bf16 on a tiny random LTXModel, over
+new input values and two shapes, and the number of captures.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+from ltx_core.guidance.perturbations import BatchedPerturbationConfig
+
+from mgpu_backend.ltx.passes import GuidancePass, SequentialPassRunner
+from mgpu_backend.parallel.cuda_graphs import (
+    CapturedForward,
+    CapturingPassRunner,
+    captured_forward,
+    cuda_graphs_wanted,
+    forward_signature,
+    keep_rope_grids_on_device,
+    release_captured_forward,
+)
+from tests.test_sequence_parallel import ISOLATED, STG, build_tiny_model, modality, tiny_contexts, tiny_latent_states
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _inputs(seed: int, frames: int = 3, sigma: float = 0.7, device="cpu", dtype=torch.float32, image_conditioning=False):
+    video_state, audio_state = tiny_latent_states(seed, frames=frames, image_conditioning=image_conditioning)
+    video_context, audio_context = tiny_contexts(seed)
+    video, audio = modality(video_state, video_context, sigma), modality(audio_state, audio_context, sigma)
+
+    def moved(m):
+        fields = {}
+        for name in ("latent", "sigma", "timesteps", "positions", "context", "attention_mask"):
+            value = getattr(m, name)
+            if value is not None:
+                # Latents and text in the model's dtype; sigma, timesteps, positions stay float32 as in stage 1.
+                fields[name] = value.to(device=device, dtype=dtype) if name in ("latent", "context") else value.to(device)
+        return replace(m, **fields)
+
+    return moved(video), moved(audio)
+
+
+def _stg() -> BatchedPerturbationConfig:
+    return BatchedPerturbationConfig([STG])
+
+
+def _isolated() -> BatchedPerturbationConfig:
+    return BatchedPerturbationConfig([ISOLATED])
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+# -- CPU ---------------------------------------------------------------------------------------------
+
+
+def test_cpu_wrapper_falls_back_to_eager_with_outputs_equal_to_plain_call(caplog):
+    model = build_tiny_model(seed=1)
+    wrapper = CapturedForward(model)
+    caplog.set_level(logging.INFO, logger="mgpu_backend.parallel.cuda_graphs")
+    with torch.inference_mode():
+        for seed, perturbations in ((2, None), (3, _stg()), (4, None)):
+            video, audio = _inputs(seed)
+            expected = model(video=video, audio=audio, perturbations=perturbations)
+            got = wrapper(video=video, audio=audio, perturbations=perturbations)
+            for name, e, g in zip(("video", "audio"), expected, got):
+                assert torch.equal(e, g), f"{name} differs from the plain call by {_max_abs_diff(e, g)}"
+    assert (wrapper.captures, wrapper.replays, wrapper.eager_calls) == (0, 0, 3)
+    fallback_lines = [r.getMessage() for r in caplog.records if "eagerly" in r.getMessage()]
+    assert len(fallback_lines) == 1 and "CUDA device" in fallback_lines[0], fallback_lines
+
+
+def test_signature_separates_shapes_and_perturbations_and_matches_equal_ones():
+    video, audio = _inputs(5)
+    other_values_video, other_values_audio = _inputs(6)
+    longer_video, _ = _inputs(5, frames=4)
+    with torch.inference_mode():
+        base = forward_signature(video, audio, None)
+        assert forward_signature(other_values_video, other_values_audio, None) == base
+        assert forward_signature(video, audio, _stg()) == forward_signature(other_values_video, other_values_audio, _stg())
+        assert forward_signature(longer_video, audio, None) != base
+        assert forward_signature(video, audio, _stg()) != base
+        assert forward_signature(video, audio, _stg()) != forward_signature(video, audio, _isolated())
+        assert forward_signature(video, audio, BatchedPerturbationConfig.empty(1)) != base
+        assert forward_signature(replace(video, enabled=False), audio, None) != base
+        assert forward_signature(replace(video, latent=video.latent.half()), audio, None) != base
+        assert forward_signature(video, replace(audio, context_mask=torch.ones(1, 7)), None) != base
+    # Static buffers made in inference mode cannot be written outside it: a different key.
+    with torch.no_grad():
+        assert forward_signature(video, audio, None) != base
+
+
+def test_capturing_runner_gives_the_inner_runners_outputs():
+    model = build_tiny_model(seed=7)
+    with torch.inference_mode():
+        video, audio = _inputs(8)
+        passes = [
+            GuidancePass("conditional", video, audio, None),
+            GuidancePass("perturbed", video, audio, _stg()),
+            GuidancePass("isolated", video, audio, _isolated()),
+        ]
+        expected = SequentialPassRunner().run(model, passes)
+        runner = CapturingPassRunner(SequentialPassRunner())
+        got = runner.run(model, passes)
+        again = runner.run(model, passes)
+    for index, (e, g, a) in enumerate(zip(expected, got, again)):
+        for slot in range(2):
+            assert torch.equal(e[slot], g[slot]), f"pass {index} output {slot} differs by {_max_abs_diff(e[slot], g[slot])}"
+            assert torch.equal(e[slot], a[slot]), f"pass {index} output {slot} (2nd run) differs by {_max_abs_diff(e[slot], a[slot])}"
+    assert captured_forward(model) is runner.last_wrapper, "the wrapper is not kept per transformer"
+    assert runner.summary()["eager_calls"] == 6, runner.summary()
+    release_captured_forward(model)
+    assert captured_forward(model) is not runner.last_wrapper
+
+
+def test_rope_grids_on_device_give_bit_identical_outputs():
+    model = build_tiny_model(seed=11)
+    video, audio = _inputs(12)
+    with torch.inference_mode():
+        before = model(video=video, audio=audio, perturbations=None)
+        keep_rope_grids_on_device(model)
+        keep_rope_grids_on_device(model)  # idempotent
+        after = model(video=video, audio=audio, perturbations=None)
+    patched = [p for p in (model.velocity_model.video_args_preprocessor.simple_preprocessor,
+                           model.velocity_model.audio_args_preprocessor.simple_preprocessor)
+               if "_prepare_positional_embeddings" in vars(p)]  # fmt: skip
+    assert len(patched) == 2, "both modalities' preprocessors must read the resident grids"
+    for name, b, a in zip(("video", "audio"), before, after):
+        assert torch.equal(b, a), f"{name} changed by {_max_abs_diff(b, a)} with device-resident RoPE grids"
+
+
+def test_cuda_graphs_argument_defaults_to_the_device_and_refuses_non_booleans():
+    assert cuda_graphs_wanted(None, torch.device("cuda", 0)) is True
+    assert cuda_graphs_wanted(None, torch.device("cpu")) is False
+    assert cuda_graphs_wanted(False, torch.device("cuda", 0)) is False
+    with pytest.raises(ValueError, match="cuda_graphs must be true or false, got 'yes'"):
+        cuda_graphs_wanted("yes", torch.device("cpu"))
+
+
+# -- GPU ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@gpu
+def test_captured_forward_matches_eager_bf16_over_new_values_and_two_shapes():
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = build_tiny_model(seed=21).to(device, torch.bfloat16)
+    wrapper = CapturedForward(model)
+    worst, scale = 0.0, 0.0
+    calls = [(frames, seed, perturbations) for frames in (3, 5) for seed in (31, 32, 33) for perturbations in (None,)]
+    calls += [(3, 34, _stg()), (3, 35, _stg())]
+    with torch.inference_mode():
+        for frames, seed, perturbations in calls:
+            video, audio = _inputs(seed, frames=frames, sigma=0.3 + 0.1 * (seed % 5), device=device, dtype=torch.bfloat16)
+            got = wrapper(video=video, audio=audio, perturbations=perturbations)
+            expected = model(video=video, audio=audio, perturbations=perturbations)
+            for e, g in zip(expected, got):
+                worst = max(worst, _max_abs_diff(e, g))
+                scale = max(scale, float(e.float().abs().max()))
+    # 3 signatures (3 frames, 5 frames, 3 frames with STG): one capture each, the rest replays.
+    assert (wrapper.captures, wrapper.replays, wrapper.eager_calls) == (3, 8, 0), wrapper.summary()
+    assert worst <= 2e-2 * scale, f"captured vs eager max abs diff {worst} (output scale {scale})"
+    print(f"captured vs eager bf16: max abs diff {worst:.3g} at output scale {scale:.3g}")
+
+
+@pytest.mark.gpu
+@gpu
+def test_captured_forward_reads_new_inputs_not_the_captured_ones():
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = build_tiny_model(seed=22).to(device, torch.bfloat16)
+    wrapper = CapturedForward(model)
+    with torch.inference_mode():
+        first = wrapper(*_inputs(41, device=device, dtype=torch.bfloat16))
+        second_video, second_audio = _inputs(42, device=device, dtype=torch.bfloat16)
+        second = wrapper(second_video, second_audio)
+        expected = model(video=second_video, audio=second_audio, perturbations=None)
+    assert _max_abs_diff(first[0], second[0]) > 0.1, "the replay returned the first call's outputs"
+    assert _max_abs_diff(second[0], expected[0]) <= 2e-2 * float(expected[0].float().abs().max())
+    assert wrapper.captures == 1
+
+
+@pytest.mark.gpu
+@gpu
+def test_conditioning_attention_mask_runs_eagerly_and_exactly():
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = build_tiny_model(seed=23).to(device, torch.bfloat16)
+    wrapper = CapturedForward(model)
+    with torch.inference_mode():
+        video, audio = _inputs(51, device=device, dtype=torch.bfloat16, image_conditioning=True)
+        assert video.attention_mask is not None
+        got = wrapper(video, audio)
+        expected = model(video=video, audio=audio, perturbations=None)
+    assert torch.equal(got[0], expected[0]), _max_abs_diff(got[0], expected[0])
+    assert (wrapper.captures, wrapper.eager_calls) == (0, 1)
+    assert any("attention mask" in reason for reason in wrapper.summary()["eager_reasons"]), wrapper.summary()
