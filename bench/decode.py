@@ -47,40 +47,10 @@ from ltx_core.model.video_vae import TilingConfig, VideoDecoder, VideoDecoderCon
 from ltx_core.model.video_vae.tiling import SpatialTilingConfig, TemporalTilingConfig
 
 from mgpu_backend import shm
+from mgpu_backend.ltx.random_bundle import FULL_SIZE_VIDEO_VAE_CONFIG  # one full-size VAE config, with its sources
 from mgpu_backend.ltx.decode import decode_video
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.distributed_decode import decoded_images_shape, distributed_decode_images
-
-# The LTX-2 video VAE decoder, in the "vae" form ltx-core's VideoDecoderConfigurator reads from a
-# checkpoint's config metadata. Block list and flags: ComfyUI's built-in LTX video VAE definition for
-# a 1024-channel decoder with a compress_space_res encoder (comfy/ldm/lightricks/vae/
-# causal_video_autoencoder.py, VideoVAE.guess_config, version 2); base channels: ltx-core's default
-# (128 x 8 = 1024 channels after conv_in, the width ComfyUI's detection keys on).
-FULL_SIZE_VIDEO_VAE_CONFIG = {
-    "_class_name": "CausalVideoAutoencoder",
-    "dims": 3,
-    "in_channels": 3,
-    "out_channels": 3,
-    "latent_channels": 128,
-    # Listed encoder-side first; the decoder runs them reversed.
-    "decoder_blocks": [
-        ["res_x", {"num_layers": 5, "inject_noise": False}],
-        ["compress_all", {"residual": True, "multiplier": 2}],
-        ["res_x", {"num_layers": 5, "inject_noise": False}],
-        ["compress_all", {"residual": True, "multiplier": 2}],
-        ["res_x", {"num_layers": 5, "inject_noise": False}],
-        ["compress_all", {"residual": True, "multiplier": 2}],
-        ["res_x", {"num_layers": 5, "inject_noise": False}],
-    ],
-    "patch_size": 4,
-    "norm_layer": "pixel_norm",
-    "latent_log_var": "uniform",
-    "use_quant_conv": False,
-    "causal_decoder": False,
-    "timestep_conditioning": True,
-    "decoder_base_channels": 128,
-}
-
 
 @dataclass(frozen=True)
 class BenchSetup:
