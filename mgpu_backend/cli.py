@@ -45,14 +45,8 @@ def _client(args: argparse.Namespace):
     return FleetClient.connect(args.socket, autostart=False)
 
 
-def _format_bytes(count: int | None) -> str:
-    if count is None:
-        return "-"
-    return f"{count / 2**30:.2f} GiB"
-
-
 def cmd_status(args: argparse.Namespace) -> int:
-    from .client import FleetUnavailable
+    from .client import FleetUnavailable, format_status
 
     try:
         with _client(args) as client:
@@ -63,23 +57,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
-    print(f"server pid {status['server_pid']} on {status['address']}: {status['devices']}, up {status['uptime_seconds']} s")
-    for rank in status["ranks"]:
-        memory = rank.get("memory") or {}
-        used = memory.get("allocated", memory.get("rss"))
-        total = f" of {_format_bytes(memory['total'])}" if "total" in memory else ""
-        state = "alive" if rank["alive"] else "DEAD"
-        peak = f", peak {_format_bytes(memory['peak'])}" if "peak" in memory else ""
-        print(f"  rank {rank['rank']}: pid {rank['pid']} {rank['device']} {state}, memory {_format_bytes(used)}{total}{peak}")
-        weights = rank.get("weights")
-        if weights:
-            print(
-                f"    weights: transformer working copy {_format_bytes(weights.get('working_bytes'))}, "
-                f"clean shard {_format_bytes(weights.get('clean_shard_bytes'))}, other components {_format_bytes(weights.get('other_components_bytes'))}"
-            )
-    job = status["current_job"]
-    print(f"current job: {job['id']} {job['op']} {job['stage']} {job['step']}/{job['total']}" if job else "current job: none")
-    print(f"queue: {status['queue_length']} waiting, {status['jobs_completed']} done, {status['fleet_restarts']} fleet restart(s)")
+    print(format_status(status))
     return 0
 
 

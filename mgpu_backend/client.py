@@ -202,3 +202,29 @@ class FleetClient:
                 if message.shm:
                     protocol.send_message(self.sock, Message("ack", job=message.job))
                 return JobResult(message.job or "", message.fields.get("result", {}), tensors_out)
+
+
+def _gib(count: int | None) -> str:
+    return "-" if count is None else f"{count / 2**30:.2f} GiB"
+
+
+def format_status(status: dict) -> str:
+    """The server's status as a few lines for people: ranks, memory, weights, the job and the queue
+    (``status`` CLI, the Fleet Control node)."""
+    lines = [f"server pid {status['server_pid']} on {status['address']}: {status['devices']}, up {status['uptime_seconds']} s"]
+    for rank in status["ranks"]:
+        memory = rank.get("memory") or {}
+        total = f" of {_gib(memory['total'])}" if "total" in memory else ""
+        peak = f", peak {_gib(memory['peak'])}" if "peak" in memory else ""
+        state = "alive" if rank["alive"] else "DEAD"
+        lines.append(f"  rank {rank['rank']}: pid {rank['pid']} {rank['device']} {state}, memory {_gib(memory.get('allocated', memory.get('rss')))}{total}{peak}")
+        weights = rank.get("weights")
+        if weights:
+            lines.append(
+                f"    weights: transformer working copy {_gib(weights.get('working_bytes'))}, clean shard "
+                f"{_gib(weights.get('clean_shard_bytes'))}, other components {_gib(weights.get('other_components_bytes'))}"
+            )
+    job = status["current_job"]
+    lines.append(f"current job: {job['id']} {job['op']} {job['stage']} {job['step']}/{job['total']}" if job else "current job: none")
+    lines.append(f"queue: {status['queue_length']} waiting, {status['jobs_completed']} done, {status['fleet_restarts']} fleet restart(s)")
+    return "\n".join(lines)

@@ -14,6 +14,7 @@ import time
 
 from mgpu_backend.addresses import ENV_SOCKET
 from mgpu_backend.client import FleetClient, FleetError, FleetUnavailable
+from mgpu_backend.client import format_status as client_format_status
 from mgpu_backend.protocol import ConnectionClosed
 
 UNREACHABLE = (FleetUnavailable, ConnectionClosed, OSError)
@@ -77,14 +78,5 @@ def format_status(status: dict) -> str:
     """A few lines for a node's text output: devices, per-rank memory, the current job, the queue."""
     if not status.get("running"):
         return f"fleet not running: {status.get('message', '')}".strip()
-    lines = [f"fleet on {status['devices']} (server pid {status['server_pid']}, up {status['uptime_seconds']} s)"]
-    for rank in status.get("ranks", []):
-        memory = rank.get("memory") or {}
-        used = memory.get("allocated", memory.get("rss"))
-        used_text = f"{used / 2**30:.2f} GiB" if isinstance(used, (int, float)) else "-"
-        state = "alive" if rank.get("alive") else "DEAD"
-        lines.append(f"  rank {rank['rank']} {rank['device']} {state}, memory {used_text}")
-    job = status.get("current_job")
-    lines.append(f"current job: {job['op']} {job['stage']} {job['step']}/{job['total']}" if job else "current job: none")
-    lines.append(f"queue: {status.get('queue_length', 0)} waiting, {status.get('jobs_completed', 0)} done")
-    return "\n".join(lines)
+    return client_format_status(status)
+

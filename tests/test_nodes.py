@@ -574,7 +574,7 @@ def test_fleet_control_shows_unloads_and_stops_a_real_fleet(one_rank_fleet):
     control = node("MGPUFleetControl")
     assert math.isnan(NODES["MGPUFleetControl"].IS_CHANGED("status")), "a cached status would be stale"
     (text,) = control.control("status")["result"]
-    assert text.startswith("fleet on 1 CPU rank(s)") and "rank 0 cpu alive" in text and "current job: none" in text, text
+    assert text.startswith("server pid ") and "1 CPU rank(s)" in text.splitlines()[0] and "rank 0: pid " in text and "cpu alive" in text and "current job: none" in text, text
     (text,) = control.control("unload models")["result"]
     assert text.startswith("models unloaded; the next MGPU node reloads its model"), text
     (text,) = control.control("restart fleet")["result"]
