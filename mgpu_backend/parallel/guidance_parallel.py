@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mgpu_backend.ltx.passes import PASS_NAMES, GuidancePass, SequentialPassRunner
+from mgpu_backend.ltx.passes import PASS_NAMES, GuidancePass, PassRunner, SequentialPassRunner
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.sequence_parallel import check_sp_degree, valid_sp_degrees
 
@@ -191,13 +191,16 @@ class GuidanceParallelRunner:
 
     ``comm`` spans the whole stage-1 world; the transformer handed to ``run`` must already be
     sequence-parallel over this rank's group (``build_stage1_parallel`` returns that group).
+    ``local_runner`` runs the group's own share of a step: one pass after another by default, or
+    as one batched forward (``batched_passes.BatchedPassRunner``).
     """
 
-    def __init__(self, comm: Comm, plan: Plan) -> None:
+    def __init__(self, comm: Comm, plan: Plan, local_runner: PassRunner | None = None) -> None:
         if comm.world_size != plan.world_size:
             raise ValueError(f"plan is for {plan.world_size} ranks but the group has {comm.world_size}")
         self.comm = comm
         self.plan = plan
+        self.local_runner = SequentialPassRunner() if local_runner is None else local_runner
         self.group = plan.group_of(comm.rank)
         # One rank per group contributes to the exchange; its SP peers hold the same outputs.
         self.is_group_leader = comm.rank == plan.rank_groups[self.group][0]
@@ -206,12 +209,9 @@ class GuidanceParallelRunner:
         if not passes:
             return []
         owners = self.plan.assign_passes(len(passes))
-        local: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
-        for index, (guidance_pass, owner) in enumerate(zip(passes, owners)):
-            if owner == self.group:
-                local[index] = transformer(
-                    video=guidance_pass.video, audio=guidance_pass.audio, perturbations=guidance_pass.perturbations
-                )
+        mine = [index for index, owner in enumerate(owners) if owner == self.group]
+        outputs = self.local_runner.run(transformer, [passes[index] for index in mine])
+        local: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = dict(zip(mine, outputs, strict=True))
         return self._exchange(local, len(passes), passes[0].video.latent.device)
 
     def _exchange(self, local: dict, pass_count: int, device: torch.device) -> list[tuple]:
