@@ -9,6 +9,7 @@ This module never loads checkpoints or downloads anything, and never talks to ot
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime
 import logging
@@ -165,3 +166,27 @@ def emit(table: str, device: torch.device, out: str | None) -> None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(header + "\n\n" + table + "\n")
         log(f"table written to {out}")
+
+
+def bench_parser(description: str, *, tiny_help: str, warmup: int, repeats: int, unit: str, seed_help: str = "seed of the random weights and inputs") -> argparse.ArgumentParser:
+    """The options every GPU bench takes: --tiny, --device, --warmup, --repeats, --seed, --out."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help=tiny_help)
+    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
+    parser.add_argument("--warmup", type=int, default=warmup, help=f"untimed {unit} (default {warmup})")
+    parser.add_argument("--repeats", type=int, default=repeats, help=f"timed {unit}; the median is reported (default {repeats})")
+    parser.add_argument("--seed", type=int, default=0, help=seed_help)
+    parser.add_argument("--out", help="also write the table, under a command/machine/date line, to this file")
+    return parser
+
+
+def run_bench(parser: argparse.ArgumentParser, measure: Callable[[argparse.Namespace], str]) -> None:
+    """Parse, check, measure with the logs on stderr, and print (and --out) the table."""
+    args = parser.parse_args()
+    if args.warmup < 0 or args.repeats < 1:
+        parser.error(f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
+    if args.tiny and args.device is None:
+        args.device = "cpu"
+    with stdout_to_stderr():
+        table = measure(args)
+    emit(table, resolve_device(args.device), args.out)

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from _common import (  # noqa: I001 - _common puts the repository on sys.path first
+    bench_parser,
+    run_bench,
     bench_dtype,
     emit,
     log,
@@ -205,21 +207,8 @@ def _table(rows: list[list[str]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="the tiny bundle's decoder and a small latent (CPU smoke run)")
-    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per path (default 1)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per path; the median is reported")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights, latent and decoder noise")
-    parser.add_argument("--out", help="also write the table, under a command/machine/date line, to this file")
-    args = parser.parse_args()
-    if args.warmup < 0 or args.repeats < 1:
-        parser.error(f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
-    if args.tiny and args.device is None:
-        args.device = "cpu"
-    with stdout_to_stderr():
-        table = measure(args)
-    emit(table, resolve_device(args.device), args.out)
+    parser = bench_parser(__doc__, tiny_help="the tiny bundle's decoder and a small latent (CPU smoke run)", warmup=1, repeats=3, unit="runs per path", seed_help="seed of the random weights, latent and decoder noise")
+    run_bench(parser, measure)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ import time
 import torch
 
 from _common import (  # noqa: I001 - _common puts the repository on sys.path first
+    bench_parser,
+    run_bench,
     bench_dtype,
     emit,
     log,
@@ -134,22 +136,9 @@ def measure(args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="tiny 2-layer model and small grids (CPU smoke run)")
-    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed calls per row and path (default 3)")
-    parser.add_argument("--repeats", type=int, default=10, help="timed calls per row and path; the median is reported")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
+    parser = bench_parser(__doc__, tiny_help="tiny 2-layer model and small grids (CPU smoke run)", warmup=3, repeats=10, unit="calls per row and path")
     parser.add_argument("--transformer-config", help="path of ltx2-19b-transformer.json (default: searched)")
-    parser.add_argument("--out", help="also write the table, under a command/machine/date line, to this file")
-    args = parser.parse_args()
-    if args.warmup < 0 or args.repeats < 1:
-        parser.error(f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
-    if args.tiny and args.device is None:
-        args.device = "cpu"
-    with stdout_to_stderr():
-        table = measure(args)
-    emit(table, resolve_device(args.device), args.out)
+    run_bench(parser, measure)
 
 
 if __name__ == "__main__":

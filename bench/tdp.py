@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 
 from _common import (  # noqa: I001 - _common puts the repository on sys.path first
+    bench_parser,
+    run_bench,
     REPO_ROOT,
     IntervalTimer,
     bench_dtype,
@@ -273,22 +275,9 @@ def measure(args: argparse.Namespace) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="tiny 2-layer model and a small grid (CPU smoke run)")
-    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per tiling (default 2)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed steps per tiling; the median is reported")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs")
+    parser = bench_parser(__doc__, tiny_help="tiny 2-layer model and a small grid (CPU smoke run)", warmup=2, repeats=5, unit="steps per tiling")
     parser.add_argument("--transformer-config", help=f"path of {TRANSFORMER_CONFIG_NAME} (default: searched)")
-    parser.add_argument("--out", help="also write the table, under a command/machine/date line, to this file")
-    args = parser.parse_args()
-    if args.warmup < 0 or args.repeats < 1:
-        parser.error(f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
-    if args.tiny and args.device is None:
-        args.device = "cpu"
-    with stdout_to_stderr():
-        table = measure(args)
-    emit(table, resolve_device(args.device), args.out)
+    run_bench(parser, measure)
 
 
 if __name__ == "__main__":
