@@ -18,9 +18,10 @@ Test-side adjustments to the reference, none of which changes its arithmetic:
 
 from __future__ import annotations
 
-import copy
+import json
 import types
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -49,6 +50,7 @@ from mgpu_backend.ltx.latents import (
 )
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.ltx.passes import SequentialPassRunner
+from mgpu_backend.ltx.random_bundle import ltx_core_gemma_config
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import TextContext, contexts_from_gemma, encode_prompts
 
@@ -111,13 +113,8 @@ def reference_side(bundle):
         patch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
         patch.setattr(torch.cuda, "empty_cache", lambda *args, **kwargs: None)
 
-        class TinyGemmaConfig:
-            text_config = types.SimpleNamespace(**tiny.GEMMA_TEXT_CONFIG)
-
-            def to_dict(self) -> dict:
-                return copy.deepcopy(tiny.GEMMA_CONFIG)  # ltx-core edits the dict it gets
-
-        patch.setattr(encoder_configurator, "GEMMA3_CONFIG_FOR_LTX", TinyGemmaConfig())
+        tiny_gemma = ltx_core_gemma_config(json.loads((Path(bundle.gemma_root) / "config.json").read_text()))
+        patch.setattr(encoder_configurator, "GEMMA3_CONFIG_FOR_LTX", tiny_gemma)
         from ltx_pipelines import ti2vid_two_stages as reference_module
 
         pipeline = reference_module.TI2VidTwoStagesPipeline(
