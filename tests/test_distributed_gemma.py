@@ -52,8 +52,11 @@ def _fleet_scenario(bundle: dict, mode: str) -> dict:
     out["cached"], out["bytes_cached"] = last_encode_stats(), loader.bytes_read_from_disk
     encode_prompts_distributed(loader, PROMPTS, comm, mode, free_after=True)
     out["freed"] = last_encode_stats()
-    out["after_free"] = _as_lists(encode_prompts_distributed(loader, PROMPTS, comm, mode))
-    out["rebuilt"], out["bytes_end"] = last_encode_stats(), loader.bytes_read_from_disk
+    # Built to stay, Gemma dropped its host copy: this build reads the disk again, and keeps one.
+    out["after_free"] = _as_lists(encode_prompts_distributed(loader, PROMPTS, comm, mode, free_after=True))
+    out["rebuilt"], out["bytes_rebuilt"] = last_encode_stats(), loader.bytes_read_from_disk
+    encode_prompts_distributed(loader, PROMPTS, comm, mode, free_after=True)
+    out["from_host"], out["bytes_end"] = last_encode_stats(), loader.bytes_read_from_disk
     out["single"] = _as_lists(encode_prompts_distributed(loader, SINGLE_PROMPT, comm, mode))
     out["single_stats"] = last_encode_stats()
     return out
@@ -143,9 +146,13 @@ def test_second_encode_reuses_the_cached_gemma_and_free_after_releases_it(fleet,
         # Gemma's file weights (its tied lm_head counted once), plus the small buffers its module ops add.
         assert gemma_bytes <= released["gemma_bytes"] < 1.05 * gemma_bytes, (mode, rank, released, gemma_bytes)
         assert released["device_bytes_returned"] == 0, released  # CPU ranks
-        # Rebuilt after the free, from the registry: no disk read.
+        # The first Gemma was built to stay, so it kept no host copy: the rebuild after the free reads
+        # Gemma's files again. That build had free_after, so it kept the host copy, and the next
+        # rebuild reads nothing.
         assert out["rebuilt"]["gemma_built"], (mode, rank)
-        assert out["bytes_end"] == out["bytes_first"], (mode, rank, out["bytes_first"], out["bytes_end"])
+        assert out["bytes_rebuilt"] - out["bytes_first"] == gemma_bytes, (mode, rank, out["bytes_first"], out["bytes_rebuilt"])
+        assert out["from_host"]["gemma_built"], (mode, rank)
+        assert out["bytes_end"] == out["bytes_rebuilt"], (mode, rank, out["bytes_rebuilt"], out["bytes_end"])
 
 
 def test_unknown_mode_is_refused_with_the_choices():

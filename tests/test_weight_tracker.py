@@ -55,8 +55,6 @@ def _tracker_scenario(bundle: dict) -> dict:
     tracker.apply(distilled_set)
     out["first_swap"] = vars(tracker.stats).copy()
     out["fused_equals_ltx_core"] = _differences(model, distilled_reference)
-    # With the LoRA fused in the working copy, the loader's registry still serves the clean checkpoint.
-    out["registry_stays_clean"] = _differences(loader.transformer("none"), clean_reference)
     before = vars(tracker.stats).copy()
     weights_before = {key: value.clone() for key, value in model.state_dict().items()}
     assert tracker.transformer(loader, "distilled") is model
@@ -76,6 +74,12 @@ def _tracker_scenario(bundle: dict) -> dict:
     out["owned_keys"] = tracker.owned_keys()
     out["key_bytes"] = {key: value.nbytes for key, value in model.velocity_model.state_dict().items()}
     out["memory"] = tracker.memory_report()
+    # The tracker dropped the loader's host copy of the transformer when it built: a later build by
+    # the loader reads the checkpoint again, and the LoRA fused in place above did not reach it.
+    out["host_copy_dropped"] = loader.drop_host_copy("transformer") == 0
+    before_rebuild = loader.bytes_read_from_disk
+    out["registry_stays_clean"] = _differences(loader.transformer("none"), clean_reference)
+    out["rebuild_bytes"] = loader.bytes_read_from_disk - before_rebuild
 
     # no_lora_swap: one set may be fused once, with no clean shard; a change is refused.
     fixed = TransformerWeightTracker(Comm.world(), no_lora_swap=True)
@@ -186,6 +190,14 @@ def test_warm_job_reads_nothing_from_disk(results, bundle):
     for rank, out in enumerate(results):
         assert out["cold_job_bytes"] == expected_cold, (rank, out["cold_job_bytes"], expected_cold)
         assert out["warm_job_bytes"] == 0, f"rank {rank}: warm job read {out['warm_job_bytes']} bytes"
+
+
+def test_tracker_drops_the_host_copy_and_a_later_build_reads_the_checkpoint_clean(results, bundle):
+    transformer_bytes = _file_tensor_bytes(bundle.checkpoint_path, "model.diffusion_model.")
+    for rank, out in enumerate(results):
+        assert out["host_copy_dropped"], rank
+        assert out["rebuild_bytes"] == transformer_bytes, (rank, out["rebuild_bytes"], transformer_bytes)
+        assert out["registry_stays_clean"] == (0, 0.0), (rank, out["registry_stays_clean"])
 
 
 def test_no_lora_swap_refuses_a_second_lora_set_with_advice(results):

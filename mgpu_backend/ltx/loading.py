@@ -6,7 +6,10 @@ One ``ModelLoader`` per rank process holds ONE ltx-core ``StateDictRegistry`` sh
 component, so each state dict is read from disk once per process: stage 1 and stage 2 both build
 the transformer (without and with the distilled LoRA) from the same cached tensors. As in
 ``ModelLedger`` with a registry, models are assembled on the CPU from the cached tensors and then
-moved to the target device.
+moved to the target device. Once a big component is built and kept (the fleet's resident
+transformer, a Gemma kept on its GPUs), its host copy can be dropped with ``drop_host_copy``: at 19B
+the registry would otherwise hold ~38 GB (transformer) + ~24 GB (Gemma) of host memory per rank,
+which eight ranks on one host cannot afford.
 
 ltx-core 1.0.0 hard-codes the Gemma-3 12B configuration in its Gemma configurator and feature
 extractor. The text encoder here is built from the Gemma folder's own ``config.json`` instead
@@ -512,6 +515,25 @@ class ModelLoader:
                 )
             )
         return tuple(loras)
+
+    def drop_host_copy(self, component: str) -> int:
+        """Forget the registry's host copy of ``component`` (``"transformer"``: the checkpoint's
+        transformer weights without LoRAs; ``"gemma"``: Gemma's weights) and return its tensor bytes
+        (0 when none was held). Call it once the built model is the only copy needed: a later build
+        of that component reads its files again. On the CPU the built model aliases that copy, so
+        nothing is freed, but nothing else can see the model's in-place changes either."""
+        if component == "transformer":
+            paths, sd_ops = [self.spec.checkpoint_path], LTXV_MODEL_COMFY_RENAMING_MAP
+        elif component == "gemma":
+            from ltx_core.text_encoders.gemma import GEMMA_LLM_KEY_OPS
+
+            paths, sd_ops = list(_gemma_files(self.spec.gemma_root)[1]), GEMMA_LLM_KEY_OPS
+        else:
+            raise ValueError(f"component must be 'transformer' or 'gemma', got {component!r}")
+        state_dict = self.registry.pop(paths, sd_ops)
+        if state_dict is None:
+            return 0
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state_dict.sd.values()}.values())
 
     def transformer(self, lora_set: str = "none") -> X0Model:
         """The denoiser: ``"none"`` for stage 1, ``"distilled"`` for stage 2 (user LoRAs in both)."""

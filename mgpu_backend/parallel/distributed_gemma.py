@@ -28,9 +28,11 @@ The two modes, what each costs, and when to use it
     Caching: the built Gemma stays in a per-process cache keyed by the loader, so a second encode
     with the same loader and mode builds no Gemma (the small processor is rebuilt from the registry
     each time). ``free_after=True`` (or ``release_text_encoders``) drops Gemma after encoding,
-    empties the CUDA cache and reports the memory returned (``last_encode_stats()["released"]``);
-    the next encode rebuilds Gemma from the loader's registry (host memory, no disk read) unless the
-    registry was cleared too. Traffic: per prompt, a small shape header and the two contexts (a few
+    empties the CUDA cache and reports the memory returned (``last_encode_stats()["released"]``).
+    Host memory: a Gemma built by an encode with ``free_after=True`` keeps its host copy in the
+    loader's registry, so the next encode rebuilds it without reading the disk; a Gemma built to
+    stay (``free_after=False``) drops it (~24 GB of host memory per building rank at 12B), and is
+    read from disk again if it is freed later. Traffic: per prompt, a small shape header and the two contexts (a few
     MB at full size) from its owner.
 
 Every rank of ``comm`` must call ``encode_prompts_distributed`` with the same prompts and mode. This
@@ -113,8 +115,8 @@ def release_text_encoders(loader=None) -> dict:
     """Drop the Gemma this process cached for ``loader`` (all loaders if None).
 
     Returns ``{"gemma_bytes": weight bytes the dropped Gemma held, "device_bytes_returned": CUDA
-    memory freed (allocated bytes before minus after, over the GPUs it used; 0 on CPU)}``. Host
-    copies in the loader's registry stay (that is what makes the next build disk-free).
+    memory freed (allocated bytes before minus after, over the GPUs it used; 0 on CPU)}``. A host
+    copy in the loader's registry stays where there is one (it makes the next build disk-free).
     """
     keys = list(_cache) if loader is None else [id(loader)]
     entries = [_cache.pop(key) for key in keys if key in _cache]
@@ -130,7 +132,7 @@ def release_text_encoders(loader=None) -> dict:
     return {"gemma_bytes": gemma_bytes, "device_bytes_returned": before - after}
 
 
-def _build(loader, mode: str, rank: int) -> _CachedEncoder:
+def _build(loader, mode: str, rank: int, keep_host_copy: bool) -> _CachedEncoder:
     sharded_over_gpus = mode == "sharded" and loader.device.type == "cuda" and torch.cuda.device_count() > 1
     if sharded_over_gpus:
         gemma = _gemma_dispatched_over_gpus(loader)
@@ -141,6 +143,9 @@ def _build(loader, mode: str, rank: int) -> _CachedEncoder:
                 "Gemma 'sharded' on %s: nothing to shard, rank %d runs Gemma whole on %s", where, rank, loader.device
             )
         gemma = loader.gemma()
+    if not keep_host_copy:
+        dropped = loader.drop_host_copy("gemma")
+        log.info("Gemma built on rank %d to stay: its host copy (%.1f MB) dropped", rank, dropped / 1e6)
     # The entry goes when its loader does, so an id reused by a later loader never finds a stale Gemma.
     key = id(loader)
     entry = _CachedEncoder(weakref.ref(loader, lambda _: _cache.pop(key, None)), mode, gemma)
@@ -208,7 +213,7 @@ def encode_prompts_distributed(
     if mine:
         entry = _cached(loader, mode)
         if entry is None:
-            entry, built = _build(loader, mode, comm.rank), True
+            entry, built = _build(loader, mode, comm.rank, keep_host_copy=free_after), True
         local = dict(zip(mine, _encode(entry, loader, [prompts[index] for index in mine]), strict=True))
     contexts = _share_contexts(comm, owners, local, loader.device)
     # Every rank frees: one that owns no prompt this time may still hold Gemma from an earlier call.

@@ -34,8 +34,9 @@ Device note
     same inputs, but ``ModelLoader`` assembles on the CPU, so the two may differ by bf16 matmul
     rounding in the LoRA deltas (no drift: every swap starts again from the clean weights).
 
-The working copy never shares storage with the loader's registry, which must keep serving clean
-checkpoint tensors to every other builder. This module never edits or forks ltx-core, never
+Once the working copy is built, the loader's registry drops its host copy of the transformer (up to
+~38 GB of host memory per rank at 19B); a later ``ModelLoader.transformer`` call reads the checkpoint
+again. LoRA files stay in the registry: every swap needs them. This module never edits or forks ltx-core, never
 imports ltx-pipelines, and never talks to other ranks except through ``Comm``.
 """
 
@@ -111,10 +112,6 @@ def _owners_by_bytes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
     return owners
 
 
-def _storage_ptrs(tensors) -> set[int]:
-    return {tensor.untyped_storage().data_ptr() for tensor in tensors if tensor.device.type != "meta"}
-
-
 class TransformerWeightTracker:
     """One working transformer per rank, a clean copy sharded over the ranks, LoRA sets swapped in place.
 
@@ -159,13 +156,10 @@ class TransformerWeightTracker:
         self._drop()
         model = _transformer_without_loras(loader)
         velocity_model = model.velocity_model
-        # Keep the loader's registry clean: on the CPU the built model aliases the registry's tensors.
-        cached = loader.registry.get([loader.spec.checkpoint_path], LTXV_MODEL_COMFY_RENAMING_MAP)
-        registry_ptrs = _storage_ptrs(cached.sd.values()) if cached is not None else set()
-        with torch.no_grad():
-            for tensor in [*velocity_model.parameters(), *velocity_model.buffers()]:
-                if tensor.untyped_storage().data_ptr() in registry_ptrs:
-                    tensor.data = tensor.data.clone()
+        # The working copy and the clean shard are all this rank needs from now on. Dropping the
+        # registry's host copy frees it on a GPU rank, and on a CPU rank (where the built model
+        # aliases it) keeps LoRA fusion in place from reaching anything else built by the loader.
+        dropped = loader.drop_host_copy("transformer")
         working = {key: tensor.detach() for key, tensor in velocity_model.state_dict(keep_vars=True).items()}
         self._check_same_model_on_every_rank(working, loader.device)
         owners = _owners_by_bytes({key: tensor.nbytes for key, tensor in working.items()}, self.comm.world_size)
@@ -176,7 +170,8 @@ class TransformerWeightTracker:
         self._applied, self._touched, self.stats = (), frozenset(), SwapStats()
         report = self.memory_report()
         log.info(
-            "weight tracker on rank %d/%d: working copy %.1f MB, clean shard %.1f MB (%d of %d keys)%s",
+            "weight tracker on rank %d/%d: working copy %.1f MB, clean shard %.1f MB (%d of %d keys)%s; "
+            "host copy dropped (%.1f MB)",
             self.comm.rank,
             self.comm.world_size,
             report["working_bytes"] / 1e6,
@@ -184,6 +179,7 @@ class TransformerWeightTracker:
             report["clean_shard_keys"],
             len(working),
             ", no LoRA swap" if self.no_lora_swap else "",
+            dropped / 1e6,
         )
         return model
 
