@@ -20,22 +20,22 @@ with the whole-job ratio as its headline, per-step times to extrapolate to 40 st
 the outputs are apart: stage latents and decoded frames, official vs fleet. Audio is not compared
 after stage 2: our stage 2 returns the stage-1 audio by design, the official one re-denoises it.
 
-The bundle's Gemma is the Gemma-3 12B configuration with FEWER layers than the real 48 (default 6):
-the real one does not fit the benchmark machine's disk beside the rest, so text-encode times are a
-lower bound. The table header and stderr say so.
+The bundle's Gemma is the Gemma-3 12B configuration with ``--gemma-layers`` of its 48 layers
+(default 6, so that the bundle fits a small disk; text-encode times are then a lower bound, and the
+table header and stderr say so). ``--gemma-layers 48`` is the released size.
 
-    python bench/e2e.py --tiny                                  # CPU smoke run (under a minute)
-    python bench/e2e.py --steps 20 --out docs/bench/e2e-h200.md # one H200, full size
+    python bench/e2e.py --tiny                                              # CPU smoke run (under a minute)
+    python bench/e2e.py --gemma-layers 48 --gemma-dir /dev/shm --out FILE   # one H200, full size
 
-Full size on one H200 (estimates, not yet measured): the bundle is 55.3 GB of weights (checkpoint
-42.1, distilled LoRA 7.4, Gemma 5.5, upsampler 0.25), checked against the free disk before writing;
-host memory peaks at about 60 GB (the fleet rank keeps every state dict it read in its registry);
-/dev/shm needs 2.3 GB for the frames. Time at 20 steps about 7 minutes (bundle 1-2, official ~2,
-fleet cold ~2.5, warm ~1.5); each further stage-1 step adds about 1.6 s to each of the three runs.
-The per-step times it prints extrapolate the whole job to the official 40 steps.
+Full size on one H200 (measured 2026-11-29, docs/BENCHMARKS.md): with the 48-layer Gemma the
+bundle is 75.4 GB of weights (checkpoint, distilled LoRA and upsampler 51.0, Gemma 24.4), written in 106 s,
+checked against the free disk before writing; on a 64 GB disk ``--gemma-dir /dev/shm`` puts Gemma
+in host memory instead. Host memory stayed under 35 GB besides that (the fleet keeps no host copy
+of the resident transformer or Gemma); /dev/shm also needs 2.3 GB for the frames. The whole run
+(bundle, official, fleet cold and warm at 40 steps) took 8 minutes.
 
 It never downloads anything; everything it writes goes to --bundle-dir (default: a temporary folder,
-removed at the end).
+removed at the end) and --gemma-dir.
 """
 
 from __future__ import annotations
@@ -443,6 +443,8 @@ def run_fleet(spec: dict, job: Job, device: torch.device, gpus: str | None, cpu_
 
 def gemma_deviation(config: random_bundle.BundleConfig) -> str:
     text = config.gemma["text_config"]
+    if text["hidden_size"] == 3840 and config.gemma_layers == random_bundle.GEMMA_FULL_LAYERS:
+        return f"Gemma-3 text encoder: the released 12B configuration (hidden 3840, {config.gemma_layers} layers)"
     return (
         f"Gemma-3 text encoder: hidden {text['hidden_size']}, {config.gemma_layers} layers (the released 12B model: "
         f"hidden 3840, {random_bundle.GEMMA_FULL_LAYERS} layers), so text-encode times are a lower bound"
@@ -595,6 +597,7 @@ def main() -> None:
     devices.add_argument("--gpus", help="GPUs of the fleet, e.g. 0 or 0,1 (default 0); the official pipeline runs on the first")
     devices.add_argument("--cpu-ranks", type=int, help="a CPU fleet of N ranks (gloo); the official pipeline runs on the CPU")
     parser.add_argument("--bundle-dir", help="where to write the random bundle, reused if complete (default: a temporary folder, removed)")
+    parser.add_argument("--gemma-dir", help="a folder on another disk (e.g. /dev/shm) for the bundle's Gemma, when the bundle's disk cannot hold it beside the checkpoint; a temporary folder inside it unless --bundle-dir is given")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (the job's seed is the official 10)")
     parser.add_argument("--out", help="append command, machine, date and the results to this file")
     args = parser.parse_args()
@@ -625,12 +628,23 @@ def main() -> None:
             bundle_dir.mkdir(parents=True, exist_ok=True)
         else:
             bundle_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-e2e-bundle-")))
-        planned = sum(random_bundle.planned_bytes(config).values())
+        gemma_dir = None
+        if args.gemma_dir:
+            gemma_dir = Path(args.gemma_dir) if args.bundle_dir else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-e2e-gemma-", dir=args.gemma_dir)))
+        planned_files = random_bundle.planned_bytes(config)
+        planned = sum(planned_files.values())
+        gemma_bytes = sum(size for name, size in planned_files.items() if name.startswith(random_bundle.GEMMA_DIR_NAME + "/"))
         if not random_bundle.is_complete(bundle_dir, config, device, args.seed):
-            check_space(bundle_dir, planned + (1 << 30), "the random bundle", "point --bundle-dir at a larger disk, or lower --gemma-layers / --lora-rank")
-        log(f"random bundle: {planned / 1e9:.1f} GB of weights in {bundle_dir}, drawn on {device} ...")
+            remedy = "point --bundle-dir (or --gemma-dir) at a larger disk, or lower --gemma-layers / --lora-rank"
+            if gemma_dir is None:
+                check_space(bundle_dir, planned + (1 << 30), "the random bundle", remedy)
+            else:
+                check_space(bundle_dir, planned - gemma_bytes + (1 << 30), "the random bundle without Gemma", remedy)
+                check_space(gemma_dir, gemma_bytes + (1 << 30), "the bundle's Gemma", remedy)
+        where = f"{bundle_dir}" + (f", Gemma ({gemma_bytes / 1e9:.1f} GB) in {gemma_dir}" if gemma_dir else "")
+        log(f"random bundle: {planned / 1e9:.1f} GB of weights in {where}, drawn on {device} ...")
         started = time.perf_counter()
-        bundle = random_bundle.write_bundle(bundle_dir, config, device, args.seed, log=log)
+        bundle = random_bundle.write_bundle(bundle_dir, config, device, args.seed, log=log, gemma_dir=gemma_dir)
         log(f"bundle ready in {time.perf_counter() - started:.1f} s")
         free_device_memory(device)
 

@@ -559,8 +559,12 @@ def write_bundle(
     device: torch.device | str = "cpu",
     seed: int = 0,
     log: Callable[[str], None] | None = None,
+    gemma_dir: str | os.PathLike | None = None,
 ) -> RandomBundle:
     """Write a random-weight LTX-2 bundle at ``config`` into ``directory`` and return its paths.
+
+    ``gemma_dir`` puts the Gemma folder's files there instead (another disk, or tmpfs when the disk
+    cannot hold a 48-layer Gemma beside the checkpoint); the bundle reaches them through a symlink.
 
     Weights are drawn on ``device`` (a GPU makes full size fast) from ``seed``; each component has
     its own seed, derived from ``seed`` and its name. A directory already holding a complete bundle
@@ -569,6 +573,8 @@ def write_bundle(
     """
     device = torch.device(device)
     root = Path(directory)
+    if gemma_dir is not None:
+        _link_gemma_folder(root, Path(gemma_dir))
     identity = _manifest_identity(config, seed, device)
     if _is_complete(root, identity):
         if log:
@@ -587,3 +593,18 @@ def write_bundle(
         sizes[f"{GEMMA_DIR_NAME}/{name}"] = len(data)
     tiny._write_atomic(root / _MANIFEST, tiny._json_bytes({**identity, "files": dict(sorted(sizes.items()))}))
     return _bundle_at(root)
+
+
+def _link_gemma_folder(root: Path, target: Path) -> None:
+    """Make ``root``'s Gemma folder a symlink to ``target`` (created if missing)."""
+    target = target.resolve()
+    target.mkdir(parents=True, exist_ok=True)
+    link = root / GEMMA_DIR_NAME
+    if link.is_symlink():
+        if link.resolve() == target:
+            return
+        link.unlink()
+    elif link.exists():
+        raise FileExistsError(f"{link} is a folder of its own; remove it to keep the bundle's Gemma in {target}")
+    root.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(target, target_is_directory=True)
