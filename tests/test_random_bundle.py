@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from mgpu_backend.ltx import random_bundle, tiny
-from mgpu_backend.ltx.loading import ModelLoader
+from mgpu_backend.ltx.loading import ModelLoader, validate_model_files
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -123,6 +123,21 @@ def test_a_complete_bundle_is_reused_and_a_changed_seed_rewrites_it(tmp_path):
     after = _file_tensor(first.checkpoint_path, "model.diffusion_model.patchify_proj.weight")
     assert not torch.equal(before, after), "another seed must rewrite the weights"
     assert not list(tmp_path.rglob("*.tmp")), "staging files were left behind"
+
+
+def test_gemma_dir_keeps_gemma_elsewhere_with_the_same_bytes_and_a_complete_bundle(tiny_layout_bundle, tmp_path):
+    gemma_dir = tmp_path / "elsewhere"
+    bundle = random_bundle.write_bundle(tmp_path / "bundle", random_bundle.tiny_config(), "cpu", seed=1, gemma_dir=gemma_dir)
+    link = Path(bundle.gemma_root)
+    assert link.is_symlink() and link.resolve() == gemma_dir.resolve()
+    assert (gemma_dir / tiny.GEMMA_WEIGHTS_NAME).is_file()
+    files = {**_hashes(bundle.root), **{f"{random_bundle.GEMMA_DIR_NAME}/{name}": digest for name, digest in _hashes(gemma_dir).items()}}
+    assert files == _hashes(tiny_layout_bundle.root), "the bytes must not depend on where Gemma lives"
+    assert random_bundle.is_complete(bundle.root, random_bundle.tiny_config(), "cpu", seed=1)
+    validate_model_files(bundle.spec())
+    # A bundle folder whose Gemma is a real folder is not silently replaced by a link.
+    with pytest.raises(FileExistsError, match="is a folder of its own"):
+        random_bundle.write_bundle(tiny_layout_bundle.root, random_bundle.tiny_config(), "cpu", seed=1, gemma_dir=gemma_dir)
 
 
 def test_small_bundle_loads_through_model_loader_and_model_ledger_with_the_same_weights(small_bundle, monkeypatch):
