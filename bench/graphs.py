@@ -12,7 +12,9 @@ random weights made on the GPU in bf16 (``mgpu_backend.diagnostics.random_transf
 median ms per call over ``--repeats`` calls after ``--warmup`` (each call ends in a device
 synchronisation, so host overhead counts), the one-off capture time (warm-up + capture + first
 replay), and the max abs difference captured vs eager on two different inputs of that shape.
-Targets: 1152 tokens <= 90 ms, no loss at 6144.
+Targets: 1152 tokens <= 90 ms, no loss at 6144. ``--compile-blocks`` adds the same forward with the
+blocks compiled by torch.compile (``mgpu_backend.parallel.compiled_blocks``) and replayed from a CUDA
+graph: its time, the first call's compile time and its difference from eager.
 
     python bench/graphs.py --tiny                 # CPU smoke run: tiny model, eager-fallback rows
     python bench/graphs.py --device cuda --out docs/bench/graphs-h200.md
@@ -47,6 +49,7 @@ from tdp import load_transformer_config
 
 from mgpu_backend.diagnostics import random_transformer
 from mgpu_backend.ltx.latents import StageGeometry
+from mgpu_backend.parallel.compiled_blocks import compile_transformer_blocks, restore_eager_blocks
 from mgpu_backend.parallel.cuda_graphs import CapturedForward
 
 SIGMA = 0.9  # an early stage-1 sigma; the compute does not depend on it
@@ -119,25 +122,48 @@ def measure(args: argparse.Namespace) -> str:
             first_calls_s = time.perf_counter() - capture_started
             captured_ms = median(time_calls(lambda: captured(inputs[1][0], inputs[1][1], None),
                                             device, warmup=args.warmup, repeats=args.repeats))  # fmt: skip
-        diff = max(float((e.float() - r.float()).abs().max()) for pair_e, pair_r in zip(eager, replayed) for e, r in zip(pair_e, pair_r))
+        diff = max_abs_diff(eager, replayed)
         path = "graph" if captured.captures > captures_before else "eager: " + "; ".join(captured.summary()["eager_reasons"])
-        rows.append([
+        row = [
             str(video_tokens), grid, str(inputs[0][1].latent.shape[1]), f"{eager_ms:.1f}", f"{captured_ms:.1f}",
-            f"{eager_ms / captured_ms:.2f}x", f"{first_calls_s:.2f}", f"{diff:.3g}", path, peak_memory_text(device),
-        ])  # fmt: skip
+            f"{eager_ms / captured_ms:.2f}x", f"{first_calls_s:.2f}", f"{diff:.3g}",
+        ]  # fmt: skip
         log(f"{video_tokens} video tokens: eager {eager_ms:.1f} ms, captured {captured_ms:.1f} ms, max abs diff {diff:.3g} ({path})")
+        if args.compile_blocks:
+            compile_transformer_blocks(model)
+            with torch.inference_mode():
+                compile_started = time.perf_counter()
+                compiled = [captured(v, a, None) for v, a in inputs]  # compiles, then captures
+                synchronize(device)
+                compile_s = time.perf_counter() - compile_started
+                compiled_ms = median(time_calls(lambda: captured(inputs[1][0], inputs[1][1], None),
+                                                device, warmup=args.warmup, repeats=args.repeats))  # fmt: skip
+            restore_eager_blocks(model)
+            compiled_diff = max_abs_diff(eager, compiled)
+            row += [f"{compiled_ms:.1f}", f"{eager_ms / compiled_ms:.2f}x", f"{compile_s:.1f}", f"{compiled_diff:.3g}"]
+            log(f"{video_tokens} video tokens: compiled blocks + captured {compiled_ms:.1f} ms (first calls {compile_s:.1f} s), max abs diff {compiled_diff:.3g}")
+            del compiled
+        rows.append([*row, path, peak_memory_text(device)])
         del eager, replayed
     log(f"capture summary: {captured.summary()}")
     headers = [
         "video tokens", "latent grid F'xH'xW'", "audio tokens", "eager ms", "captured ms", "speed-up",
-        "capture s (2 calls)", "max abs diff", "path", "peak GPU memory",
+        "capture s (2 calls)", "max abs diff",
     ]  # fmt: skip
+    if args.compile_blocks:
+        headers += ["compiled blocks + captured ms", "speed-up vs eager", "compile + capture s (2 calls)", "max abs diff (compiled)"]
+    headers += ["path", "peak GPU memory"]
     return markdown_table(headers, rows)
+
+
+def max_abs_diff(expected: list[tuple], got: list[tuple]) -> float:
+    return max(float((e.float() - g.float()).abs().max()) for pair_e, pair_g in zip(expected, got) for e, g in zip(pair_e, pair_g))
 
 
 def main() -> None:
     parser = bench_parser(__doc__, tiny_help="tiny 2-layer model and small grids (CPU smoke run)", warmup=3, repeats=10, unit="calls per row and path")
     parser.add_argument("--transformer-config", help="path of ltx2-19b-transformer.json (default: searched)")
+    parser.add_argument("--compile-blocks", action="store_true", help="also time the forward with torch.compile'd blocks, replayed from a CUDA graph (GPU)")
     run_bench(parser, measure)
 
 

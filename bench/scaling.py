@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="768x512x121,1536x1024x121", help="WxHxF stage-1 sizes (6144 and 24576 video tokens)")
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is warm-up")
     parser.add_argument("--tiny", action="store_true", help="2-layer model on CPU ranks (smoke run)")
+    parser.add_argument("--compile-blocks", action="store_true", help="torch.compile the transformer blocks on the ranks (GPU; the first step of each run then includes the compile)")
     parser.add_argument("--out", help="append the table, with command, machine and date, to this file")
     args = parser.parse_args()
 
@@ -71,7 +72,7 @@ def main() -> None:
                     for plan in (["sp"] if world == 1 else plans):
                         width, height, frames = size
                         job = {"config": config, "seed": 10, "width": width, "height": height, "num_frames": frames,
-                               "steps": args.steps, "parallel": plan, **GUIDANCE}  # fmt: skip
+                               "steps": args.steps, "parallel": plan, "compile_blocks": args.compile_blocks, **GUIDANCE}  # fmt: skip
                         print(f"world {world} {size} {plan} ...", file=sys.stderr, flush=True)
                         started = time.perf_counter()
                         result = client.run("bench_stage1", job)

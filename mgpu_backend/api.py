@@ -143,6 +143,7 @@ def sample(
     image: torch.Tensor | None = None,
     parallel: str = "auto",
     cuda_graphs: bool = True,
+    compile_blocks: bool = False,
     dtype: str = "bfloat16",
     progress: Progress = None,
     should_cancel: ShouldCancel = None,
@@ -150,10 +151,13 @@ def sample(
     """Stage 1: full-frame generation from noise at width x height (sequence/guidance parallel).
 
     ``cuda_graphs`` replays each pass's forward from a captured CUDA graph on GPU ranks (equal to
-    eager within bf16 noise; it pays off on the small shards of high SP degrees)."""
+    eager within bf16 noise; it pays off on the small shards of high SP degrees). ``compile_blocks``
+    also compiles the transformer blocks with torch.compile for this job (GPU ranks; a compile of
+    tens of seconds per new shape, then fused kernels: worth it on a warm fleet at SP degree 4+)."""
     args = {
         "spec": spec, "dtype": dtype, "width": width, "height": height, "num_frames": num_frames,
         "frame_rate": frame_rate, "seed": seed, "steps": steps, "parallel": parallel, "cuda_graphs": cuda_graphs,
+        "compile_blocks": compile_blocks,
         "video_guidance": video_guidance.to_json(), "audio_guidance": audio_guidance.to_json(),
     }  # fmt: skip
     tensors = {

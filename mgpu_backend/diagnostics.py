@@ -23,6 +23,7 @@ from .ltx.jobs import _float, _guider, _int, run_stage1
 from .ltx.stages import GenerationParams, transformer_layer_count
 from .ltx.text import TextContext
 from .ltx.validation import TransformerDims
+from .parallel.compiled_blocks import compile_blocks_wanted
 from .parallel.cuda_graphs import cuda_graphs_wanted
 
 
@@ -131,7 +132,9 @@ def bench_stage1(ctx: JobContext, args: dict, tensors: dict):
     started = time.perf_counter()
     dims = TransformerDims.from_config(config["transformer"], sum(p.numel() for p in model.model.parameters()))
     cuda_graphs = cuda_graphs_wanted(args.get("cuda_graphs"), ctx.device)
-    fields, out = run_stage1(ctx, model, params, positive, negative, None, args.get("parallel", "auto"), dims, cuda_graphs)
+    compile_blocks = compile_blocks_wanted(args.get("compile_blocks"), ctx.device)
+    fields, out = run_stage1(ctx, model, params, positive, negative, None, args.get("parallel", "auto"), dims, cuda_graphs,
+                             args.get("batch_passes", "auto"), compile_blocks)  # fmt: skip
     boundaries = [started, *marks]
     fields["step_seconds"] = [b - a for a, b in zip(boundaries, boundaries[1:])]
     fields["video_tokens"] = params.stage1.video_tokens

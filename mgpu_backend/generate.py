@@ -63,6 +63,7 @@ def add_generate_parser(commands) -> None:
     job.add_argument("--tiles", default="auto", help="stage-2 TDP tiles HxW, or 'auto' (balanced over the fleet; untiled on one rank)")
     job.add_argument("--parallel", choices=("auto", "sp", "guidance", "hybrid"), default="auto", help="stage-1 plan (default auto)")
     job.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the stage-1 forward eagerly instead of replaying captured CUDA graphs (GPU only)")
+    job.add_argument("--compile-blocks", action="store_true", help="torch.compile the transformer blocks for stage 1 (GPU only; tens of seconds of compile per new shape, then faster small shards: for SP degree 4+)")
     job.add_argument("--debug-dump", metavar="PATH", help="write stage latents, frames (uint8) and waveform to this safetensors file")
 
     guidance = parser.add_argument_group("guidance (ltx-pipelines 1.0.0 defaults)")
@@ -204,7 +205,8 @@ def run_generate(args) -> int:
         video, audio = api.sample(
             spec, positive, negative, width=args.width // 2, height=args.height // 2, num_frames=args.num_frames,
             frame_rate=args.frame_rate, seed=args.seed, steps=args.num_inference_steps, video_guidance=video_guidance,
-            audio_guidance=audio_guidance, image=image, parallel=args.parallel, cuda_graphs=args.cuda_graphs, **common,
+            audio_guidance=audio_guidance, image=image, parallel=args.parallel, cuda_graphs=args.cuda_graphs,
+            compile_blocks=args.compile_blocks, **common,
         )  # fmt: skip
         stage1_video, stage1_audio = video, audio
         video, audio = api.upscale(

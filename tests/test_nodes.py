@@ -210,7 +210,7 @@ def test_sp_sampler_maps_every_input_onto_api_sample_and_returns_a_concat_av_lat
     assert args[0] == tiny_handle()["spec"]
     assert args[1][0] is positive[0][0] and args[1][1] is positive[0][1]["mgpu_audio_context"]
     assert args[2][0] is negative[0][0] and args[2][1] is negative[0][1]["mgpu_audio_context"]
-    expected = {"width": 96, "height": 64, "num_frames": 9, "frame_rate": 25.0, "seed": 7, "steps": 3, "parallel": "sp", "dtype": "float32"}
+    expected = {"width": 96, "height": 64, "num_frames": 9, "frame_rate": 25.0, "seed": 7, "steps": 3, "parallel": "sp", "dtype": "float32", "compile_blocks": False}
     assert {key: kwargs[key] for key in expected} == expected
     assert kwargs["video_guidance"] == api.Guidance(cfg_scale=3.5, stg_scale=1.0, rescale_scale=0.5, modality_scale=2.0, stg_blocks=(1,))
     assert kwargs["audio_guidance"] == api.Guidance(cfg_scale=6.0, stg_scale=1.0, rescale_scale=0.5, modality_scale=2.0, stg_blocks=(1,))
@@ -221,11 +221,11 @@ def test_sp_sampler_maps_every_input_onto_api_sample_and_returns_a_concat_av_lat
     assert latent["sample_rate"] == 16000 and latent["type"] == "audio" and latent["frame_rate"] == 25.0 and latent["mgpu_stages"] == 1
 
 
-def test_sp_sampler_explicit_parallel_plan_overrides_the_loader_and_empty_stg_blocks_means_default(fake_api):
+def test_sp_sampler_explicit_parallel_plan_and_compile_blocks_reach_the_job_and_empty_stg_blocks_means_default(fake_api):
     fake_api["sample"].result = (torch.zeros(1, 128, 2, 2, 3), torch.zeros(1, 8, 9, 16))
-    node("MGPUSPSampler").sample(tiny_handle(), mgpu_conditioning(1), mgpu_conditioning(2), **{**SAMPLER_INPUTS, "parallel": "guidance", "stg_blocks": " "})
+    node("MGPUSPSampler").sample(tiny_handle(), mgpu_conditioning(1), mgpu_conditioning(2), **{**SAMPLER_INPUTS, "parallel": "guidance", "stg_blocks": " "}, compile_blocks=True)
     kwargs = fake_api["sample"].calls[0][1]
-    assert kwargs["parallel"] == "guidance" and kwargs["image"] is None
+    assert kwargs["parallel"] == "guidance" and kwargs["image"] is None and kwargs["compile_blocks"] is True
     assert kwargs["video_guidance"].stg_blocks is None and kwargs["audio_guidance"].stg_blocks is None
 
 

@@ -262,7 +262,7 @@ def two_stage_graph(files: dict, *, prompt: str | None = None, width: int, heigh
             4, "MGPUSPSampler", (x + 880, 60),
             {"width": width, "height": height, "length": length, "frame_rate": 24.0, "seed": 10, "steps": steps,
              "video_cfg": 3.0, "audio_cfg": 7.0, "stg_scale": 1.0, "stg_blocks": "", "rescale": 0.7,
-             "modality_scale": 3.0, "parallel": "(from loader)"},
+             "modality_scale": 3.0, "parallel": "(from loader)", "compile_blocks": False},
             {"model": (1, 0), "positive": (2, 0), "negative": (2, 1), "frame_rate": (3, 0)}, size=(340, 480),
         ),
         Node(

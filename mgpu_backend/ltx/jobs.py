@@ -31,6 +31,7 @@ from kernels import install_fast_all_to_all
 
 from ..jobs import JobContext, JobInputError, job
 from ..parallel.batched_passes import batch_passes_wanted, batching_runner
+from ..parallel.compiled_blocks import compile_blocks_wanted, compiled_blocks
 from ..parallel.cuda_graphs import CapturingPassRunner, cuda_graphs_wanted
 from ..parallel.distributed_gemma import GEMMA_MODES, encode_prompts_distributed, last_encode_stats, release_text_encoders
 from ..parallel.distributed_decode import decoded_images_shape, distributed_decode_images, last_decode_stats
@@ -397,13 +398,14 @@ def sample(ctx: JobContext, args: dict, tensors: dict):
         mode = args.get("parallel", "auto")
         dims = TransformerDims.from_checkpoint(resident.spec.checkpoint_path)
         cuda_graphs = cuda_graphs_wanted(args.get("cuda_graphs"), ctx.device)
+        compile_blocks = compile_blocks_wanted(args.get("compile_blocks"), ctx.device)
     batch_passes = args.get("batch_passes", "auto")
-    return run_stage1(ctx, resident, params, positive, negative, image, mode, dims, cuda_graphs, batch_passes)
+    return run_stage1(ctx, resident, params, positive, negative, image, mode, dims, cuda_graphs, batch_passes, compile_blocks)
 
 
 def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: TextContext, negative: TextContext,
                image: torch.Tensor | None, mode: str, dims: TransformerDims, cuda_graphs: bool = True,
-               batch_passes: str | bool = "auto"):  # fmt: skip
+               batch_passes: str | bool = "auto", compile_blocks: bool = False):  # fmt: skip
     """Plan, memory check and the stage-1 loop: shared by ``sample`` and the benchmark job."""
     passes = active_passes(params.video_guider, params.audio_guider)
     plan, runner = stage1_parallel(ctx, resident, params.stage1.video_tokens, passes, mode)
@@ -418,10 +420,11 @@ def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: Te
         runner = CapturingPassRunner(runner)
     with input_errors():
         check_generation_fits(params, ctx.device, dims, resident.dtype, sp_degree=plan.sp_degree, weights_resident=True)
-    video, audio = sample_stage1(
-        resident, params, _moved(positive, resident), _moved(negative, resident), image, pass_runner=runner, on_step=_progress(ctx, "stage1")
-    )
-    fields = {"plan": plan.reason, "sp_degree": plan.sp_degree, "guidance_groups": plan.guidance_groups, "batch_passes": batched}
+    with compiled_blocks(resident.transformer("none"), compile_blocks):
+        video, audio = sample_stage1(
+            resident, params, _moved(positive, resident), _moved(negative, resident), image, pass_runner=runner, on_step=_progress(ctx, "stage1")
+        )
+    fields = {"plan": plan.reason, "sp_degree": plan.sp_degree, "guidance_groups": plan.guidance_groups, "batch_passes": batched, "compile_blocks": compile_blocks}
     if isinstance(runner, CapturingPassRunner):
         fields["cuda_graphs"] = runner.summary()
     return fields, {"video_latent": video.cpu(), "audio_latent": audio.cpu()}

@@ -42,6 +42,7 @@ from ltx_core.guidance.perturbations import BatchedPerturbationConfig
 from ltx_core.model.transformer.modality import Modality
 from ltx_core.model.transformer.rope import generate_freq_grid_np, generate_freq_grid_pytorch, precompute_freqs_cis
 
+from mgpu_backend.parallel.compiled_blocks import blocks_compiled
 from mgpu_backend.parallel.sequence_parallel import sequence_parallel_comm
 
 log = logging.getLogger(__name__)
@@ -197,7 +198,8 @@ class CapturedForward:
         reason = self._reason_for_eager(video, audio)
         if reason is not None:
             return self._eager(reason, video, audio, perturbations)
-        key = (sequence_parallel_comm(self.model), forward_signature(video, audio, perturbations))
+        # Compiled blocks run other kernels: a graph captured with them must not serve an eager call.
+        key = (sequence_parallel_comm(self.model), blocks_compiled(self.model), forward_signature(video, audio, perturbations))
         if key in self.eager_reasons:
             return self._eager(self.eager_reasons[key], video, audio, perturbations)
         entry = self.graphs.get(key)

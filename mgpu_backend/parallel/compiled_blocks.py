@@ -1,0 +1,119 @@
+"""torch.compile of the transformer's blocks: fused kernels for the small shards of high SP degrees.
+
+What it is
+    ``compile_transformer_blocks(model)`` replaces the ``forward`` of each of ltx-core's
+    ``BasicAVTransformerBlock`` instances with ``torch.compile`` of that same forward (Inductor,
+    static shapes). Every block runs the same code, so they share compiled graphs: one per input
+    shape and perturbation pattern. Inductor fuses the many small element-wise kernels of a block
+    (RMS norms, AdaLN shift/scale/gate, RoPE, residual adds) into a few Triton kernels; the matmuls
+    and attention stay cuBLAS / SDPA. It combines with CUDA-graph replay
+    (``mgpu_backend.parallel.cuda_graphs``), which removes the launch overhead this leaves.
+    ``restore_eager_blocks(model)`` undoes it. The module's parameters and state dict are untouched,
+    so LoRA swaps of the weight tracker (in place) are seen by the compiled code.
+
+When to use it, and what it costs
+    Measured on one H200 at the LTX-2 19B configuration (bench/graphs.py, docs/BENCHMARKS.md):
+    with CUDA-graph replay, a batch-1 forward at 1152 video tokens (a rank's shard at SP degree 8)
+    takes ~90 ms eager-compiled-off and ~72 ms with compiled blocks; at 1920 tokens ~137 -> ~122 ms;
+    at 6144 tokens (one GPU, stage 1 at 768x512) nothing changes (~419 ms: the matmuls dominate).
+    The price is compile time on the first forward of each new shape in a process (tens of seconds
+    at 19B; Inductor's on-disk cache shortens it in later processes; an STG pass traces each block
+    on its own, see ``RECOMPILE_LIMIT``) and results that differ from
+    the eager forward by bf16 rounding (fused kernels round differently), not bitwise. So it is
+    off by default: use it on a warm fleet that runs many jobs at an SP degree of 4 or more.
+
+This module never edits ltx-core's source or classes (only attributes of the model instances it
+is given) and never talks to other ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# Each input shape and perturbation pattern is one more compiled graph of the same block code, and
+# STG (a perturbation naming blocks) one per block (ltx-core's ``block in blocks`` makes Dynamo
+# specialise on the block index): ~50 graphs per stage-1 shape at 48 blocks. Dynamo's default limits
+# (8 per code, 256 in all) would silently send the rest back to eager.
+RECOMPILE_LIMIT = 512
+_COMPILED_ATTRIBUTE = "_mgpu_compiled_blocks"
+
+
+def transformer_blocks(model) -> list[torch.nn.Module]:
+    """The transformer blocks of an ``X0Model`` (or of its velocity model)."""
+    velocity_model = getattr(model, "velocity_model", model)
+    blocks = getattr(velocity_model, "transformer_blocks", None)
+    if blocks is None:
+        raise TypeError(f"{type(model).__name__} has no transformer_blocks; pass ltx-core's X0Model or LTXModel")
+    return list(blocks)
+
+
+def blocks_compiled(model) -> bool:
+    return bool(vars(model).get(_COMPILED_ATTRIBUTE))
+
+
+def compile_transformer_blocks(model, backend: str = "inductor") -> bool:
+    """Compile each block's forward in place (idempotent). Returns True when this call compiled.
+
+    ``backend`` is torch.compile's: ``inductor`` (the fused kernels, GPU), or ``aot_eager`` for a
+    quick check that Dynamo traces the blocks (tests). Nothing is compiled until the first forward.
+    """
+    if blocks_compiled(model):
+        return False
+    blocks = transformer_blocks(model)
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
+    config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT)
+    for block in blocks:
+        # An instance attribute shadows the class's forward for this block only; deleting it restores it.
+        block.forward = torch.compile(block.forward, backend=backend, dynamic=False)
+    object.__setattr__(model, _COMPILED_ATTRIBUTE, backend)
+    log.info(
+        "compiled blocks: %d transformer blocks set to compile with %s on their first forward of each shape",
+        len(blocks),
+        backend,
+    )
+    return True
+
+
+def restore_eager_blocks(model) -> bool:
+    """Give every block back its eager forward. Returns True when something was compiled."""
+    if not blocks_compiled(model):
+        return False
+    for block in transformer_blocks(model):
+        vars(block).pop("forward", None)
+    vars(model).pop(_COMPILED_ATTRIBUTE)
+    log.info("compiled blocks: transformer blocks back to eager")
+    return True
+
+
+@contextlib.contextmanager
+def compiled_blocks(model, enabled: bool, backend: str = "inductor") -> Iterator[None]:
+    """The blocks compiled for the duration when ``enabled`` (eager otherwise), eager afterwards.
+
+    Dynamo keeps compiled graphs with the block code, not with the wrapper, so compiling again in a
+    later job costs nothing for shapes seen before; other jobs (stage 2's tiles, a job that asks for
+    eager) never meet the compiled blocks or pay their compile time."""
+    started_here = enabled and compile_transformer_blocks(model, backend)
+    try:
+        yield
+    finally:
+        if started_here:
+            restore_eager_blocks(model)
+
+
+def compile_blocks_wanted(value, device: torch.device) -> bool:
+    """The ``compile_blocks`` job argument: true/false (absent: false). Only CUDA ranks compile."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ValueError(f"compile_blocks must be true or false, got {value!r}")
+    if value and device.type != "cuda":
+        log.info("compile_blocks: ranks on %s run the blocks eagerly (compiled blocks pay off on GPUs only)", device)
+        return False
+    return value
