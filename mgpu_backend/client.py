@@ -222,7 +222,8 @@ def format_status(status: dict) -> str:
         if weights:
             lines.append(
                 f"    weights: transformer working copy {_gib(weights.get('working_bytes'))}, clean shard "
-                f"{_gib(weights.get('clean_shard_bytes'))}, other components {_gib(weights.get('other_components_bytes'))}"
+                f"{_gib(weights.get('clean_shard_bytes'))}, other components {_gib(weights.get('other_components_bytes'))}, "
+                f"host copies {_gib(weights.get('host_copies_bytes'))}"
             )
     job = status["current_job"]
     lines.append(f"current job: {job['id']} {job['op']} {job['stage']} {job['step']}/{job['total']}" if job else "current job: none")

@@ -235,6 +235,11 @@ def test_every_job_logs_its_disk_reads_and_status_reports_weight_memory_per_rank
     assert working[0] == working[1] > 0, "every rank holds the whole working transformer"
     assert abs(shards[0] - shards[1]) < 0.2 * sum(shards), f"the clean copy is split about evenly: {shards}"
     assert 0.95 * working[0] <= sum(shards) <= working[0] * 1.0001, "the clean shards add up to one transformer"
+    # Host memory: the registry keeps only the state dicts of the small components (on CPU ranks
+    # exactly their tensors), not the resident transformer or Gemma: both are dropped once built.
+    for rank in ranks:
+        host, other = rank["weights"]["host_copies_bytes"], rank["weights"]["other_components_bytes"]
+        assert host == other > 0, (host, other, working[0])
 
 
 def test_sp_exchange_stays_on_torch_distributed_unless_the_ipc_kernel_is_asked_for(monkeypatch):

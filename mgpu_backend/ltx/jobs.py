@@ -125,11 +125,13 @@ class ResidentModel:
 
     def memory_report(self) -> dict:
         """What this rank holds of the model, for ``status``: transformer working copy, clean shard,
-        and the other components (VAEs, vocoder, upsampler, connectors)."""
+        the other components (VAEs, vocoder, upsampler, connectors), and the host copies its loader
+        keeps (LoRA files, the small components; not the resident transformer or Gemma)."""
         report = {key: value for key, value in self.tracker.memory_report().items() if key.endswith("_bytes")}
         report["other_components_bytes"] = sum(
             tensor.nbytes for module in self.components.values() for tensor in (*module.parameters(), *module.buffers())
         )
+        report["host_copies_bytes"] = self.loader.host_copy_bytes
         return report
 
     def layer_count(self) -> int:

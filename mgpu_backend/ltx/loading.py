@@ -460,6 +460,35 @@ class PromptEncoder(torch.nn.Module):
         return outputs
 
 
+class _SizedRegistry(StateDictRegistry):
+    """ltx-core's registry, also counting the host bytes it holds (each storage once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bytes: dict[str, int] = {}
+
+    def add(self, paths, sd_ops, state_dict: StateDict) -> str:
+        key = super().add(paths, sd_ops, state_dict)
+        self._bytes[key] = _storage_bytes(state_dict)
+        return key
+
+    def pop(self, paths, sd_ops) -> StateDict | None:
+        self._bytes.pop(self._generate_id(paths, sd_ops), None)
+        return super().pop(paths, sd_ops)
+
+    def clear(self) -> None:
+        super().clear()
+        self._bytes.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._bytes.values())
+
+
+def _storage_bytes(state_dict: StateDict) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state_dict.sd.values()}.values())
+
+
 @dataclass
 class ModelLoader:
     """Builds every LTX-2 component of ``spec`` on ``device`` in ``dtype``, as ModelLedger does.
@@ -471,7 +500,7 @@ class ModelLoader:
     spec: ModelSpec
     device: torch.device | str = "cpu"
     dtype: torch.dtype = torch.bfloat16
-    registry: StateDictRegistry = field(default_factory=StateDictRegistry)
+    registry: StateDictRegistry = field(default_factory=_SizedRegistry)
     _disk: _CountingLoader = field(default_factory=_CountingLoader, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -516,6 +545,11 @@ class ModelLoader:
             )
         return tuple(loras)
 
+    @property
+    def host_copy_bytes(self) -> int:
+        """Host bytes of the state dicts the registry holds (LoRAs, small components; not what was dropped)."""
+        return getattr(self.registry, "nbytes", 0)
+
     def drop_host_copy(self, component: str) -> int:
         """Forget the registry's host copy of ``component`` (``"transformer"``: the checkpoint's
         transformer weights without LoRAs; ``"gemma"``: Gemma's weights) and return its tensor bytes
@@ -531,9 +565,7 @@ class ModelLoader:
         else:
             raise ValueError(f"component must be 'transformer' or 'gemma', got {component!r}")
         state_dict = self.registry.pop(paths, sd_ops)
-        if state_dict is None:
-            return 0
-        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state_dict.sd.values()}.values())
+        return 0 if state_dict is None else _storage_bytes(state_dict)
 
     def transformer(self, lora_set: str = "none") -> X0Model:
         """The denoiser: ``"none"`` for stage 1, ``"distilled"`` for stage 2 (user LoRAs in both)."""
