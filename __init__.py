@@ -17,9 +17,14 @@ if importlib.util.find_spec("mgpu_backend") is None:
     # ComfyUI's own modules of the same names.
     sys.path.append(_PACK_DIR)
 
-from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS  # noqa: E402
-
 WEB_DIRECTORY = "./web"
+
+if not __package__:
+    # Imported as a plain module, not as ComfyUI's package: pytest does this to a checkout whose
+    # folder name is not a Python identifier (e.g. comfyui-mgpu). There is nothing to register.
+    NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS = {}, {}
+else:
+    from .nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
 
 def _comfy_prompt_server():
@@ -30,7 +35,7 @@ def _comfy_prompt_server():
     return getattr(getattr(server, "PromptServer", None), "instance", None)
 
 
-if _comfy_prompt_server() is not None:
+if __package__ and _comfy_prompt_server() is not None:
     from .nodes.routes import register_routes
 
     register_routes(_comfy_prompt_server())

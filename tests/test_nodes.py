@@ -49,6 +49,16 @@ def node(name):
     return NODES[name]()
 
 
+def test_pack_entry_imported_as_a_plain_module_registers_nothing_and_does_not_fail():
+    # What pytest does to the checkout's __init__.py when the folder name is not a Python
+    # identifier (e.g. a clone named comfyui-mgpu): no package, so no relative imports.
+    spec = importlib.util.spec_from_file_location("__init__", PACK_DIR / "__init__.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.NODE_CLASS_MAPPINGS == {} and module.NODE_DISPLAY_NAME_MAPPINGS == {}
+    assert len(NODES) == len(DISPLAY_NAMES), "as ComfyUI's package the pack still registers every node"
+
+
 class ApiRecorder:
     """Stands in for one mgpu_backend.api function: records its calls, returns a canned result, and
     shows the real function's signature (nodes look at it to see what the fleet api takes)."""
