@@ -102,7 +102,13 @@ def measure(args: argparse.Namespace) -> str:
     captured = CapturedForward(model)
 
     rows = []
-    for video_tokens, video_geometry in setup["video"].items():
+    sizes = setup["video"]
+    if args.tokens:
+        wanted = [int(value) for value in args.tokens.split(",")]
+        if unknown := sorted(set(wanted) - set(sizes)):
+            raise SystemExit(f"--tokens: no row for {unknown}; choose from {', '.join(map(str, sizes))}")
+        sizes = {tokens: sizes[tokens] for tokens in wanted}
+    for video_tokens, video_geometry in sizes.items():
         grid = "x".join(map(str, video_geometry.video_shape.to_torch_shape()[2:]))
         assert video_geometry.video_tokens == video_tokens, (video_geometry.video_tokens, video_tokens)
         inputs = [
@@ -163,6 +169,7 @@ def max_abs_diff(expected: list[tuple], got: list[tuple]) -> float:
 def main() -> None:
     parser = bench_parser(__doc__, tiny_help="tiny 2-layer model and small grids (CPU smoke run)", warmup=3, repeats=10, unit="calls per row and path")
     parser.add_argument("--transformer-config", help="path of ltx2-19b-transformer.json (default: searched)")
+    parser.add_argument("--tokens", help="comma-separated video token counts of the rows to run (default: all)")
     parser.add_argument("--compile-blocks", action="store_true", help="also time the forward with torch.compile'd blocks, replayed from a CUDA graph (GPU)")
     run_bench(parser, measure)
 

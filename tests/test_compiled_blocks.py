@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ltx_core.guidance.perturbations import BatchedPerturbationConfig, Perturbation, PerturbationConfig, PerturbationType
 from torch._dynamo.utils import counters
 
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.compiled_blocks import (
     blocks_compiled,
+    perturbations_for_block,
     compile_blocks_wanted,
     compile_transformer_blocks,
     compiled_blocks,
@@ -28,6 +30,8 @@ from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel
 from tests.dist_harness import run_ranks
 from tests.test_cuda_graphs import _inputs, _isolated, _max_abs_diff, _stg
 from tests.test_sequence_parallel import (
+    ISOLATED,
+    STG,
     build_tiny_model,
     from_portable,
     portable,
@@ -81,11 +85,37 @@ def test_compiled_blocks_equal_eager_and_share_graphs_across_blocks():
     for index, (e, c) in enumerate(zip(eager, compiled)):
         for slot in range(2):
             assert torch.equal(e[slot], c[slot]), f"call {index} output {slot} differs by {_max_abs_diff(e[slot], c[slot])}"
-    # New values of a shape seen before compile nothing, on any torch version. How many graphs a
-    # first call makes depends on the version: with torch 2.14 all blocks share one graph per shape
-    # and perturbation pattern, except that STG (a pattern naming blocks) specialises on each
-    # block's index; torch 2.11 also breaks the graph at ltx-core's attention call.
-    assert graphs[0] >= 1 and graphs[1] >= 1 and graphs[2] == 0, (graphs, blocks)
+    # One graph per shape for all blocks, none for new values of a seen shape, one more per
+    # perturbation pattern: STG names a block, and the perturbed block gets a graph of its own.
+    assert graphs == [1, 1, 0, 1, 2], graphs
+
+
+def test_patterns_differing_only_in_the_perturbed_type_get_their_own_graphs():
+    # Dynamo does not guard the type of a perturbation: without the per-block encoding, the graph
+    # traced for skipping video self-attention was replayed for audio self-attention.
+    model = _deep_model()
+    video, audio = _inputs(7)
+    calls = [
+        (video, audio, BatchedPerturbationConfig([PerturbationConfig([Perturbation(kind, None)])]))
+        for kind in (PerturbationType.SKIP_VIDEO_SELF_ATTN, PerturbationType.SKIP_AUDIO_SELF_ATTN, PerturbationType.SKIP_A2V_CROSS_ATTN)
+    ]
+    eager = _forwards(model, calls)
+    compile_transformer_blocks(model, backend="aot_eager")
+    for index, (e, c) in enumerate(zip(eager, _forwards(model, calls))):
+        for slot in range(2):
+            assert torch.equal(e[slot], c[slot]), f"pattern {index} output {slot} differs by {_max_abs_diff(e[slot], c[slot])}"
+
+
+def test_perturbations_for_a_block_answer_as_the_original_does():
+    configs = [_stg(), _isolated(), BatchedPerturbationConfig.empty(2), BatchedPerturbationConfig([STG, ISOLATED])]
+    for config in configs:
+        for block in range(4):
+            view = perturbations_for_block(config, block)
+            for kind in PerturbationType:
+                assert view.all_in_batch(kind, 99) == config.all_in_batch(kind, block), (config, block, kind)
+                assert view.any_in_batch(kind, 99) == config.any_in_batch(kind, block), (config, block, kind)
+                values = torch.zeros(len(config.perturbations), 3, 2)
+                assert torch.equal(view.mask_like(kind, 99, values), config.mask_like(kind, block, values))
 
 
 def test_restored_blocks_run_the_class_forward_again():

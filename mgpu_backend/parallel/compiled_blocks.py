@@ -17,8 +17,7 @@ When to use it, and what it costs
     takes ~90 ms eager-compiled-off and ~72 ms with compiled blocks; at 1920 tokens ~137 -> ~122 ms;
     at 6144 tokens (one GPU, stage 1 at 768x512) nothing changes (~419 ms: the matmuls dominate).
     The price is compile time on the first forward of each new shape in a process (tens of seconds
-    at 19B; Inductor's on-disk cache shortens it in later processes; an STG pass traces each block
-    on its own, see ``RECOMPILE_LIMIT``) and results that differ from
+    at 19B; Inductor's on-disk cache shortens it in later processes) and results that differ from
     the eager forward by bf16 rounding (fused kernels round differently), not bitwise. So it is
     off by default: use it on a warm fleet that runs many jobs at an SP degree of 4 or more.
 
@@ -33,13 +32,12 @@ import logging
 from collections.abc import Iterator
 
 import torch
+from ltx_core.guidance.perturbations import BatchedPerturbationConfig, Perturbation, PerturbationConfig, PerturbationType
 
 log = logging.getLogger(__name__)
 
-# Each input shape and perturbation pattern is one more compiled graph of the same block code, and
-# STG (a perturbation naming blocks) one per block (ltx-core's ``block in blocks`` makes Dynamo
-# specialise on the block index): ~50 graphs per stage-1 shape at 48 blocks. Dynamo's default limits
-# (8 per code, 256 in all) would silently send the rest back to eager.
+# Each input shape and perturbation pattern is one more compiled graph of the same block code.
+# Dynamo's default limits (8 per code, 256 in all) would silently send the rest back to eager.
 RECOMPILE_LIMIT = 512
 _COMPILED_ATTRIBUTE = "_mgpu_compiled_blocks"
 
@@ -71,7 +69,7 @@ def compile_transformer_blocks(model, backend: str = "inductor") -> bool:
     config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, RECOMPILE_LIMIT)
     for block in blocks:
         # An instance attribute shadows the class's forward for this block only; deleting it restores it.
-        block.forward = torch.compile(block.forward, backend=backend, dynamic=False)
+        block.forward = _BlockForward(torch.compile(block.forward, backend=backend, dynamic=False), block.idx)
     object.__setattr__(model, _COMPILED_ATTRIBUTE, backend)
     log.info(
         "compiled blocks: %d transformer blocks set to compile with %s on their first forward of each shape",
@@ -90,6 +88,45 @@ def restore_eager_blocks(model) -> bool:
     vars(model).pop(_COMPILED_ATTRIBUTE)
     log.info("compiled blocks: transformer blocks back to eager")
     return True
+
+
+class _BlockForward:
+    """A compiled block forward that receives the perturbations resolved for its own block.
+
+    Two things go wrong when ltx-core's ``BatchedPerturbationConfig`` enters a compiled block as it
+    is (seen with torch 2.14): Dynamo guards the structure of the config (list lengths, ``blocks``
+    None or a list) but not the perturbation TYPES, so a graph traced for "skip video
+    self-attention" is replayed for "skip audio self-attention" (wrong outputs); and a perturbation
+    naming blocks makes it specialise on the block index (one graph per block). So each block is
+    handed ``perturbations_for_block``: the same answers for this block, encoded in structure only.
+    """
+
+    def __init__(self, compiled, block_index: int) -> None:
+        self.compiled, self.block_index = compiled, block_index
+
+    def __call__(self, video, audio, perturbations: BatchedPerturbationConfig | None = None):
+        if perturbations is not None:
+            perturbations = perturbations_for_block(perturbations, self.block_index)
+        return self.compiled(video=video, audio=audio, perturbations=perturbations)
+
+
+# Never equal to a PerturbationType, so it perturbs nothing and its ``blocks`` are never read.
+_FILLER = Perturbation(None, None)  # type: ignore[arg-type]
+
+
+def perturbations_for_block(perturbations: BatchedPerturbationConfig, block_index: int) -> BatchedPerturbationConfig:
+    """``perturbations`` as block ``block_index`` sees it, encoded so that Dynamo's guards tell every
+    pattern apart: per sample, the types perturbing this block (for all blocks: ``blocks=None``, so
+    the block index is never read), padded with fillers to a length that is unique to that set of
+    types (Dynamo guards list lengths, not the types inside)."""
+    kinds = list(PerturbationType)
+    samples = []
+    for sample in perturbations.perturbations:
+        perturbed = [kind for kind in kinds if sample.is_perturbed(kind, block_index)]
+        code = sum(1 << kinds.index(kind) for kind in perturbed)
+        filler = (1 << len(kinds)) + code - len(perturbed)
+        samples.append(PerturbationConfig([*(Perturbation(kind, None) for kind in perturbed), *[_FILLER] * filler]))
+    return BatchedPerturbationConfig(samples)
 
 
 @contextlib.contextmanager
