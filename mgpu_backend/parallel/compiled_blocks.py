@@ -12,14 +12,16 @@ What it is
     so LoRA swaps of the weight tracker (in place) are seen by the compiled code.
 
 When to use it, and what it costs
-    Measured on one H200 at the LTX-2 19B configuration (bench/graphs.py, docs/BENCHMARKS.md):
-    with CUDA-graph replay, a batch-1 forward at 1152 video tokens (a rank's shard at SP degree 8)
-    takes ~90 ms eager-compiled-off and ~72 ms with compiled blocks; at 1920 tokens ~137 -> ~122 ms;
-    at 6144 tokens (one GPU, stage 1 at 768x512) nothing changes (~419 ms: the matmuls dominate).
-    The price is compile time on the first forward of each new shape in a process (tens of seconds
-    at 19B; Inductor's on-disk cache shortens it in later processes) and results that differ from
-    the eager forward by bf16 rounding (fused kernels round differently), not bitwise. So it is
-    off by default: use it on a warm fleet that runs many jobs at an SP degree of 4 or more.
+    Measured on one H200 at the LTX-2 19B configuration (bench/graphs.py, docs/BENCHMARKS.md), a
+    batch-1 forward replayed from a CUDA graph: 1152 video tokens (a rank's shard at SP degree 8)
+    91 -> 72 ms with compiled blocks, 1920 tokens 137 -> 112 ms, 6144 tokens (stage 1 at 768x512
+    on one GPU) 418 -> 343 ms. The price: compile time on the first forward of each new shape in a
+    process, and results that differ from the eager forward by bf16 rounding (fused kernels round
+    differently), not bitwise. So it is off by default: use it on a warm fleet that runs many jobs.
+    Compile time depends on the torch version: torch 2.14 traces one graph per shape and
+    perturbation pattern, shared by all blocks; torch 2.11 breaks the graph at ltx-core's attention
+    call and traces every block on its own (80-100 s per shape at 19B on an H200, measured;
+    Inductor's cache serves the identical graphs).
 
 This module never edits ltx-core's source or classes (only attributes of the model instances it
 is given) and never talks to other ranks.
