@@ -262,6 +262,9 @@ class Fleet:
                     on_event(Message("progress", {**message.fields, "rank_seconds": list(step_seconds)}, job=job_id))
             elif message.type == "log":
                 last_progress = time.monotonic()
+                # Also in the server's log (server.log of a fleet a client started), so what a job
+                # said (plans, bytes read, per-rank memory) can be read after the fact.
+                log.info("job %s %s, rank %s: %s", job_id, op, message.fields.get("rank"), message.fields.get("text", ""))
                 on_event(message)
             elif message.type == "result":
                 result = message
