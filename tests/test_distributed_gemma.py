@@ -137,10 +137,13 @@ def test_second_encode_reuses_the_cached_gemma_and_free_after_releases_it(fleet,
     gemma_bytes = _gemma_weight_bytes(bundle.gemma_root)
     for rank, out in enumerate(results):
         if out["first"]["encoded_here"] == 0:
-            assert not out["first"]["gemma_built"], (mode, rank, out["first"])
+            assert not out["first"]["gemma_built"] and out["first"]["gemma_placement"] == "", (mode, rank, out["first"])
             assert out["freed"]["released"] == {"gemma_bytes": 0, "device_bytes_returned": 0}, out["freed"]
             continue
         assert out["first"]["gemma_built"] and not out["cached"]["gemma_built"], (mode, rank)
+        # Where the weights are, as the encode job logs it: all of Gemma on this CPU rank.
+        placement = out["first"]["gemma_placement"]
+        assert placement.startswith("cpu ") and "," not in placement and float(placement.split()[1]) > 0, placement
         assert out["bytes_cached"] == out["bytes_first"], (mode, rank, out["bytes_first"], out["bytes_cached"])
         released = out["freed"]["released"]
         # Gemma's file weights (its tied lm_head counted once), plus the small buffers its module ops add.

@@ -320,7 +320,8 @@ def encode(ctx: JobContext, args: dict, tensors: dict):
     resident = resident_model(ctx, args)
     contexts = encode_prompts_distributed(resident.loader, prompts, ctx.comm, gemma_mode, free_after=bool(args.get("free_gemma", False)))
     stats = last_encode_stats()
-    ctx.log(f"text encode ({gemma_mode}): {stats.get('encoded_here', 0)} prompt(s) on this rank in {stats.get('seconds', 0):.2f} s")
+    where = f", Gemma on {stats['gemma_placement']}" if stats.get("gemma_placement") else ""
+    ctx.log(f"text encode ({gemma_mode}): {stats.get('encoded_here', 0)} prompt(s) on this rank in {stats.get('seconds', 0):.2f} s{where}")
     ctx.step("encode", 1, 1)
     out = {}
     for index, context in enumerate(contexts):

@@ -183,15 +183,23 @@ def _gemma_dispatched_over_gpus(loader) -> torch.nn.Module:
             f"on {', '.join(off_gpu)}); free GPU memory (unload other models first) or run the fleet on more GPUs"
         )
     gemma.model = dispatch_model(language_model, device_map=device_map)
-    bytes_per_gpu: dict[str, int] = {}
-    for tensor in {t.untyped_storage().data_ptr(): t for t in gemma.model.parameters()}.values():
-        bytes_per_gpu[str(tensor.device)] = bytes_per_gpu.get(str(tensor.device), 0) + tensor.nbytes
-    log.info(
-        "Gemma sharded by rank 0 over %d GPU(s): %s",
-        len(bytes_per_gpu),
-        ", ".join(f"{device} {size / 1e9:.2f} GB" for device, size in sorted(bytes_per_gpu.items())),
-    )
+    log.info("Gemma sharded by rank 0 over %d GPU(s): %s", torch.cuda.device_count(), placement_text(gemma))
     return gemma
+
+
+def gemma_placement(gemma: torch.nn.Module) -> dict[str, int]:
+    """Weight bytes of ``gemma`` per device (a tied tensor counted once)."""
+    bytes_per_device: dict[str, int] = {}
+    for tensor in {t.untyped_storage().data_ptr(): t for t in gemma.parameters()}.values():
+        bytes_per_device[str(tensor.device)] = bytes_per_device.get(str(tensor.device), 0) + tensor.nbytes
+    return dict(sorted(bytes_per_device.items()))
+
+
+def placement_text(gemma: torch.nn.Module) -> str:
+    return ", ".join(
+        f"{device} {size / 1e9:.2f} GB" if size >= 1e9 else f"{device} {size / 1e6:.1f} MB"
+        for device, size in gemma_placement(gemma).items()
+    )
 
 
 # --- Encoding --------------------------------------------------------------------------------------
@@ -209,12 +217,14 @@ def encode_prompts_distributed(
     owners = prompt_owners(len(prompts), comm.world_size, mode)
     mine = [index for index, owner in enumerate(owners) if owner == comm.rank]
     built = False
+    placement = ""
     local: dict[int, TextContext] = {}
     if mine:
         entry = _cached(loader, mode)
         if entry is None:
             entry, built = _build(loader, mode, comm.rank, keep_host_copy=free_after), True
         local = dict(zip(mine, _encode(entry, loader, [prompts[index] for index in mine]), strict=True))
+        placement = placement_text(entry.gemma)
     contexts = _share_contexts(comm, owners, local, loader.device)
     # Every rank frees: one that owns no prompt this time may still hold Gemma from an earlier call.
     released = release_text_encoders(loader) if free_after else None
@@ -231,6 +241,7 @@ def encode_prompts_distributed(
         prompts=len(prompts),
         encoded_here=len(mine),
         gemma_built=built,
+        gemma_placement=placement,  # where this rank's Gemma weights are ("" when it encoded nothing)
         seconds=time.perf_counter() - started,
         released=released,
     )
