@@ -12,7 +12,8 @@ One run, on one random-weight bundle written first (``mgpu_backend.ltx.random_bu
    Then it is freed entirely.
 2. fleet (world 1 on one GPU by default): spawn, then the jobs the ComfyUI nodes run through
    ``mgpu_backend.api`` (load, encode, sample, upscale with the SINGLE-GPU stage-2 sigmas and one
-   tile, so it does the official pipeline's work, decode), timed from this client; the frame
+   tile, so it does the official pipeline's work, or with ``--multi-gpu-stage2`` the fleet's own
+   stage 2 as the nodes run it on several GPUs, decode), timed from this client; the frame
    handoff through shared memory is timed apart. Then the same job again on the warm fleet.
 
 It prints one markdown table (stages x official / fleet cold / fleet warm, ratio, peak GPU memory)
@@ -63,7 +64,7 @@ from _common import REPO_ROOT, log, machine_description, markdown_table, stdout_
 from ltx_core.components.guiders import MultiModalGuiderParams
 
 from mgpu_backend import api
-from mgpu_backend.generate import DEFAULT_NEGATIVE_PROMPT, SINGLE_GPU_STAGE2_SIGMAS, TINY_DEFAULTS
+from mgpu_backend.generate import DEFAULT_NEGATIVE_PROMPT, MULTI_GPU_STAGE2_SIGMAS, SINGLE_GPU_STAGE2_SIGMAS, TINY_DEFAULTS
 from mgpu_backend.ltx import random_bundle
 
 PROMPT = (
@@ -88,6 +89,12 @@ class Job:
     audio_guider: MultiModalGuiderParams
     prompt: str = PROMPT
     negative_prompt: str = DEFAULT_NEGATIVE_PROMPT
+    multi_gpu_stage2: bool = False  # the fleet's own stage 2 (multi-GPU sigmas, TDP tiles) instead of the official work
+
+    @property
+    def fleet_stage2(self) -> tuple[tuple[float, ...], tuple[int, int] | None]:
+        """The fleet's stage-2 sigmas and tiles (None: balanced over the fleet)."""
+        return (MULTI_GPU_STAGE2_SIGMAS, None) if self.multi_gpu_stage2 else (SINGLE_GPU_STAGE2_SIGMAS, (1, 1))
 
     @property
     def frames_bytes(self) -> int:
@@ -376,10 +383,10 @@ def run_fleet_job(spec: dict, job: Job, device: torch.device, read_before: int) 
     record({"stage 1": ended - started})
     run.step_seconds["stage 1"] = timeline.step_seconds("stage1", after=started)
 
+    sigmas, tiles = job.fleet_stage2
     (video2, audio2), started, ended = timed(
         lambda: api.upscale(
-            spec, video, audio, positive, frame_rate=job.frame_rate, seed=job.seed, sigmas=SINGLE_GPU_STAGE2_SIGMAS,
-            tiles=(1, 1), **common,
+            spec, video, audio, positive, frame_rate=job.frame_rate, seed=job.seed, sigmas=sigmas, tiles=tiles, **common,
         )  # fmt: skip
     )
     # One job does both: the upsampler reports when it is done, the rest is stage 2.
@@ -412,8 +419,11 @@ def run_fleet_job(spec: dict, job: Job, device: torch.device, read_before: int) 
     return run
 
 
-def run_fleet(spec: dict, job: Job, device: torch.device, gpus: str | None, cpu_ranks: int | None, socket_dir: str) -> tuple[Run, Run]:
-    """Spawn a private fleet, run the job cold (spawn + first load) and warm; shut it down."""
+def run_fleet(spec: dict, job: Job, device: torch.device, gpus: str | None, cpu_ranks: int | None, socket_dir: str,
+              fleet_log: str | None = None) -> tuple[Run, Run]:  # fmt: skip
+    """Spawn a private fleet, run the job cold (spawn + first load) and warm; shut it down. The
+    fleet's log (every job's lines from every rank: plans, bytes read, Gemma placement, per-rank
+    decode memory) is copied to ``fleet_log`` when given."""
     api.configure(str(Path(socket_dir) / "fleet.sock"), gpus=gpus, cpu_ranks=cpu_ranks)
     started = time.perf_counter()
     api.fleet()  # starts the server; it returns once every rank is up
@@ -429,6 +439,9 @@ def run_fleet(spec: dict, job: Job, device: torch.device, gpus: str | None, cpu_
         log(f"fleet warm: {warm.total_seconds:.1f} s")
     finally:
         api.restart()  # shuts the server and its ranks down
+        if fleet_log:
+            shutil.copyfile(Path(socket_dir) / "server.log", fleet_log)
+            log(f"fleet log copied to {fleet_log}")
     cold.notes.append(
         "fleet stage 2 = its upscale job after the upsampler reported; it includes the LoRA swap of the "
         "resident transformer (the warm stage 1 includes the swap back)"
@@ -449,6 +462,15 @@ def gemma_deviation(config: random_bundle.BundleConfig) -> str:
         f"Gemma-3 text encoder: hidden {text['hidden_size']}, {config.gemma_layers} layers (the released 12B model: "
         f"hidden 3840, {random_bundle.GEMMA_FULL_LAYERS} layers), so text-encode times are a lower bound"
     )
+
+
+def stage2_text(job: Job) -> str:
+    if job.multi_gpu_stage2:
+        return (
+            f"fleet stage 2: the multi-GPU sigmas {', '.join(map(str, MULTI_GPU_STAGE2_SIGMAS))} with TDP tiles balanced over "
+            f"the fleet; official stage 2: its own sigmas {', '.join(map(str, SINGLE_GPU_STAGE2_SIGMAS))}, untiled"
+        )
+    return f"stage 2: sigmas {', '.join(map(str, SINGLE_GPU_STAGE2_SIGMAS))}, untiled"
 
 
 def seconds_text(value: float | None) -> str:
@@ -514,7 +536,7 @@ def report(job: Job, config: random_bundle.BundleConfig, official: Run, cold: Ru
         "",
         f"LTX-2 random-weight bundle ({transformer['num_layers']}-layer transformer, {transformer['num_attention_heads']} heads), "
         f"{job.width}x{job.height}, {job.num_frames} frames, {job.frame_rate:g} fps, {job.steps} stage-1 steps, seed {job.seed}, "
-        f"bf16; stage 2: sigmas {', '.join(map(str, SINGLE_GPU_STAGE2_SIGMAS))}, untiled. "
+        f"bf16; {stage2_text(job)}. "
         f"{gemma_deviation(config)}.",
         "",
         markdown_table(headers, rows),
@@ -539,14 +561,20 @@ def report(job: Job, config: random_bundle.BundleConfig, official: Run, cold: Ru
         f"{warm.load_bytes_read} bytes, warm job {warm.bytes_read} bytes"
     )
     # Outputs: same seed, weights and sigmas, untiled stage 2; equal or within bf16 noise.
-    for name in ("stage 1 video", "stage 1 audio", "stage 2 video"):
+    compared = ("stage 1 video", "stage 1 audio") if job.multi_gpu_stage2 else ("stage 1 video", "stage 1 audio", "stage 2 video")
+    for name in compared:
         lines.append(f"- max abs diff official vs fleet, {name} latent: {max_abs_diff(official.latents[name], cold.latents[name]):.3g}")
-    frames_diff = (official.frames_uint8.to(torch.int16) - cold.frames_uint8.to(torch.int16)).abs()
-    lines.append(
-        f"- decoded video frames, official vs fleet: max abs diff {frames_diff.max().item()} uint8 levels, "
-        f"{(frames_diff > 0).float().mean().item() * 100:.3g}% of values differ (the fleet's float frames converted as "
-        "ltx-core converts; audio not compared: the fleet's stage 2 keeps the stage-1 audio by design, the official one re-denoises it)"
-    )
+    if job.multi_gpu_stage2:
+        lines.append(
+            "- stage 2 and the frames are not compared: the fleet ran its multi-GPU stage 2 (other sigmas, TDP tiles) by design"
+        )
+    else:
+        frames_diff = (official.frames_uint8.to(torch.int16) - cold.frames_uint8.to(torch.int16)).abs()
+        lines.append(
+            f"- decoded video frames, official vs fleet: max abs diff {frames_diff.max().item()} uint8 levels, "
+            f"{(frames_diff > 0).float().mean().item() * 100:.3g}% of values differ (the fleet's float frames converted as "
+            "ltx-core converts; audio not compared: the fleet's stage 2 keeps the stage-1 audio by design, the official one re-denoises it)"
+        )
     same = cold.frames_digest == warm.frames_digest
     lines.append(f"- fleet cold vs warm frames: {'bitwise equal' if same else 'DIFFER'}")
     lines += [f"- {note}" for note in official.notes + cold.notes]
@@ -599,6 +627,8 @@ def main() -> None:
     parser.add_argument("--bundle-dir", help="where to write the random bundle, reused if complete (default: a temporary folder, removed)")
     parser.add_argument("--gemma-dir", help="a folder on another disk (e.g. /dev/shm) for the bundle's Gemma, when the bundle's disk cannot hold it beside the checkpoint; a temporary folder inside it unless --bundle-dir is given")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (the job's seed is the official 10)")
+    parser.add_argument("--multi-gpu-stage2", action="store_true", help="the fleet runs its own stage 2 (multi-GPU sigmas 0.625,0.4,0.0, TDP tiles over the fleet) instead of the official work; stage 2 and the frames are then not compared")
+    parser.add_argument("--fleet-log", help="copy the fleet's log (every job's lines from every rank: plans, bytes read, Gemma placement, per-rank decode memory) to this file")
     parser.add_argument("--out", help="append command, machine, date and the results to this file")
     args = parser.parse_args()
 
@@ -665,6 +695,7 @@ def main() -> None:
             steps=args.steps or defaults["steps"] or official_params.num_inference_steps,
             video_guider=guiders[0],
             audio_guider=guiders[1],
+            multi_gpu_stage2=args.multi_gpu_stage2,
         )
         if job.height % 64 or job.width % 64 or (job.num_frames - 1) % 8:
             raise SystemExit(f"error: the two-stage job needs height and width multiples of 64 and 8k+1 frames, got {job.width}x{job.height}x{job.num_frames}")
@@ -676,7 +707,7 @@ def main() -> None:
         log(f"official pipeline: {official.total_seconds:.1f} s")
         socket_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-e2e-fleet-"))
         os.chmod(socket_dir, 0o700)
-        cold, warm = run_fleet(bundle.spec().to_json(), job, device, gpus, cpu_ranks, socket_dir)
+        cold, warm = run_fleet(bundle.spec().to_json(), job, device, gpus, cpu_ranks, socket_dir, args.fleet_log)
         text = report(job, config, official, cold, warm, device, world)
     print(text, flush=True)
     if args.out:

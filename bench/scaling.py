@@ -8,6 +8,7 @@ the max abs difference of the final latents against world 1 (SP is faithful: bf1
 
     python bench/scaling.py --worlds 1,2 --plans sp,guidance,auto        # on a machine with 2 GPUs
     python bench/scaling.py --tiny --worlds 1,2 --plans sp,guidance      # CPU smoke run (gloo)
+    python bench/scaling.py --worlds 1,2 --plans sp --batch-passes off   # SP forwards replayed from CUDA graphs
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="768x512x121,1536x1024x121", help="WxHxF stage-1 sizes (6144 and 24576 video tokens)")
     parser.add_argument("--steps", type=int, default=4, help="steps per run; the first is warm-up")
     parser.add_argument("--tiny", action="store_true", help="2-layer model on CPU ranks (smoke run)")
+    parser.add_argument("--batch-passes", choices=("auto", "on", "off"), default="auto", help="a guidance group's passes as one batched forward (auto: below 4096 tokens per rank on GPUs); off shows CUDA-graph replay under SP")
     parser.add_argument("--compile-blocks", action="store_true", help="torch.compile the transformer blocks on the ranks (GPU; the first step of each run then includes the compile)")
     parser.add_argument("--out", help="append the table, with command, machine and date, to this file")
     args = parser.parse_args()
@@ -72,7 +74,8 @@ def main() -> None:
                     for plan in (["sp"] if world == 1 else plans):
                         width, height, frames = size
                         job = {"config": config, "seed": 10, "width": width, "height": height, "num_frames": frames,
-                               "steps": args.steps, "parallel": plan, "compile_blocks": args.compile_blocks, **GUIDANCE}  # fmt: skip
+                               "steps": args.steps, "parallel": plan, "compile_blocks": args.compile_blocks,
+                               "batch_passes": {"auto": "auto", "on": True, "off": False}[args.batch_passes], **GUIDANCE}  # fmt: skip
                         print(f"world {world} {size} {plan} ...", file=sys.stderr, flush=True)
                         started = time.perf_counter()
                         result = client.run("bench_stage1", job)
@@ -85,8 +88,8 @@ def main() -> None:
         time.sleep(2)
 
     lines = [
-        "| stage-1 size | video tokens | GPUs | plan (groups x SP) | s/step | speed-up vs 1 GPU | max abs diff video / audio vs 1 GPU |",
-        "|---|---|---|---|---|---|---|",
+        "| stage-1 size | video tokens | GPUs | plan (groups x SP) | forward | s/step | speed-up vs 1 GPU | max abs diff video / audio vs 1 GPU |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for size in sizes:
         reference = results[(1, size, "sp")]
@@ -100,7 +103,7 @@ def main() -> None:
             audio_diff = (result["audio"] - reference["audio"]).abs().max().item()
             layout = f"{plan} ({fields['guidance_groups']} x {fields['sp_degree']})"
             lines.append(
-                f"| {'x'.join(map(str, size))} | {fields['video_tokens']} | {world} | {layout} | {step:.3f} | "
+                f"| {'x'.join(map(str, size))} | {fields['video_tokens']} | {world} | {layout} | {forward_path(fields)} | {step:.3f} | "
                 f"{reference_step / step:.2f}x | {video_diff:.3g} / {audio_diff:.3g} |"
             )
     table = "\n".join(lines)
@@ -110,6 +113,19 @@ def main() -> None:
         stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         with open(args.out, "a") as file:
             file.write(f"\n`python {' '.join(sys.argv)}` on {machine}, torch {torch.__version__}, {stamp}\n\n{table}\n")
+
+
+def forward_path(fields: dict) -> str:
+    """How the ranks ran the transformer: batched passes, CUDA-graph replay (and why not), compiled."""
+    path = "batched" if fields.get("batch_passes") else "sequential"
+    graphs = fields.get("cuda_graphs") or {}
+    if graphs.get("captures"):
+        path += f", graphs ({graphs['captures']} captured, {graphs['replays']} replays)"
+    elif graphs.get("eager_reasons"):
+        path += f", eager ({'; '.join(graphs['eager_reasons'])})"
+    if fields.get("compile_blocks"):
+        path += ", compiled blocks"
+    return path
 
 
 if __name__ == "__main__":
