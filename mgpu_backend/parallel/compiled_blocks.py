@@ -20,8 +20,10 @@ When to use it, and what it costs
     differently), not bitwise. So it is off by default: use it on a warm fleet that runs many jobs.
     Compile time depends on the torch version: torch 2.14 traces one graph per shape and
     perturbation pattern, shared by all blocks; torch 2.11 breaks the graph at ltx-core's attention
-    call and traces every block on its own (80-100 s per shape at 19B on an H200, measured;
-    Inductor's cache serves the identical graphs).
+    call and traces every block on its own (80-100 s per shape for the unperturbed forward at 19B
+    on an H200, measured; a stage-1 step also runs an STG and a modality-isolated pass, each its
+    own perturbation pattern, so expect a few minutes on a first job; Inductor's cache serves the
+    identical graphs).
 
 This module never edits ltx-core's source or classes (only attributes of the model instances it
 is given) and never talks to other ranks.
