@@ -222,7 +222,7 @@ def format_status(status: dict) -> str:
         if weights:
             lines.append(
                 f"    weights: transformer working copy {_gib(weights.get('working_bytes'))}, clean shard "
-                f"{_gib(weights.get('clean_shard_bytes'))}, other components {_gib(weights.get('other_components_bytes'))}, "
+                f"{_gib(weights.get('clean_shard_bytes'))}{' in host memory' if weights.get('clean_shard_device') == 'cpu' and 'cuda' in str(rank['device']) else ''}, other components {_gib(weights.get('other_components_bytes'))}, "
                 f"host copies {_gib(weights.get('host_copies_bytes'))}"
             )
     job = status["current_job"]

@@ -14,7 +14,7 @@ from safetensors import safe_open
 from mgpu_backend.ltx import tiny
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.parallel.comm import Comm
-from mgpu_backend.parallel.weight_tracker import TransformerWeightTracker, stage_lora_set
+from mgpu_backend.parallel.weight_tracker import TransformerWeightTracker, clean_shard_on_host, stage_lora_set
 from tests.dist_harness import run_ranks
 
 WORLD_SIZE = 2
@@ -80,6 +80,14 @@ def _tracker_scenario(bundle: dict) -> dict:
     before_rebuild = loader.bytes_read_from_disk
     out["registry_stays_clean"] = _differences(loader.transformer("none"), clean_reference)
     out["rebuild_bytes"] = loader.bytes_read_from_disk - before_rebuild
+
+    # The clean shard in host memory (what an 80 GB GPU gets at 19B): the same weights after swaps.
+    hosted = TransformerWeightTracker(Comm.world(), bucket_bytes=BUCKET_BYTES, clean_on_host=True)
+    hosted_model = hosted.transformer(loader, "distilled")
+    out["host_shard_fused_equals_ltx_core"] = _differences(hosted_model, distilled_reference)
+    hosted.apply(())
+    out["host_shard_reset_equals_clean"] = _differences(hosted_model, clean_reference)
+    out["host_shard_memory"] = hosted.memory_report()
 
     # no_lora_swap: one set may be fused once, with no clean shard; a change is refused.
     fixed = TransformerWeightTracker(Comm.world(), no_lora_swap=True)
@@ -198,6 +206,28 @@ def test_tracker_drops_the_host_copy_and_a_later_build_reads_the_checkpoint_clea
         assert out["host_copy_dropped"], rank
         assert out["rebuild_bytes"] == transformer_bytes, (rank, out["rebuild_bytes"], transformer_bytes)
         assert out["registry_stays_clean"] == (0, 0.0), (rank, out["registry_stays_clean"])
+
+
+def test_a_clean_shard_in_host_memory_swaps_to_the_same_weights(results):
+    for rank, out in enumerate(results):
+        for name in ("host_shard_fused_equals_ltx_core", "host_shard_reset_equals_clean"):
+            unequal, max_diff = out[name]
+            assert unequal == 0, f"rank {rank}, {name}: {unequal} keys differ, max abs diff {max_diff}"
+        assert out["host_shard_memory"]["clean_shard_device"] == "cpu"
+        assert out["host_shard_memory"]["clean_shard_bytes"] == out["memory"]["clean_shard_bytes"], "same shard, other place"
+
+
+def test_clean_shard_goes_to_host_memory_only_when_the_gpu_would_be_too_full():
+    gib = 2**30
+    transformer = 38 * gib  # LTX-2 19B in bf16
+    cuda = torch.device("cuda", 0)
+    # One H200 (141 GB) keeps working copy + whole clean copy (76 GiB) on the GPU; one H100 cannot.
+    assert not clean_shard_on_host(transformer, transformer, cuda, device_total_bytes=141 * gib)
+    assert clean_shard_on_host(transformer, transformer, cuda, device_total_bytes=80 * gib)
+    # H100s: two GPUs still host the shard (57 GiB), four keep it on the GPU (47.5 GiB).
+    assert clean_shard_on_host(transformer, transformer // 2, cuda, device_total_bytes=80 * gib)
+    assert not clean_shard_on_host(transformer, transformer // 4, cuda, device_total_bytes=80 * gib)
+    assert not clean_shard_on_host(transformer, transformer, torch.device("cpu"))
 
 
 def test_no_lora_swap_refuses_a_second_lora_set_with_advice(results):

@@ -127,7 +127,9 @@ class ResidentModel:
         """What this rank holds of the model, for ``status``: transformer working copy, clean shard,
         the other components (VAEs, vocoder, upsampler, connectors), and the host copies its loader
         keeps (LoRA files, the small components; not the resident transformer or Gemma)."""
-        report = {key: value for key, value in self.tracker.memory_report().items() if key.endswith("_bytes")}
+        tracker = self.tracker.memory_report()
+        report = {key: value for key, value in tracker.items() if key.endswith("_bytes")}
+        report["clean_shard_device"] = tracker["clean_shard_device"]
         report["other_components_bytes"] = sum(
             tensor.nbytes for module in self.components.values() for tensor in (*module.parameters(), *module.buffers())
         )

@@ -22,9 +22,12 @@ What it is
 When to use it, and what it costs
     Use it whenever a job alternates LoRA sets (the two-stage graph: stage 1 without, stage 2 with
     the distilled LoRA). Memory per rank: one working copy (the whole transformer: MGPU is a latency
-    tool, not a memory tool) plus about 1/N of it for the clean shard, on the working device. Time
-    per swap: the fusion of 1/N of the touched layers on this rank's device, plus broadcasts of the
-    touched keys (for LTX-2's distilled LoRA: nearly every linear layer of the blocks).
+    tool, not a memory tool) plus about 1/N of it for the clean shard, on the working device, or in
+    host memory when the two together would take more than 60% of the GPU (``clean_shard_on_host``:
+    at 19B one or two 80 GB GPUs; an H200 keeps it on the GPU even alone). Time per swap: the fusion
+    of 1/N of the touched layers on this rank's device (a host shard is copied there key by key
+    first), plus broadcasts of the touched keys (for LTX-2's distilled LoRA: nearly every linear
+    layer of the blocks).
     ``no_lora_swap=True`` keeps no clean shard (saves the 1/N) for runs whose LoRA set never
     changes: the first set may be fused once, any later change raises a clear error.
 
@@ -100,6 +103,22 @@ class SwapStats:
     broadcasts: int = 0  # bucket broadcasts issued
 
 
+# The clean shard stays on the GPU while the working copy and the shard together take at most this
+# share of the GPU's memory; beyond it (one or two 80 GB GPUs at 19B) it is kept in host memory.
+CLEAN_SHARD_DEVICE_SHARE = 0.6
+
+
+def clean_shard_on_host(working_bytes: int, shard_bytes: int, device: torch.device, device_total_bytes: int | None = None) -> bool:
+    """Where the clean shard goes: host memory when the working copy plus the shard would take more
+    than ``CLEAN_SHARD_DEVICE_SHARE`` of the GPU (the rest is for Gemma, the VAEs and activations).
+    On a CPU rank the host is the device."""
+    if torch.device(device).type != "cuda":
+        return False
+    if device_total_bytes is None:
+        device_total_bytes = torch.cuda.get_device_properties(device).total_memory
+    return working_bytes + shard_bytes > CLEAN_SHARD_DEVICE_SHARE * device_total_bytes
+
+
 def _owners_by_bytes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
     """Each key -> one rank, largest keys first onto the least-loaded rank: about 1/N of the bytes
     each, and the same answer on every rank (ties broken by key name and rank index)."""
@@ -120,18 +139,21 @@ class TransformerWeightTracker:
     then builds nothing and reads nothing from disk.
     """
 
-    def __init__(self, comm: Comm, no_lora_swap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(
+        self, comm: Comm, no_lora_swap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES, clean_on_host: bool | None = None
+    ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.comm = comm
         self.no_lora_swap = no_lora_swap
         self.bucket_bytes = bucket_bytes
+        self.clean_on_host = clean_on_host  # None: decided at build time by clean_shard_on_host
         self.stats = SwapStats()
         self._loader = None
         self._model: X0Model | None = None
         self._working: dict[str, torch.Tensor] = {}  # velocity-model key -> tensor sharing the parameter's storage
         self._owners: dict[str, int] = {}
-        self._clean: dict[str, torch.Tensor] = {}  # this rank's shard of the pre-LoRA weights
+        self._clean: dict[str, torch.Tensor] = {}  # this rank's shard of the pre-LoRA weights (device or host)
         self._applied: LoraSet = ()
         self._touched: frozenset[str] = frozenset()  # keys where the working copy differs from clean
 
@@ -165,7 +187,13 @@ class TransformerWeightTracker:
         owners = _owners_by_bytes({key: tensor.nbytes for key, tensor in working.items()}, self.comm.world_size)
         clean = {}
         if not self.no_lora_swap:
-            clean = {key: tensor.clone() for key, tensor in working.items() if owners[key] == self.comm.rank}
+            mine = [key for key in working if owners[key] == self.comm.rank]
+            working_bytes = sum(tensor.nbytes for tensor in working.values())
+            on_host = self.clean_on_host
+            if on_host is None:
+                on_host = clean_shard_on_host(working_bytes, sum(working[key].nbytes for key in mine), loader.device)
+            where = torch.device("cpu") if on_host else loader.device
+            clean = {key: working[key].to(where, copy=True) for key in mine}
         self._loader, self._model, self._working, self._owners, self._clean = loader, model, working, owners, clean
         self._applied, self._touched, self.stats = (), frozenset(), SwapStats()
         report = self.memory_report()
@@ -259,6 +287,8 @@ class TransformerWeightTracker:
     def _final_value(self, key: str, fuse: bool, loras: list[LoraStateDictWithStrength]) -> torch.Tensor:
         """The value the owner of ``key`` broadcasts: the clean weight, or it fused by ltx-core."""
         clean = (self._working if self.no_lora_swap else self._clean)[key]  # no_lora_swap: working is still clean
+        # A shard kept in host memory is fused where the working copy is, as it would be on the device.
+        clean = clean.to(self._working[key].device)
         if not fuse:
             return clean
         self.stats.keys_fused += 1
@@ -307,6 +337,7 @@ class TransformerWeightTracker:
             "world_size": self.comm.world_size,
             "working_bytes": working_bytes,
             "clean_shard_bytes": sum(tensor.nbytes for tensor in self._clean.values()),
+            "clean_shard_device": str(next(iter(self._clean.values())).device) if self._clean else None,
             "clean_shard_keys": len(self._clean),
             "transformer_keys": len(self._working),
             "no_lora_swap": self.no_lora_swap,
