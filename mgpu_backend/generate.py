@@ -62,6 +62,7 @@ def add_generate_parser(commands) -> None:
     job.add_argument("--stage2-sigmas", default=",".join(map(str, MULTI_GPU_STAGE2_SIGMAS)), help="stage-2 sigmas (default: the official multi-GPU schedule 0.625,0.4,0.0; single-GPU: 0.909375,0.725,0.421875,0.0)")
     job.add_argument("--tiles", default="auto", help="stage-2 TDP tiles HxW, or 'auto' (balanced over the fleet; untiled on one rank)")
     job.add_argument("--parallel", choices=("auto", "sp", "guidance", "hybrid"), default="auto", help="stage-1 plan (default auto)")
+    job.add_argument("--free-gemma", action="store_true", help="give Gemma's GPU memory back after encoding the prompts (for GPUs where memory is tight)")
     job.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the stage-1 forward eagerly instead of replaying captured CUDA graphs (GPU only)")
     job.add_argument("--compile-blocks", action="store_true", help="torch.compile the transformer blocks for stage 1 (GPU only; tens of seconds of compile per new shape, then faster small shards: for SP degree 4+)")
     job.add_argument("--debug-dump", metavar="PATH", help="write stage latents, frames (uint8) and waveform to this safetensors file")
@@ -201,7 +202,7 @@ def run_generate(args) -> int:
         loaded = api.load(spec, **common)
         progress.close()
         print(f"model loaded on the fleet ({loaded['bytes_read'] / 2**20:.1f} MiB read from disk)", file=sys.stderr)
-        positive, negative = api.encode(spec, [args.prompt, args.negative_prompt], **common)
+        positive, negative = api.encode(spec, [args.prompt, args.negative_prompt], free_gemma=args.free_gemma, **common)
         video, audio = api.sample(
             spec, positive, negative, width=args.width // 2, height=args.height // 2, num_frames=args.num_frames,
             frame_rate=args.frame_rate, seed=args.seed, steps=args.num_inference_steps, video_guidance=video_guidance,

@@ -44,16 +44,20 @@ class MGPUTextEncode:
                 "positive": ("STRING", {"default": DEFAULT_PROMPT, "multiline": True, "dynamicPrompts": False, "tooltip": "What to see and hear: describe the scene, the motion, the camera and the sounds or speech, in a few sentences."}),
                 "negative": ("STRING", {"default": DEFAULT_NEGATIVE_PROMPT, "multiline": True, "dynamicPrompts": False, "tooltip": "What to steer away from (used by the video and audio guidance). May be empty."}),
             },
+            "optional": {
+                "free_gemma": ("BOOLEAN", {"default": False, "tooltip": "Give Gemma's GPU memory back after encoding (about 24 GB for Gemma 3 12B, split over the GPUs when sharded). The next encode rebuilds it from host memory (from disk the first time after a Gemma that was kept), which takes seconds. Turn on when GPU memory is tight, e.g. on 80 GB GPUs."}),
+            },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    def encode(self, model, positive, negative, unique_id=None):
+    def encode(self, model, positive, negative, free_gemma=False, unique_id=None):
         handle = check_model_handle(model)
         if not positive.strip():
             raise ValueError("the positive prompt is empty; describe the video and its sound")
         job = FleetJob(unique_id, "MGPU Text Encode")
         contexts = job.call(
-            api.encode, handle["spec"], [positive, negative], dtype=handle["dtype"], gemma_mode=handle["gemma_mode"]
+            api.encode, handle["spec"], [positive, negative], dtype=handle["dtype"], gemma_mode=handle["gemma_mode"],
+            free_gemma=bool(free_gemma),
         )
         (positive_video, positive_audio), (negative_video, negative_audio) = contexts
         return (

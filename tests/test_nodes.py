@@ -202,6 +202,9 @@ def test_text_encode_returns_two_conditionings_carrying_both_contexts(fake_api):
     positive_cond, negative_cond = node("MGPUTextEncode").encode(handle, "a fox in snow", "", unique_id="2")
     ((args, kwargs),) = fake_api["encode"].calls
     assert args == (handle["spec"], ["a fox in snow", ""]) and kwargs["dtype"] == "float32" and kwargs["gemma_mode"] == "sharded"
+    assert kwargs["free_gemma"] is False
+    node("MGPUTextEncode").encode(handle, "a fox in snow", "", free_gemma=True, unique_id="2")
+    assert fake_api["encode"].calls[1][1]["free_gemma"] is True
     for conditioning, (video, audio), prompt in ((positive_cond, positive, "a fox in snow"), (negative_cond, negative, "")):
         assert len(conditioning) == 1 and conditioning[0][0] is video
         assert conditioning[0][1] == {"mgpu_audio_context": audio, "mgpu_prompt": prompt}
