@@ -47,7 +47,7 @@ from _common import (  # noqa: I001 - _common puts the repository on sys.path fi
 from ltx_core.model.transformer.modality import Modality
 from tdp import load_transformer_config
 
-from mgpu_backend.diagnostics import random_transformer
+from mgpu_backend.diagnostics import random_transformer, random_transformer_inputs
 from mgpu_backend.ltx.latents import StageGeometry
 from mgpu_backend.parallel.compiled_blocks import compile_transformer_blocks, restore_eager_blocks
 from mgpu_backend.parallel.cuda_graphs import CapturedForward
@@ -67,23 +67,8 @@ TINY = {
 
 def forward_inputs(video_geometry: StageGeometry, audio_geometry: StageGeometry, text_tokens: int,
                    caption_channels: int, device: torch.device, dtype: torch.dtype, seed: int) -> tuple[Modality, Modality]:  # fmt: skip
-    """Video and audio ``Modality`` as the stage-1 loop builds them (ltx-core's latent tools), with
-    random latents and text contexts."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    sigma = torch.full((1,), SIGMA, device=device, dtype=torch.float32)
-
-    def modality(tools, latent_shape) -> Modality:
-        latent = torch.randn(latent_shape, generator=generator, device=device, dtype=dtype)
-        state = tools.create_initial_state(device, dtype, latent)
-        context = torch.randn((1, text_tokens, caption_channels), generator=generator, device=device, dtype=dtype)
-        return Modality(
-            latent=state.latent, sigma=sigma, timesteps=state.denoise_mask * sigma, positions=state.positions,
-            context=context, context_mask=None, attention_mask=state.attention_mask,
-        )  # fmt: skip
-
-    video = modality(video_geometry.video_tools(), video_geometry.video_shape.to_torch_shape())
-    audio = modality(audio_geometry.audio_tools(), audio_geometry.audio_shape.to_torch_shape())
-    return video, audio
+    """Video and audio ``Modality`` as the stage-1 loop builds them, at an early stage-1 sigma."""
+    return random_transformer_inputs(video_geometry, audio_geometry, text_tokens, caption_channels, SIGMA, device, dtype, seed)
 
 
 def measure(args: argparse.Namespace) -> str:

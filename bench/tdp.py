@@ -51,6 +51,7 @@ from ltx_core.model.transformer import LTXModelConfigurator, X0Model
 from ltx_core.model.transformer.attention import Attention
 from ltx_core.model.transformer.modality import Modality
 
+from mgpu_backend.diagnostics import random_transformer_inputs
 from mgpu_backend.ltx.latents import StageGeometry
 from mgpu_backend.ltx.stages import STAGE_2_SIGMAS
 from mgpu_backend.parallel.comm import Comm
@@ -122,28 +123,9 @@ def stage2_inputs(
 ) -> tuple[Modality, Modality]:
     """Video and audio Modality as the stage-2 loop builds them (ltx-core's latent tools), with
     random latents and random text contexts of the shape the embeddings processor produces."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    geometry = setup.geometry
-    sigma = torch.full((1,), STAGE_2_SIGMAS[0], device=device, dtype=torch.float32)
-    context_shape = (1, setup.text_tokens, transformer_config["caption_channels"])
-
-    def modality(tools, latent_shape) -> Modality:
-        latent = torch.randn(latent_shape, generator=generator, device=device, dtype=dtype)
-        state = tools.create_initial_state(device, dtype, latent)
-        context = torch.randn(context_shape, generator=generator, device=device, dtype=dtype)
-        return Modality(
-            latent=state.latent,
-            sigma=sigma,
-            timesteps=state.denoise_mask * sigma,
-            positions=state.positions,
-            context=context,
-            context_mask=None,
-            attention_mask=state.attention_mask,
-        )
-
-    video = modality(geometry.video_tools(), geometry.video_shape.to_torch_shape())
-    audio = modality(geometry.audio_tools(), geometry.audio_shape.to_torch_shape())
-    return video, audio
+    return random_transformer_inputs(
+        setup.geometry, setup.geometry, setup.text_tokens, transformer_config["caption_channels"], STAGE_2_SIGMAS[0], device, dtype, seed
+    )
 
 
 class TimedTiles:

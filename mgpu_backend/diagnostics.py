@@ -294,18 +294,29 @@ def _sp_check_inputs(config: dict, device: torch.device, seed: int, text_tokens:
     """Video and audio transformer inputs (``Modality``) of a small stage-1 geometry, seeded on the CPU
     so every rank holds the same numbers whatever its device."""
     from .ltx.latents import StageGeometry
-    from .ltx.stages import _modality
 
     geometry = StageGeometry(height=64, width=96, num_frames=17, frame_rate=24.0)  # 3x2x3 = 18 video tokens
-    generator = torch.Generator().manual_seed(seed)
     caption_channels = config["transformer"]["caption_channels"]
-    sigma = torch.tensor([0.7], device=device)
+    return random_transformer_inputs(geometry, geometry, text_tokens, caption_channels, 0.7, device, torch.float32, seed, draw_on_cpu=True)
+
+
+def random_transformer_inputs(video_geometry, audio_geometry, text_tokens: int, caption_channels: int, sigma: float,
+                              device: torch.device, dtype: torch.dtype, seed: int, draw_on_cpu: bool = False):  # fmt: skip
+    """Video and audio ``Modality`` as the denoising loops build them (ltx-core's latent tools) at
+    ``sigma``, with seeded random latents and text contexts of ``text_tokens`` x ``caption_channels``.
+    Drawn in the order video latent, video context, audio latent, audio context, on ``device`` (or
+    on the CPU with ``draw_on_cpu``, so every device gets the same numbers)."""
+    from .ltx.stages import modality_input
+
+    draw_device = torch.device("cpu") if draw_on_cpu else torch.device(device)
+    generator = torch.Generator(device=draw_device).manual_seed(seed)
+    sigma_tensor = torch.full((1,), sigma, device=device, dtype=torch.float32)
     inputs = []
-    for tools in (geometry.video_tools(), geometry.audio_tools()):
-        start = torch.randn(tools.target_shape.to_torch_shape(), generator=generator)
-        state = tools.create_initial_state(device, torch.float32, start.to(device))
-        context = torch.randn(1, text_tokens, caption_channels, generator=generator).to(device)
-        inputs.append(_modality(state, context, sigma))
+    for tools in (video_geometry.video_tools(), audio_geometry.audio_tools()):
+        latent = torch.randn(tools.target_shape.to_torch_shape(), generator=generator, device=draw_device, dtype=dtype)
+        state = tools.create_initial_state(device, dtype, latent.to(device))
+        context = torch.randn((1, text_tokens, caption_channels), generator=generator, device=draw_device, dtype=dtype)
+        inputs.append(modality_input(state, context.to(device), sigma_tensor))
     return inputs[0], inputs[1]
 
 

@@ -149,7 +149,7 @@ def check_generation_fits(
 # Shared by both stages
 
 
-def _modality(state: LatentState, context: torch.Tensor, sigma: torch.Tensor, enabled: bool = True) -> Modality:
+def modality_input(state: LatentState, context: torch.Tensor, sigma: torch.Tensor, enabled: bool = True) -> Modality:
     """Transformer input of one modality at ``sigma``; clean (conditioning) tokens get timestep 0."""
     return Modality(
         enabled=enabled,
@@ -239,15 +239,15 @@ def guidance_passes(
     with self-attention skipped in the STG blocks of the modalities doing STG. isolated: positive
     prompt with both audio<->video cross-attentions skipped (modality guidance).
     """
-    video = _modality(video_state, positive.video_context, sigma, enabled=not guidance.skip_video)
-    audio = _modality(audio_state, positive.audio_context, sigma, enabled=not guidance.skip_audio)
+    video = modality_input(video_state, positive.video_context, sigma, enabled=not guidance.skip_video)
+    audio = modality_input(audio_state, positive.audio_context, sigma, enabled=not guidance.skip_audio)
     passes = [GuidancePass("conditional", video, audio, None)]
     if guidance.needs_unconditional:
         passes.append(
             GuidancePass(
                 "unconditional",
-                _modality(video_state, negative.video_context, sigma),
-                _modality(audio_state, negative.audio_context, sigma),
+                modality_input(video_state, negative.video_context, sigma),
+                modality_input(audio_state, negative.audio_context, sigma),
                 None,
             )
         )
@@ -448,8 +448,8 @@ def refine_stage2(
         def positive_only(video_state, audio_state, sigmas, step):
             sigma = sigmas[step]
             return transformer(
-                video=_modality(video_state, positive.video_context, sigma),
-                audio=_modality(audio_state, positive.audio_context, sigma),
+                video=modality_input(video_state, positive.video_context, sigma),
+                audio=modality_input(audio_state, positive.audio_context, sigma),
                 perturbations=None,
             )
 
