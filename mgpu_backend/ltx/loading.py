@@ -469,7 +469,7 @@ class _SizedRegistry(StateDictRegistry):
 
     def add(self, paths, sd_ops, state_dict: StateDict) -> str:
         key = super().add(paths, sd_ops, state_dict)
-        self._bytes[key] = _storage_bytes(state_dict)
+        self._bytes[key] = storage_bytes(state_dict.sd.values())
         return key
 
     def pop(self, paths, sd_ops) -> StateDict | None:
@@ -485,8 +485,9 @@ class _SizedRegistry(StateDictRegistry):
         return sum(self._bytes.values())
 
 
-def _storage_bytes(state_dict: StateDict) -> int:
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state_dict.sd.values()}.values())
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages behind ``tensors``, each storage once (tied or aliased tensors share one)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 @dataclass
@@ -565,7 +566,7 @@ class ModelLoader:
         else:
             raise ValueError(f"component must be 'transformer' or 'gemma', got {component!r}")
         state_dict = self.registry.pop(paths, sd_ops)
-        return 0 if state_dict is None else _storage_bytes(state_dict)
+        return 0 if state_dict is None else storage_bytes(state_dict.sd.values())
 
     def transformer(self, lora_set: str = "none") -> X0Model:
         """The denoiser: ``"none"`` for stage 1, ``"distilled"`` for stage 2 (user LoRAs in both)."""

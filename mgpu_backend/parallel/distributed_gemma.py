@@ -50,6 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mgpu_backend.ltx.loading import storage_bytes
 from mgpu_backend.ltx.text import TextContext, contexts_from_gemma
 from mgpu_backend.parallel.comm import Comm
 
@@ -121,7 +122,7 @@ def release_text_encoders(loader=None) -> dict:
     keys = list(_cache) if loader is None else [id(loader)]
     entries = [_cache.pop(key) for key in keys if key in _cache]
     tensors = [t for entry in entries for t in (*entry.gemma.parameters(), *entry.gemma.buffers())]
-    gemma_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    gemma_bytes = storage_bytes(tensors)
     cuda_devices = sorted({t.device for t in tensors if t.device.type == "cuda"}, key=str)
     before = sum(torch.cuda.memory_allocated(device) for device in cuda_devices)
     del tensors, entries
