@@ -220,10 +220,12 @@ def format_status(status: dict) -> str:
         lines.append(f"  rank {rank['rank']}: pid {rank['pid']} {rank['device']} {state}, memory {_gib(memory.get('allocated', memory.get('rss')))}{total}{peak}")
         weights = rank.get("weights")
         if weights:
+            # Only worth saying on a GPU rank: on a CPU rank the host is the device.
+            shard_on_host = weights.get("clean_shard_device") == "cpu" and "cuda" in str(rank["device"])
             lines.append(
                 f"    weights: transformer working copy {_gib(weights.get('working_bytes'))}, clean shard "
-                f"{_gib(weights.get('clean_shard_bytes'))}{' in host memory' if weights.get('clean_shard_device') == 'cpu' and 'cuda' in str(rank['device']) else ''}, other components {_gib(weights.get('other_components_bytes'))}, "
-                f"host copies {_gib(weights.get('host_copies_bytes'))}"
+                f"{_gib(weights.get('clean_shard_bytes'))}{' in host memory' if shard_on_host else ''}, "
+                f"other components {_gib(weights.get('other_components_bytes'))}, host copies {_gib(weights.get('host_copies_bytes'))}"
             )
     job = status["current_job"]
     lines.append(f"current job: {job['id']} {job['op']} {job['stage']} {job['step']}/{job['total']}" if job else "current job: none")
