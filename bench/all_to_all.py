@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from kernels import CUDA_IPC, install_fast_all_to_all, uninstall_fast_all_to_all  # noqa: E402
+from mgpu_kernels import CUDA_IPC, install_fast_all_to_all, uninstall_fast_all_to_all  # noqa: E402
 from mgpu_backend.parallel.comm import Comm  # noqa: E402
 
 HEADS, HEAD_DIM = 32, 128

@@ -12,7 +12,7 @@ are those of bench/graphs.py: 1152 and 1920 (shard-sized sequences) and 6144 (76
 whole); audio is always the 121-frame clip's 126 tokens, the text contexts 1024 tokens.
 
 The full-size run uses the LTX-2 19B configuration (configs/ltx2-19b-transformer.json) with seeded
-random weights made on the GPU in bf16 (``mgpu_backend.diagnostics.random_transformer``). Each row:
+random weights made on the GPU in bf16 (``mgpu_backend.ltx.diagnostics.random_transformer``). Each row:
 median ms per step (all four passes; each call ends in a device synchronisation, so host overhead
 counts) over ``--repeats`` calls after ``--warmup``, speed-ups against eager sequential, the max abs
 difference of every output against eager sequential (with the outputs' own max abs value for
@@ -59,7 +59,7 @@ from ltx_core.guidance.perturbations import (
 )
 from tdp import load_transformer_config
 
-from mgpu_backend.diagnostics import random_transformer
+from mgpu_backend.ltx.diagnostics import random_transformer
 from mgpu_backend.ltx.passes import GuidancePass, SequentialPassRunner
 from mgpu_backend.parallel.batched_passes import BatchedPassRunner
 from mgpu_backend.parallel.cuda_graphs import CapturedForward

@@ -48,8 +48,8 @@ from _common import (  # noqa: I001 - _common puts the repository on sys.path fi
 from ltx_core.model.video_vae import TilingConfig, VideoDecoder, VideoDecoderConfigurator
 from ltx_core.model.video_vae.tiling import SpatialTilingConfig, TemporalTilingConfig
 
-from mgpu_backend import shm
-from mgpu_backend.ltx.random_bundle import FULL_SIZE_VIDEO_VAE_CONFIG  # one full-size VAE config, with its sources
+from mgpu_backend.fleet import shm
+from mgpu_backend.bundles.full_size import FULL_SIZE_VIDEO_VAE_CONFIG  # one full-size VAE config, with its sources
 from mgpu_backend.ltx.decode import decode_video
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.distributed_decode import decoded_images_shape, distributed_decode_images
@@ -67,7 +67,7 @@ FULL_SIZE = BenchSetup(
 
 
 def tiny_setup() -> BenchSetup:
-    from mgpu_backend.ltx.tiny import VIDEO_VAE_CONFIG
+    from mgpu_backend.bundles.tiny import VIDEO_VAE_CONFIG
 
     # The smallest tiles ltx-core allows (128 px with 32 px overlap, 16 frames with 8 overlap) on a
     # 3 x 6 x 6 latent: 2 x 2 spatial tiles in 2 temporal groups, so every code path of the full size

@@ -1,6 +1,6 @@
 """The whole two-stage LTX-2 job: the fleet against the official single-GPU pipeline, side by side.
 
-One run, on one random-weight bundle written first (``mgpu_backend.ltx.random_bundle``: the LTX-2
+One run, on one random-weight bundle written first (``mgpu_backend.bundles.full_size``: the LTX-2
 19B configuration, or the tiny one with ``--tiny``):
 
 1. official: ltx-pipelines 1.0.0's ``TI2VidTwoStagesPipeline`` with its LTX-2.0 defaults (40 steps,
@@ -11,7 +11,7 @@ One run, on one random-weight bundle written first (``mgpu_backend.ltx.random_bu
    peak device memory reset before it; its model builds outside those functions are its load time.
    Then it is freed entirely.
 2. fleet (world 1 on one GPU by default): spawn, then the jobs the ComfyUI nodes run through
-   ``mgpu_backend.api`` (load, encode, sample, upscale with the SINGLE-GPU stage-2 sigmas and one
+   ``mgpu_backend.ltx.api`` (load, encode, sample, upscale with the SINGLE-GPU stage-2 sigmas and one
    tile, so it does the official pipeline's work, or with ``--multi-gpu-stage2`` the fleet's own
    stage 2 as the nodes run it on several GPUs, decode), timed from this client; the frame
    handoff through shared memory is timed apart. Then the same job again on the warm fleet.
@@ -63,9 +63,9 @@ import torch
 from _common import REPO_ROOT, log, machine_description, markdown_table, stdout_to_stderr  # noqa: I001 - puts the repository on sys.path first
 from ltx_core.components.guiders import MultiModalGuiderParams
 
-from mgpu_backend import api
-from mgpu_backend.generate import DEFAULT_NEGATIVE_PROMPT, MULTI_GPU_STAGE2_SIGMAS, SINGLE_GPU_STAGE2_SIGMAS, TINY_DEFAULTS
-from mgpu_backend.ltx import random_bundle
+from mgpu_backend.ltx import api
+from mgpu_backend.tools.generate import DEFAULT_NEGATIVE_PROMPT, MULTI_GPU_STAGE2_SIGMAS, SINGLE_GPU_STAGE2_SIGMAS, TINY_DEFAULTS
+from mgpu_backend.bundles import full_size as random_bundle
 
 PROMPT = (
     "A slow camera push toward a lighthouse on a rocky coast at dusk, waves breaking against the stones, "

@@ -8,7 +8,7 @@ latent grid is 16x24 with 5 and 3 latent frames). Audio is always the 121-frame 
 and the text contexts 1024 tokens, because a rank under SP keeps audio and text whole.
 
 The full-size run uses the LTX-2 19B configuration (configs/ltx2-19b-transformer.json) with seeded
-random weights made on the GPU in bf16 (``mgpu_backend.diagnostics.random_transformer``). Each row:
+random weights made on the GPU in bf16 (``mgpu_backend.ltx.diagnostics.random_transformer``). Each row:
 median ms per call over ``--repeats`` calls after ``--warmup`` (each call ends in a device
 synchronisation, so host overhead counts), the one-off capture time (warm-up + capture + first
 replay), and the max abs difference captured vs eager on two different inputs of that shape.
@@ -47,7 +47,7 @@ from _common import (  # noqa: I001 - _common puts the repository on sys.path fi
 from ltx_core.model.transformer.modality import Modality
 from tdp import load_transformer_config
 
-from mgpu_backend.diagnostics import random_transformer, random_transformer_inputs
+from mgpu_backend.ltx.diagnostics import random_transformer, random_transformer_inputs
 from mgpu_backend.ltx.latents import StageGeometry
 from mgpu_backend.parallel.compiled_blocks import compile_transformer_blocks, restore_eager_blocks
 from mgpu_backend.parallel.cuda_graphs import CapturedForward

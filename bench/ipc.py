@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from mgpu_backend.client import FleetClient  # noqa: E402
+from mgpu_backend.fleet.client import FleetClient  # noqa: E402
 
 
 def main() -> None:

@@ -28,7 +28,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from mgpu_backend.client import FleetClient  # noqa: E402
+from mgpu_backend.fleet.client import FleetClient  # noqa: E402
 
 TINY_OVERRIDES = {
     "num_layers": 2, "num_attention_heads": 8, "attention_head_dim": 16, "audio_num_attention_heads": 8,

@@ -33,8 +33,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from mgpu_backend.client import FleetClient  # noqa: E402
-from mgpu_backend.diagnostics import random_contexts, random_transformer  # noqa: E402
+from mgpu_backend.fleet.client import FleetClient  # noqa: E402
+from mgpu_backend.ltx.diagnostics import random_contexts, random_transformer  # noqa: E402
 from mgpu_backend.ltx.latents import StageGeometry  # noqa: E402
 
 TINY_OVERRIDES = {

@@ -51,7 +51,7 @@ from ltx_core.model.transformer import LTXModelConfigurator, X0Model
 from ltx_core.model.transformer.attention import Attention
 from ltx_core.model.transformer.modality import Modality
 
-from mgpu_backend.diagnostics import random_transformer_inputs
+from mgpu_backend.ltx.diagnostics import random_transformer_inputs
 from mgpu_backend.ltx.latents import StageGeometry
 from mgpu_backend.ltx.stages import STAGE_2_SIGMAS
 from mgpu_backend.parallel.comm import Comm
@@ -95,7 +95,7 @@ TINY = BenchSetup(
 def load_transformer_config(tiny: bool, path: str | None) -> dict:
     """The ``transformer`` section as ltx-core's LTXModelConfigurator reads it from a checkpoint."""
     if tiny:
-        from mgpu_backend.ltx.tiny import TRANSFORMER_CONFIG
+        from mgpu_backend.bundles.tiny import TRANSFORMER_CONFIG
 
         return dict(TRANSFORMER_CONFIG)
     candidates = [Path(path)] if path else list(TRANSFORMER_CONFIG_CANDIDATES)

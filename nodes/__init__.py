@@ -1,4 +1,4 @@
-"""The ComfyUI nodes of comfyui-mgpu: thin wrappers that validate, call ``mgpu_backend.api`` and map
+"""The ComfyUI nodes of comfyui-mgpu: thin wrappers that validate, call ``mgpu_backend.ltx.api`` and map
 ComfyUI types. No distributed logic lives here.
 
 Loaded only relatively, through the pack's root ``__init__`` (ComfyUI has a top-level ``nodes``

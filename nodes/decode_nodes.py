@@ -7,7 +7,7 @@ AUDIO ``{"waveform": [B, C, T], "sample_rate"}``. The tiling and blending happen
 
 from __future__ import annotations
 
-from mgpu_backend import api
+from mgpu_backend.ltx import api
 
 from .fleet_job import FleetJob
 from .layouts import FRAME_RATE_KEY, MODEL_TYPE, STAGES_KEY, check_model_handle, make_audio, split_latent

@@ -1,6 +1,6 @@
 """Fleet housekeeping for the web panel routes and the MGPU Fleet Control node: status, unload, stop.
 
-These go over a short-lived connection of their own instead of ``mgpu_backend.api``'s shared one:
+These go over a short-lived connection of their own instead of ``mgpu_backend.ltx.api``'s shared one:
 that one is held for the whole length of a running job, and the panel must answer (and Restart
 must work, e.g. on a hung job) while a node is running. None of them starts a fleet: a status
 request with no fleet running says so. After a stop, the next node starts a fresh fleet and
@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 import time
 
-from mgpu_backend.addresses import ENV_SOCKET
-from mgpu_backend.client import FleetClient, FleetError, FleetUnavailable
-from mgpu_backend.client import format_status as client_format_status
-from mgpu_backend.protocol import ConnectionClosed
+from mgpu_backend.fleet.addresses import ENV_SOCKET
+from mgpu_backend.fleet.client import FleetClient, FleetError, FleetUnavailable
+from mgpu_backend.fleet.client import format_status as client_format_status
+from mgpu_backend.fleet.protocol import ConnectionClosed
 
 UNREACHABLE = (FleetUnavailable, ConnectionClosed, OSError)
 """No fleet, or one on its way out (the connection drops during the handshake)."""

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from mgpu_backend.client import FleetCancelled, FleetError
+from mgpu_backend.fleet.client import FleetCancelled, FleetError
 
 log = logging.getLogger("comfyui-mgpu")
 

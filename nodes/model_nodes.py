@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-from mgpu_backend import api
+from mgpu_backend.ltx import api
 
 from .fleet_admin import format_status, status_snapshot, stop_fleet, unload_models
 from .fleet_job import FleetJob, prompt_server
@@ -169,7 +169,7 @@ class LoadCheckpointMGPU:
     def _warn_on_device_mismatch(gpus: str, node_id) -> None:
         if gpus == "all" or os.environ.get("MGPU_CPU_RANKS"):
             return
-        from mgpu_backend.fleet import DeviceSpec
+        from mgpu_backend.fleet.controller import DeviceSpec
 
         wanted = DeviceSpec(gpus=tuple(int(gpu) for gpu in gpus.split(","))).describe()
         running = status_snapshot().get("devices")

@@ -1,15 +1,15 @@
 """SP Sampler (stage 1, from noise) and TDP Upscale (stage 2, 2x refine): the two denoising nodes.
 
 Each checks its inputs (sizes, frame counts, sigmas, tiles) with a message that says what to
-change before anything is sent, calls ``mgpu_backend.api`` and returns an AV LATENT in ComfyUI's
+change before anything is sent, calls ``mgpu_backend.ltx.api`` and returns an AV LATENT in ComfyUI's
 LTX-2 layout. How the work is split over GPUs (sequence parallel, guidance parallel, tiled data
 parallel) is decided in the fleet, never here.
 """
 
 from __future__ import annotations
 
-from mgpu_backend import api
-from mgpu_backend.api import parse_tiles
+from mgpu_backend.ltx import api
+from mgpu_backend.ltx.api import parse_tiles
 
 from .fleet_job import FleetJob
 from .layouts import (

@@ -7,7 +7,7 @@ runs Gemma: the fleet does.
 
 from __future__ import annotations
 
-from mgpu_backend import api
+from mgpu_backend.ltx import api
 
 from .fleet_job import FleetJob
 from .layouts import MODEL_TYPE, check_model_handle, make_conditioning

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from mgpu_backend.client import FleetClient
+from mgpu_backend.fleet.client import FleetClient
 
 REPO = Path(__file__).resolve().parent.parent
 

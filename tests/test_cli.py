@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from mgpu_backend.ltx.tiny import make_tiny_bundle
+from mgpu_backend.bundles.tiny import make_tiny_bundle
 
 from .fleet_harness import REPO
 

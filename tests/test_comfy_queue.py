@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from mgpu_backend import comfy_queue
+from mgpu_backend.tools import comfy_queue
 
 WORKFLOW = Path(__file__).resolve().parent.parent / "workflows" / "api" / "ltx2_t2v_tiny.json"
 PROMPT_ID = "prompt-0001"

@@ -18,10 +18,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mgpu_backend import cli, doctor, protocol
-from mgpu_backend.client import FleetClient, FleetError
-from mgpu_backend.diagnostics import sp_check_groups
-from mgpu_backend.fleet import DeviceSpec
+from mgpu_backend.tools import cli, doctor
+
+from mgpu_backend.fleet import protocol
+from mgpu_backend.fleet.client import FleetClient, FleetError
+from mgpu_backend.ltx.diagnostics import sp_check_groups
+from mgpu_backend.fleet.controller import DeviceSpec
 
 from .fleet_harness import REPO, start_server, stop_server, wait_gone
 

@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from mgpu_backend import protocol
-from mgpu_backend.client import FleetCancelled, FleetClient, FleetError
+from mgpu_backend.fleet import protocol
+from mgpu_backend.fleet.client import FleetCancelled, FleetClient, FleetError
 
 from .fleet_harness import REPO, start_server, stop_server, wait_for_server, wait_gone
 
@@ -226,8 +226,8 @@ def test_shared_memory_segment_is_unlinked_when_the_client_dies_before_reading(f
     script = textwrap.dedent(
         f"""
         import os, torch
-        from mgpu_backend import protocol
-        from mgpu_backend.client import FleetClient
+        from mgpu_backend.fleet import protocol
+        from mgpu_backend.fleet.client import FleetClient
         client = FleetClient.connect({str(fleet)!r}, autostart=False)
         big = torch.ones(20 * 2**20)
         protocol.send_message(client.sock, protocol.Message("submit", {{"op": "echo", "args": {{}}}}, {{"big": big}}))
@@ -252,7 +252,7 @@ def test_server_started_by_a_client_dies_with_it_and_takes_its_ranks(tmp_path):
     script = textwrap.dedent(
         f"""
         import json, sys, time
-        from mgpu_backend.client import FleetClient
+        from mgpu_backend.fleet.client import FleetClient
         client = FleetClient.connect({str(socket_path)!r}, cpu_ranks=2)
         status = client.status()
         print(json.dumps([status["server_pid"]] + [rank["pid"] for rank in status["ranks"]]), flush=True)
@@ -337,7 +337,7 @@ def test_tcp_loopback_fallback_serves_with_the_token_and_refuses_without(tmp_pat
 
 
 def test_gpu_indices_are_taken_within_an_inherited_cuda_visible_devices():
-    from mgpu_backend.fleet import DeviceSpec
+    from mgpu_backend.fleet.controller import DeviceSpec
 
     assert DeviceSpec(gpus=(0, 1)).visible_device_ids({}) == ["0", "1"]
     assert DeviceSpec(gpus=(0, 1)).visible_device_ids({"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]

@@ -1,4 +1,4 @@
-"""kernels/: the CUDA-IPC all-to-all and the collective choice between it and torch.distributed.
+"""mgpu_kernels/: the CUDA-IPC all-to-all and the collective choice between it and torch.distributed.
 
 CPU tests (everywhere): the exchange layout the kernel copies by, the Comm hook, and the fallback
 selection (no CUDA, a build failure on one rank, a peer buffer that cannot be opened). GPU tests
@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import kernels
-from kernels import build as kernel_build
-from kernels import install as kernel_install
-from kernels.ipc_all_to_all import ExchangeLayout
+import mgpu_kernels
+from mgpu_kernels import build as kernel_build
+from mgpu_kernels import install as kernel_install
+from mgpu_kernels.ipc_all_to_all import ExchangeLayout
 from mgpu_backend.parallel.comm import Comm
 from tests.dist_harness import run_ranks
 
@@ -140,7 +140,7 @@ class _LogLines(logging.Handler):
 
 def _capture_kernel_logs() -> _LogLines:
     handler = _LogLines()
-    logger = logging.getLogger("kernels")
+    logger = logging.getLogger("mgpu_kernels")
     logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     return handler
@@ -155,7 +155,7 @@ def _rank_without_cuda():
     torch.cuda.is_available = lambda: False  # this rank process only
     logs = _capture_kernel_logs()
     comm = Comm.world()
-    choices = [kernels.install_fast_all_to_all(comm), kernels.install_fast_all_to_all(comm)]
+    choices = [mgpu_kernels.install_fast_all_to_all(comm), mgpu_kernels.install_fast_all_to_all(comm)]
     received, expected = _exchange_after_install(comm, case=1)
     return choices, logs.lines, received, expected
 
@@ -201,11 +201,11 @@ def _rank_with_one_failing_rank(failure: str):
 
     def local_exchange(*args, **kwargs):
         if failure == "build" and comm.rank == 1:
-            raise kernels.KernelUnavailable("building ipc_all_to_all.cu in /cache failed: RuntimeError: nvcc exploded")
+            raise mgpu_kernels.KernelUnavailable("building ipc_all_to_all.cu in /cache failed: RuntimeError: nvcc exploded")
         return fake
 
     kernel_install._local_exchange = local_exchange
-    choice = kernels.install_fast_all_to_all(comm)
+    choice = mgpu_kernels.install_fast_all_to_all(comm)
     received, expected = _exchange_after_install(comm, case=2)
     return choice, fake.steps, logs.lines, received, expected
 
@@ -232,7 +232,7 @@ def test_a_peer_buffer_that_cannot_be_opened_makes_every_rank_fall_back():
 
 def test_mgpu_all_to_all_torch_switches_the_kernel_off(monkeypatch):
     monkeypatch.setenv("MGPU_ALL_TO_ALL", "torch")
-    with pytest.raises(kernels.KernelUnavailable, match="MGPU_ALL_TO_ALL=torch asks for torch.distributed"):
+    with pytest.raises(mgpu_kernels.KernelUnavailable, match="MGPU_ALL_TO_ALL=torch asks for torch.distributed"):
         kernel_install._local_exchange(Comm(None), None, 30.0, 1 << 20, 1 << 30)
     monkeypatch.setenv("MGPU_ALL_TO_ALL", "fast")
     with pytest.raises(ValueError, match="must be 'ipc', 'auto' or 'torch', got 'fast'"):
@@ -249,7 +249,7 @@ def test_a_failed_build_becomes_a_reason_not_an_exception(monkeypatch, tmp_path)
     monkeypatch.setattr(kernel_build, "_why_not_buildable", lambda: None)
     monkeypatch.setattr(cpp_extension, "load", failing_load)
     outcome = kernel_build._build_and_open()
-    assert isinstance(outcome, kernels.KernelUnavailable), outcome
+    assert isinstance(outcome, mgpu_kernels.KernelUnavailable), outcome
     assert "ipc_all_to_all.cu" in str(outcome) and "failed: RuntimeError: Error building extension" in str(outcome)
     assert str(tmp_path) in str(outcome), str(outcome)
 
@@ -271,7 +271,7 @@ def _rank_kernel_against_references(timeout_s: float):
     torch.cuda.set_device(0)
     comm = Comm.world()
     world = comm.world_size
-    choice = kernels.install_fast_all_to_all(comm, timeout_s=timeout_s, buffer_bytes=1 << 20)
+    choice = mgpu_kernels.install_fast_all_to_all(comm, timeout_s=timeout_s, buffer_bytes=1 << 20)
     exchange = kernel_install._installed.get(comm)
     first_capacity = exchange.capacity if exchange else 0
     report = []
@@ -334,14 +334,14 @@ def test_cuda_ipc_all_to_all_equals_gathered_reference_bf16_fp16_fp32_four_ranks
 def _rank_with_a_missing_peer(timeout_s: float):
     torch.cuda.set_device(0)
     comm = Comm.world()
-    choice = kernels.install_fast_all_to_all(comm, timeout_s=timeout_s)
+    choice = mgpu_kernels.install_fast_all_to_all(comm, timeout_s=timeout_s)
     message, later, elapsed = "", "", 0.0
     if comm.rank == 0:  # rank 1 never enters the exchange
         x = torch.randn(4, 64, device="cuda")
         started = time.perf_counter()
         try:
             comm.all_to_all(x, 1, 0)
-        except kernels.AllToAllTimeout as timeout:
+        except mgpu_kernels.AllToAllTimeout as timeout:
             message = str(timeout)
         elapsed = time.perf_counter() - started
         try:

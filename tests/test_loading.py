@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from mgpu_backend.ltx import tiny
+from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.loading import ModelFileError, ModelLoader, ModelSpec, validate_model_files
 
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from mgpu_backend import media
-from mgpu_backend.client import FleetCancelled, FleetClient, FleetError
+from mgpu_backend.tools import media
+from mgpu_backend.fleet.client import FleetCancelled, FleetClient, FleetError
 from mgpu_backend.ltx.jobs import _guider
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import encode_prompts
-from mgpu_backend.ltx.tiny import make_tiny_bundle
+from mgpu_backend.bundles.tiny import make_tiny_bundle
 
 from .fleet_harness import REPO, start_server, stop_server
 

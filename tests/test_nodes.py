@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend import api
-from mgpu_backend.client import FleetCancelled, FleetError
+from mgpu_backend.ltx import api
+from mgpu_backend.fleet.client import FleetCancelled, FleetError
 
 PACK_DIR = Path(__file__).resolve().parent.parent
 CATEGORY = "MGPU/LTX-2"
@@ -60,7 +60,7 @@ def test_pack_entry_imported_as_a_plain_module_registers_nothing_and_does_not_fa
 
 
 class ApiRecorder:
-    """Stands in for one mgpu_backend.api function: records its calls, returns a canned result, and
+    """Stands in for one mgpu_backend.ltx.api function: records its calls, returns a canned result, and
     shows the real function's signature (nodes look at it to see what the fleet api takes)."""
 
     def __init__(self, signature_of=None, result=None) -> None:

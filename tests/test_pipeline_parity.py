@@ -39,7 +39,7 @@ from ltx_core.text_encoders.gemma.encoders import encoder_configurator
 from ltx_core.types import VideoPixelShape
 from PIL import Image
 
-from mgpu_backend.ltx import tiny
+from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.decode import decode_audio, decode_video
 from mgpu_backend.ltx.latents import (
     audio_latent_to_tokens,
@@ -50,7 +50,7 @@ from mgpu_backend.ltx.latents import (
 )
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.ltx.passes import SequentialPassRunner
-from mgpu_backend.ltx.random_bundle import ltx_core_gemma_config
+from mgpu_backend.bundles.full_size import ltx_core_gemma_config
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import TextContext, contexts_from_gemma, encode_prompts
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mgpu_backend.ltx import random_bundle, tiny
+from mgpu_backend.bundles import full_size as random_bundle, tiny
 from mgpu_backend.ltx.loading import ModelLoader, validate_model_files
 
 REPO = Path(__file__).resolve().parent.parent

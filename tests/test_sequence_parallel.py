@@ -30,7 +30,7 @@ from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
 from ltx_core.tools import AudioLatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, LatentState, VideoLatentShape
 
-from mgpu_backend.ltx.tiny import LTX2_TRANSFORMER_ARCHITECTURE
+from mgpu_backend.bundles.tiny import LTX2_TRANSFORMER_ARCHITECTURE
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.sequence_parallel import (
     VideoTokenShards,

@@ -21,7 +21,7 @@ from ltx_core.model.transformer.model_configurator import LTXModelConfigurator
 from ltx_core.tools import AudioLatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, VideoLatentShape
 
-from mgpu_backend.ltx.tiny import LTX2_TRANSFORMER_ARCHITECTURE
+from mgpu_backend.bundles.tiny import LTX2_TRANSFORMER_ARCHITECTURE
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.tiled_data_parallel import (
     DimensionTiling,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mgpu_backend.ltx import tiny
+from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 
 

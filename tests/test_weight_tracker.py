@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mgpu_backend.ltx import tiny
+from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.weight_tracker import TransformerWeightTracker, clean_shard_on_host, stage_lora_set

@@ -27,24 +27,24 @@ import torch
 from ltx_core.components.guiders import MultiModalGuiderParams
 from ltx_core.model.video_vae import SpatialTilingConfig, TemporalTilingConfig, TilingConfig
 
-from kernels import install_fast_all_to_all
+from mgpu_kernels import install_fast_all_to_all
 
-from ..jobs import JobContext, JobInputError, job
-from ..parallel.batched_passes import batch_passes_wanted, batching_runner
-from ..parallel.compiled_blocks import compile_blocks_wanted, compiled_blocks
-from ..parallel.cuda_graphs import CapturingPassRunner, cuda_graphs_wanted
-from ..parallel.distributed_gemma import GEMMA_MODES, encode_prompts_distributed, last_encode_stats, release_text_encoders
-from ..parallel.distributed_decode import decoded_images_shape, distributed_decode_images, last_decode_stats
-from ..parallel.guidance_parallel import build_stage1_parallel, plan_stage1
-from ..parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel, sequence_parallel_degree
-from ..parallel.weight_tracker import TransformerWeightTracker
-from ..parallel.tiled_data_parallel import DimensionTiling, TileCounts, VideoTilePlan, apply_tiled_data_parallel, balanced_tile_split
-from .decode import decode_audio
-from .latents import StageGeometry, job_generator
-from .loading import ModelFileError, ModelLoader, ModelSpec
-from .stages import GenerationParams, check_generation_fits, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
-from .text import TextContext
-from .validation import TransformerDims, validate_stg_blocks
+from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
+from mgpu_backend.parallel.batched_passes import batch_passes_wanted, batching_runner
+from mgpu_backend.parallel.compiled_blocks import compile_blocks_wanted, compiled_blocks
+from mgpu_backend.parallel.cuda_graphs import CapturingPassRunner, cuda_graphs_wanted
+from mgpu_backend.parallel.distributed_gemma import GEMMA_MODES, encode_prompts_distributed, last_encode_stats, release_text_encoders
+from mgpu_backend.parallel.distributed_decode import decoded_images_shape, distributed_decode_images, last_decode_stats
+from mgpu_backend.parallel.guidance_parallel import build_stage1_parallel, plan_stage1
+from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel, sequence_parallel_degree
+from mgpu_backend.parallel.weight_tracker import TransformerWeightTracker
+from mgpu_backend.parallel.tiled_data_parallel import DimensionTiling, TileCounts, VideoTilePlan, apply_tiled_data_parallel, balanced_tile_split
+from mgpu_backend.ltx.decode import decode_audio
+from mgpu_backend.ltx.latents import StageGeometry, job_generator
+from mgpu_backend.ltx.loading import ModelFileError, ModelLoader, ModelSpec
+from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
+from mgpu_backend.ltx.text import TextContext
+from mgpu_backend.ltx.validation import TransformerDims, validate_stg_blocks
 
 log = logging.getLogger("mgpu.ltx")
 

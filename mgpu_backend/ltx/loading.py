@@ -132,7 +132,7 @@ class ModelSpec:
     @classmethod
     def tiny(cls) -> ModelSpec:
         """The embedded tiny random-weight bundle (made in the cache folder on first use)."""
-        from mgpu_backend.ltx.tiny import default_tiny_bundle
+        from mgpu_backend.bundles.tiny import default_tiny_bundle
 
         bundle = default_tiny_bundle()
         return cls(

@@ -1,7 +1,7 @@
 """The one communication interface every parallel technique uses.
 
 A ``Comm`` wraps a torch.distributed process group (NCCL on GPUs, gloo on CPU) and offers the few
-collectives the techniques need. Keeping them behind one small class lets ``kernels/`` supply a
+collectives the techniques need. Keeping them behind one small class lets ``mgpu_kernels/`` supply a
 faster all-to-all without touching any technique. It never creates processes or process groups of
 the default world itself; ``Comm.split`` makes subgroups collectively.
 """
@@ -60,9 +60,9 @@ class Comm:
         """Route this Comm's ``all_to_all`` through ``exchange(tensor, scatter_dim, gather_dim)``, or back
         to torch.distributed with ``None``.
 
-        The hook through which ``kernels/`` installs its CUDA-IPC all-to-all on one Comm (subgroups
+        The hook through which ``mgpu_kernels/`` installs its CUDA-IPC all-to-all on one Comm (subgroups
         made by ``split`` start without one). Every rank of the group must make the same choice, or
-        the ranks wait on different collectives: use ``kernels.install_fast_all_to_all``, which agrees
+        the ranks wait on different collectives: use ``mgpu_mgpu_kernels.install_fast_all_to_all``, which agrees
         on it collectively, rather than calling this directly.
         """
         self._all_to_all_exchange = exchange

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from mgpu_backend import comfy_queue
+from mgpu_backend.tools import comfy_queue
 
 PACK_DIR = Path(__file__).resolve().parents[2]
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")

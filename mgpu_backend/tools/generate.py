@@ -131,7 +131,7 @@ def _load_image(path: str) -> torch.Tensor:
 
 def build_spec(args) -> tuple[dict, bool]:
     """The model spec JSON, and whether it is the embedded tiny bundle."""
-    from .ltx.loading import ModelSpec
+    from mgpu_backend.ltx.loading import ModelSpec
 
     given = [args.checkpoint_path, args.gemma_root, args.spatial_upsampler_path, args.distilled_lora]
     if not any(given):
@@ -153,9 +153,9 @@ def build_spec(args) -> tuple[dict, bool]:
 
 
 def run_generate(args) -> int:
-    from . import api
-    from .client import FleetCancelled, FleetError
-    from .media import write_mp4
+    from mgpu_backend.ltx import api
+    from mgpu_backend.fleet.client import FleetCancelled, FleetError
+    from mgpu_backend.tools.media import write_mp4
 
     spec, tiny = build_spec(args)
     defaults = TINY_DEFAULTS if tiny else REAL_DEFAULTS

@@ -18,13 +18,13 @@ import time
 import torch
 from ltx_core.model.transformer import LTXModelConfigurator, X0Model
 
-from .jobs import JobContext, JobInputError, job
-from .ltx.jobs import _float, _guider, _int, run_stage1
-from .ltx.stages import GenerationParams, transformer_layer_count
-from .ltx.text import TextContext
-from .ltx.validation import TransformerDims
-from .parallel.compiled_blocks import compile_blocks_wanted
-from .parallel.cuda_graphs import cuda_graphs_wanted
+from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
+from mgpu_backend.ltx.jobs import _float, _guider, _int, run_stage1
+from mgpu_backend.ltx.stages import GenerationParams, transformer_layer_count
+from mgpu_backend.ltx.text import TextContext
+from mgpu_backend.ltx.validation import TransformerDims
+from mgpu_backend.parallel.compiled_blocks import compile_blocks_wanted
+from mgpu_backend.parallel.cuda_graphs import cuda_graphs_wanted
 
 
 def random_transformer(config: dict, device: torch.device, dtype: torch.dtype, seed: int) -> X0Model:
@@ -237,11 +237,11 @@ class _LogCapture(logging.Handler):
 
 
 def _install_and_explain(comm, device: torch.device) -> tuple[str, list[str]]:
-    """``kernels.install_fast_all_to_all`` on ``comm`` (collective), with the lines it logs saying why
+    """``mgpu_kernels.install_fast_all_to_all`` on ``comm`` (collective), with the lines it logs saying why
     it chose what it chose: the reasons exist only in its log."""
-    from kernels import install_fast_all_to_all
+    from mgpu_kernels import install_fast_all_to_all
 
-    logger = logging.getLogger("kernels")
+    logger = logging.getLogger("mgpu_kernels")
     capture, level = _LogCapture(), logger.level
     logger.addHandler(capture)
     logger.setLevel(logging.INFO)
@@ -258,7 +258,7 @@ def doctor_all_to_all_kernel(ctx: JobContext, args: dict, tensors: dict):
     """Whether the CUDA-IPC all-to-all kernel can serve this fleet, and why; if it can, check that it
     moves the same bytes as torch.distributed and time both at one size. CUDA fleets of 2+ ranks only:
     the doctor never asks where there is no CUDA, so nothing is ever built there."""
-    from kernels import CUDA_IPC, uninstall_fast_all_to_all
+    from mgpu_kernels import CUDA_IPC, uninstall_fast_all_to_all
 
     if ctx.device.type != "cuda" or ctx.world_size < 2:
         raise JobInputError("the all-to-all kernel check needs a CUDA fleet of at least 2 ranks")
@@ -293,7 +293,7 @@ def sp_check_groups(world_size: int, heads: int) -> list[list[int]]:
 def _sp_check_inputs(config: dict, device: torch.device, seed: int, text_tokens: int):
     """Video and audio transformer inputs (``Modality``) of a small stage-1 geometry, seeded on the CPU
     so every rank holds the same numbers whatever its device."""
-    from .ltx.latents import StageGeometry
+    from mgpu_backend.ltx.latents import StageGeometry
 
     geometry = StageGeometry(height=64, width=96, num_frames=17, frame_rate=24.0)  # 3x2x3 = 18 video tokens
     caption_channels = config["transformer"]["caption_channels"]
@@ -306,7 +306,7 @@ def random_transformer_inputs(video_geometry, audio_geometry, text_tokens: int, 
     ``sigma``, with seeded random latents and text contexts of ``text_tokens`` x ``caption_channels``.
     Drawn in the order video latent, video context, audio latent, audio context, on ``device`` (or
     on the CPU with ``draw_on_cpu``, so every device gets the same numbers)."""
-    from .ltx.stages import modality_input
+    from mgpu_backend.ltx.stages import modality_input
 
     draw_device = torch.device("cpu") if draw_on_cpu else torch.device(device)
     generator = torch.Generator(device=draw_device).manual_seed(seed)
@@ -328,7 +328,7 @@ def doctor_sp_check(ctx: JobContext, args: dict, tensors: dict):
     ``reference_noise`` (default 0) perturbs the reference model's weights: the doctor's tests use it to
     make sure a real disagreement is reported.
     """
-    from .parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel, sequence_parallel_degree
+    from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel, sequence_parallel_degree
 
     config = args.get("config")
     if not isinstance(config, dict) or not isinstance(config.get("transformer"), dict):
@@ -359,7 +359,7 @@ def doctor_sp_check(ctx: JobContext, args: dict, tensors: dict):
     finally:
         remove_sequence_parallel(model)
         if ctx.device.type == "cuda" and sp_comm.world_size > 1:
-            from kernels import uninstall_fast_all_to_all
+            from mgpu_kernels import uninstall_fast_all_to_all
 
             uninstall_fast_all_to_all(sp_comm)
 

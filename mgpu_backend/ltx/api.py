@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .client import FleetClient, FleetError, FleetUnavailable
+from mgpu_backend.fleet.client import FleetClient, FleetError, FleetUnavailable
 
 Progress = Callable[[dict], None] | None
 ShouldCancel = Callable[[], bool] | None

@@ -21,10 +21,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import protocol, shm
-from .jobs import JOBS, JobCancelled, JobContext, JobInputError, load_job_modules
-from .parallel.comm import Comm
-from .protocol import Message
+from mgpu_backend.fleet import protocol, shm
+from mgpu_backend.fleet.jobs import JOBS, JobCancelled, JobContext, JobInputError, load_job_modules
+from mgpu_backend.parallel.comm import Comm
+from mgpu_backend.fleet.protocol import Message
 
 HEARTBEAT_SECONDS = 2.0
 

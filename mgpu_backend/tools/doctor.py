@@ -35,12 +35,12 @@ from pathlib import Path
 
 import torch
 
-from . import protocol
-from .addresses import ENV_SOCKET, Address, AddressError, ensure_private_dir
-from .client import FleetClient, FleetError
-from .fleet import DeviceSpec
+from mgpu_backend import PACKAGE_ROOT
+from mgpu_backend.fleet import protocol
+from mgpu_backend.fleet.addresses import ENV_SOCKET, Address, AddressError, ensure_private_dir
+from mgpu_backend.fleet.client import FleetClient, FleetError
+from mgpu_backend.fleet.controller import DeviceSpec
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 TRANSFORMER_CONFIG_PATH = PACKAGE_ROOT / "configs" / "ltx2-19b-transformer.json"
 
 # LTX-2 19B: 19e9 parameters x 2 bytes of bf16 on every GPU (SP and TDP replicate the weights), plus
@@ -451,9 +451,9 @@ def sp_check_config() -> tuple[dict, str]:
     if TRANSFORMER_CONFIG_PATH.is_file():
         transformer, source = json.loads(TRANSFORMER_CONFIG_PATH.read_text())["transformer"], str(TRANSFORMER_CONFIG_PATH)
     else:
-        from .ltx.tiny import TRANSFORMER_CONFIG
+        from mgpu_backend.bundles.tiny import TRANSFORMER_CONFIG
 
-        transformer, source = dict(TRANSFORMER_CONFIG), "mgpu_backend.ltx.tiny.TRANSFORMER_CONFIG"
+        transformer, source = dict(TRANSFORMER_CONFIG), "mgpu_backend.bundles.tiny.TRANSFORMER_CONFIG"
     return {"transformer": {**transformer, **SP_CHECK_OVERRIDES}}, source
 
 

@@ -22,14 +22,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from . import protocol, shm
-from .protocol import Message
+from mgpu_backend import PACKAGE_ROOT
+from mgpu_backend.fleet import protocol, shm
+from mgpu_backend.fleet.protocol import Message
 
 log = logging.getLogger("mgpu.fleet")
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 READY_TIMEOUT_SECONDS = 300.0
 ERROR_GRACE_SECONDS = 5.0  # after one rank fails, how long the others get to finish cleanly
 

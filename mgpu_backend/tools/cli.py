@@ -18,9 +18,9 @@ def _add_socket(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .addresses import Address
-    from .fleet import DeviceSpec
-    from .server import Server
+    from mgpu_backend.fleet.addresses import Address
+    from mgpu_backend.fleet.controller import DeviceSpec
+    from mgpu_backend.fleet.server import Server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
@@ -40,13 +40,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _client(args: argparse.Namespace):
-    from .client import FleetClient
+    from mgpu_backend.fleet.client import FleetClient
 
     return FleetClient.connect(args.socket, autostart=False)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .client import FleetUnavailable, format_status
+    from mgpu_backend.fleet.client import FleetUnavailable, format_status
 
     try:
         with _client(args) as client:
@@ -62,7 +62,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from .client import FleetUnavailable
+    from mgpu_backend.fleet.client import FleetUnavailable
 
     try:
         with _client(args) as client:
@@ -75,14 +75,14 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_rank(args: argparse.Namespace) -> int:
-    from . import rank
+    from mgpu_backend.fleet import rank
 
     rank.main(args.rank, args.world_size, args.fd, args.device, args.store, args.owner_pid)
     return 0
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from .ltx.tiny import make_tiny_bundle
+    from mgpu_backend.bundles.tiny import make_tiny_bundle
 
     bundle = make_tiny_bundle(args.directory)
     print(f"tiny LTX-2 bundle (random weights) in {bundle.root}:")
@@ -118,9 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("directory")
     tiny.set_defaults(func=cmd_make_tiny)
 
-    from .comfy_queue import add_queue_parser
-    from .doctor import add_doctor_parser
-    from .generate import add_generate_parser
+    from mgpu_backend.tools.comfy_queue import add_queue_parser
+    from mgpu_backend.tools.doctor import add_doctor_parser
+    from mgpu_backend.tools.generate import add_generate_parser
 
     add_generate_parser(commands)
     add_queue_parser(commands)

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from .jobs import JobContext, JobInputError, job
+from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
 
 
 @job("echo")

@@ -19,10 +19,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from . import protocol, shm
-from .addresses import Address, ensure_private_dir, write_token
-from .fleet import DeviceSpec, Fleet, JobFailed
-from .protocol import Message
+from mgpu_backend.fleet import protocol, shm
+from mgpu_backend.fleet.addresses import Address, ensure_private_dir, write_token
+from mgpu_backend.fleet.controller import DeviceSpec, Fleet, JobFailed
+from mgpu_backend.fleet.protocol import Message
 
 log = logging.getLogger("mgpu.server")
 

@@ -47,9 +47,9 @@ from pathlib import Path
 
 import torch
 
-from ..diagnostics import materialize_random_
-from . import tiny
-from .loading import ModelSpec
+from mgpu_backend.ltx.diagnostics import materialize_random_
+from mgpu_backend.bundles import tiny
+from mgpu_backend.ltx.loading import ModelSpec
 
 RANDOM_BUNDLE_FORMAT = 1
 """Bump whenever the bytes written for a configuration and seed change: old folders are rewritten."""
@@ -330,7 +330,7 @@ def _checkpoint_parts(config: BundleConfig) -> list[_Part]:
     from ltx_core.model.transformer import LTXModelConfigurator
     from ltx_core.model.video_vae import VideoDecoderConfigurator, VideoEncoderConfigurator
 
-    from .loading import _embeddings_processor_configurator
+    from mgpu_backend.ltx.loading import _embeddings_processor_configurator
 
     checkpoint = config.checkpoint
     embeddings_processor = _embeddings_processor_configurator(config.gemma["text_config"])

@@ -19,15 +19,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from . import protocol, shm
-from .addresses import Address, ensure_private_dir, read_token
-from .protocol import Message
+from mgpu_backend import PACKAGE_ROOT
+from mgpu_backend.fleet import protocol, shm
+from mgpu_backend.fleet.addresses import Address, ensure_private_dir, read_token
+from mgpu_backend.fleet.protocol import Message
 
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_SECONDS = float(os.environ.get("MGPU_START_TIMEOUT", "300"))
 POLL_SECONDS = 0.1
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from . import shm
-from .parallel.comm import Comm
+from mgpu_backend.fleet import shm
+from mgpu_backend.parallel.comm import Comm
 
-JOB_MODULES = ("mgpu_backend.builtin_jobs", "mgpu_backend.ltx.jobs", "mgpu_backend.diagnostics")
+JOB_MODULES = ("mgpu_backend.fleet.selftest_jobs", "mgpu_backend.ltx.jobs", "mgpu_backend.ltx.diagnostics")
 
 JobFn = Callable[["JobContext", dict[str, Any], dict[str, torch.Tensor]], tuple[dict[str, Any], dict[str, torch.Tensor]]]
 JOBS: dict[str, JobFn] = {}

@@ -13,7 +13,7 @@ collectively, when a larger exchange comes), and a host synchronisation per exch
 that is when a peer that never arrived is noticed and raised as ``AllToAllTimeout`` rather than
 hanging the rank.
 
-It must never be installed on some ranks of a group and not on others (``kernels.install`` agrees
+It must never be installed on some ranks of a group and not on others (``mgpu_kernels.install`` agrees
 on it collectively), never talk to the other ranks except through the group's torch.distributed
 calls during setup and through the peer buffers, and never return a view of its receive buffer.
 """
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from kernels.build import KernelUnavailable
+from mgpu_kernels.build import KernelUnavailable
 
 log = logging.getLogger(__name__)
 

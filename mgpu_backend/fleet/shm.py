@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .protocol import DTYPE_NAMES, ProtocolError, bytes_to_tensor, tensor_bytes, tensor_descriptor, validate_descriptor
+from mgpu_backend.fleet.protocol import DTYPE_NAMES, ProtocolError, bytes_to_tensor, tensor_bytes, tensor_descriptor, validate_descriptor
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^mgpu-(\d+)-(\d+)-[0-9a-f]{16}$")

@@ -21,8 +21,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from kernels.build import KernelUnavailable, load_library
-from kernels.ipc_all_to_all import IpcAllToAll, log_once
+from mgpu_kernels.build import KernelUnavailable, load_library
+from mgpu_kernels.ipc_all_to_all import IpcAllToAll, log_once
 
 log = logging.getLogger(__name__)
 
