@@ -69,7 +69,7 @@ class ModelFileError(ValueError):
 # --- Field readers: one message style for every request -------------------------------------------
 
 
-def _integer(data: dict, name: str, default: int, low: int, high: int) -> int:
+def integer_field(data: dict, name: str, default: int, low: int, high: int) -> int:
     value = data.get(name, default)
     if value is None:
         value = default
@@ -78,7 +78,7 @@ def _integer(data: dict, name: str, default: int, low: int, high: int) -> int:
     return value
 
 
-def _number(data: dict, name: str, default: float, low: float = -math.inf, high: float = math.inf) -> float:
+def number_field(data: dict, name: str, default: float, low: float = -math.inf, high: float = math.inf) -> float:
     value = data.get(name, default)
     if value is None:
         value = default
@@ -419,11 +419,11 @@ class Guidance:
         if blocks is not None and (not isinstance(blocks, (list, tuple)) or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks)):
             raise RequestError(f"{name}.stg_blocks must be a list of block indices, or null for the official block")
         return cls(
-            cfg_scale=_number(data, "cfg_scale", default.cfg_scale, 0.0, 100.0),
-            stg_scale=_number(data, "stg_scale", default.stg_scale, 0.0, 100.0),
-            rescale_scale=_number(data, "rescale_scale", default.rescale_scale, 0.0, 1.0),
-            modality_scale=_number(data, "modality_scale", default.modality_scale, 0.0, 100.0),
-            skip_step=_integer(data, "skip_step", default.skip_step, 0, 1000),
+            cfg_scale=number_field(data, "cfg_scale", default.cfg_scale, 0.0, 100.0),
+            stg_scale=number_field(data, "stg_scale", default.stg_scale, 0.0, 100.0),
+            rescale_scale=number_field(data, "rescale_scale", default.rescale_scale, 0.0, 1.0),
+            modality_scale=number_field(data, "modality_scale", default.modality_scale, 0.0, 100.0),
+            skip_step=integer_field(data, "skip_step", default.skip_step, 0, 1000),
             stg_blocks=None if blocks is None else tuple(blocks),
         )
 
@@ -645,12 +645,12 @@ class SampleRequest:
             dtype=_choice(data, "dtype", "bfloat16", DTYPES),
             model_version=version,
             pipeline=pipeline,
-            width=_integer(data, "width", official.stage1_width, VIDEO_SPATIAL_COMPRESSION, MAX_SIDE),
-            height=_integer(data, "height", official.stage1_height, VIDEO_SPATIAL_COMPRESSION, MAX_SIDE),
-            num_frames=_integer(data, "num_frames", official.num_frames, 1, MAX_FRAMES),
-            frame_rate=_number(data, "frame_rate", official.frame_rate, 1.0, 240.0),
-            seed=_integer(data, "seed", official.seed, 0, SEED_MAX),
-            steps=_integer(data, "steps", official.steps, 1, MAX_STEPS),
+            width=integer_field(data, "width", official.stage1_width, VIDEO_SPATIAL_COMPRESSION, MAX_SIDE),
+            height=integer_field(data, "height", official.stage1_height, VIDEO_SPATIAL_COMPRESSION, MAX_SIDE),
+            num_frames=integer_field(data, "num_frames", official.num_frames, 1, MAX_FRAMES),
+            frame_rate=number_field(data, "frame_rate", official.frame_rate, 1.0, 240.0),
+            seed=integer_field(data, "seed", official.seed, 0, SEED_MAX),
+            steps=integer_field(data, "steps", official.steps, 1, MAX_STEPS),
             video_guidance=Guidance.from_wire(data.get("video_guidance"), "video_guidance", official.video_guidance),
             audio_guidance=Guidance.from_wire(data.get("audio_guidance"), "audio_guidance", official.audio_guidance),
             parallel=_choice(data, "parallel", "auto", PARALLEL_PLANS),
@@ -714,11 +714,11 @@ class UpscaleRequest:
             dtype=_choice(data, "dtype", "bfloat16", DTYPES),
             model_version=version,
             pipeline=pipeline,
-            frame_rate=_number(data, "frame_rate", official.frame_rate, 1.0, 240.0),
-            seed=_integer(data, "seed", official.seed, 0, SEED_MAX),
+            frame_rate=number_field(data, "frame_rate", official.frame_rate, 1.0, 240.0),
+            seed=integer_field(data, "seed", official.seed, 0, SEED_MAX),
             sigmas=sigmas,
             tiles=None if tiles is None else (tiles[0], tiles[1]),
-            overlap=_integer(data, "overlap", TDP_OVERLAP, 0, 64),
+            overlap=integer_field(data, "overlap", TDP_OVERLAP, 0, 64),
             force_from_noise=force_from_noise,
             positive_digest=_digest(data, "positive_digest"),
         )
@@ -747,8 +747,8 @@ class DecodeRequest:
     @classmethod
     def from_wire(cls, data: dict) -> DecodeRequest:
         _no_unknown_fields(data, cls, cls.op)
-        spatial = _integer(data, "spatial_tile_pixels", DECODE_SPATIAL_TILE_PIXELS, 64, MAX_SIDE)
-        temporal = _integer(data, "temporal_tile_frames", DECODE_TEMPORAL_TILE_FRAMES, 16, 4096)
+        spatial = integer_field(data, "spatial_tile_pixels", DECODE_SPATIAL_TILE_PIXELS, 64, MAX_SIDE)
+        temporal = integer_field(data, "temporal_tile_frames", DECODE_TEMPORAL_TILE_FRAMES, 16, 4096)
         if spatial % VIDEO_SPATIAL_COMPRESSION or temporal % VIDEO_TEMPORAL_COMPRESSION:
             raise RequestError(f"decode tiles must be multiples of 32 pixels and 8 frames, got {spatial} px and {temporal} frames")
         after_stages = data.get("after_stages", 2)
@@ -757,8 +757,8 @@ class DecodeRequest:
         return cls(
             spec=_spec_of(data, cls.op),
             dtype=_choice(data, "dtype", "bfloat16", DTYPES),
-            seed=_integer(data, "seed", OFFICIAL.seed, 0, SEED_MAX),
-            frame_rate=_number(data, "frame_rate", OFFICIAL.frame_rate, 1.0, 240.0),
+            seed=integer_field(data, "seed", OFFICIAL.seed, 0, SEED_MAX),
+            frame_rate=number_field(data, "frame_rate", OFFICIAL.frame_rate, 1.0, 240.0),
             after_stages=after_stages,
             spatial_tile_pixels=spatial,
             temporal_tile_frames=temporal,
