@@ -39,6 +39,7 @@ GEMMA_MODES = ("sharded", "batch_parallel")
 PARALLEL_PLANS = ("auto", "sp", "guidance", "hybrid")
 AFTER_STAGES = (0, 1, 2)
 
+DISTILLED_LORA_STRENGTH = 1.0  # ltx_pipelines.utils.constants.DEFAULT_LORA_STRENGTH
 SEED_MAX = 2**63 - 1  # the ranks seed torch generators with a signed 64-bit value
 MAX_SIDE = 8192
 MAX_FRAMES = 100_000
@@ -242,11 +243,11 @@ class ModelSpec:
     gemma_root: str
     spatial_upsampler_path: str | None = None
     distilled_lora: str | None = None
-    distilled_lora_strength: float = 1.0  # ltx_pipelines.utils.constants.DEFAULT_LORA_STRENGTH
+    distilled_lora_strength: float = DISTILLED_LORA_STRENGTH
     loras: tuple[tuple[str, float], ...] = ()
 
     @classmethod
-    def embedded_tiny(cls, spatial_upsampler: bool = True, distilled_lora: bool = True, distilled_lora_strength: float = 1.0) -> ModelSpec:
+    def embedded_tiny(cls, spatial_upsampler: bool = True, distilled_lora: bool = True, distilled_lora_strength: float = DISTILLED_LORA_STRENGTH) -> ModelSpec:
         """The embedded tiny random-weight bundle, named symbolically (nothing is written here)."""
         return cls(
             checkpoint_path=EMBEDDED_TINY,
@@ -317,7 +318,7 @@ class ModelSpec:
         for name in ("spatial_upsampler_path", "distilled_lora"):
             if data.get(name) is not None and (not isinstance(data[name], str) or not data[name]):
                 raise ModelFileError(f"model spec field {name!r} must be a path string or null, got {data[name]!r}")
-        strength = data.get("distilled_lora_strength", 1.0)
+        strength = data.get("distilled_lora_strength", DISTILLED_LORA_STRENGTH)
         if isinstance(strength, bool) or not isinstance(strength, (int, float)):
             raise ModelFileError(f"model spec field 'distilled_lora_strength' must be a number, got {strength!r}")
         loras = data.get("loras", [])
