@@ -151,16 +151,16 @@ def validate_generation(
     num_inference_steps: int | None = None,
     frame_rate: float | None = None,
 ) -> None:
-    """Raise ``ValueError`` for a size, frame count, step count or frame rate LTX-2 cannot run.
+    """Raise ``RequestError`` (a ValueError) for a size, frame count, step count or frame rate LTX-2 cannot run.
 
     ``height`` and ``width`` are the final video size: multiples of 64 for the two-stage graph
     (stage 1 runs at half size on a 32-pixel latent grid), of 32 for stage 1 alone.
     """
     for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
         if int(value) != value or value <= 0:
-            raise ValueError(f"{name} must be a positive whole number, got {value}")
+            raise RequestError(f"{name} must be a positive whole number, got {value}")
     if num_frames % VIDEO_TEMPORAL_COMPRESSION != 1:
-        raise ValueError(
+        raise RequestError(
             f"frames must be 8k+1 (the video VAE packs 8 frames per latent frame after the first), "
             f"got {num_frames}; use {nearest_valid_frame_count(num_frames)}"
         )
@@ -168,15 +168,15 @@ def validate_generation(
     graph = "the two-stage graph (stage 1 runs at half size)" if two_stage else "a single stage"
     for name, value in (("width", width), ("height", height)):
         if value % multiple != 0:
-            raise ValueError(
+            raise RequestError(
                 f"{name} must be a multiple of {multiple} for {graph}, got {value}; "
                 f"use {_nearest_multiple(value, multiple)}"
             )
     official = DEFAULTS[("2.0", "two-stage")]
     if num_inference_steps is not None and (int(num_inference_steps) != num_inference_steps or num_inference_steps < 1):
-        raise ValueError(f"steps must be a whole number >= 1, got {num_inference_steps}; the official default is {official.steps}")
+        raise RequestError(f"steps must be a whole number >= 1, got {num_inference_steps}; the official default is {official.steps}")
     if frame_rate is not None and not frame_rate > 0:
-        raise ValueError(f"frame rate must be positive, got {frame_rate}; the official default is {official.frame_rate:g}")
+        raise RequestError(f"frame rate must be positive, got {frame_rate}; the official default is {official.frame_rate:g}")
 
 
 def validate_sigmas(sigmas: Iterable[float]) -> None:
@@ -186,11 +186,11 @@ def validate_sigmas(sigmas: Iterable[float]) -> None:
     values = [float(v) for v in (sigmas.flatten().tolist() if hasattr(sigmas, "flatten") else sigmas)]
     example = ", ".join(map(str, STAGE_2_SIGMAS))
     if len(values) < 2:
-        raise ValueError(f"sigmas need at least two values (start and end), got {values}; e.g. {example}")
+        raise RequestError(f"sigmas need at least two values (start and end), got {values}; e.g. {example}")
     if any(not 0.0 <= v <= 1.0 for v in values):
-        raise ValueError(f"sigmas must lie in [0, 1], got {values}")
+        raise RequestError(f"sigmas must lie in [0, 1], got {values}")
     if any(later >= earlier for earlier, later in zip(values, values[1:], strict=False)):
-        raise ValueError(f"sigmas must decrease strictly, got {values}; e.g. {example}")
+        raise RequestError(f"sigmas must decrease strictly, got {values}; e.g. {example}")
 
 
 def validate_upscale_sigmas(sigmas: Sequence[float], force_from_noise: bool) -> None:
@@ -198,7 +198,7 @@ def validate_upscale_sigmas(sigmas: Sequence[float], force_from_noise: bool) -> 
     validate_sigmas(sigmas)
     if sigmas[0] >= 1.0 and not force_from_noise:
         default = ", ".join(map(str, TDP_UPSCALE_SIGMAS))
-        raise ValueError(
+        raise RequestError(
             f"TDP Upscale refuses to start from pure noise: the sigmas start at {sigmas[0]} (pure noise), so each tile "
             "would denoise on its own and the tiles would not agree on one video. Generate stage 1 with the SP Sampler "
             f"and upscale that (default sigmas {default}), or set force_from_noise only to study the failure"
@@ -213,7 +213,7 @@ def validate_stg_blocks(guidance, layer_count: int | None, modality: str) -> Non
         return
     outside = [block for block in guidance.stg_blocks if not 0 <= block < layer_count]
     if outside:
-        raise ValueError(
+        raise RequestError(
             f"{modality} stg_blocks {list(guidance.stg_blocks)} name blocks {outside} outside this model's "
             f"{layer_count} transformer blocks (0..{layer_count - 1}); use blocks in that range "
             f"(the official LTX-2 default [29] is for the 48-block model), or set the {modality} stg scale to 0"
