@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend.ltx import api
 from mgpu_backend.fleet.client import FleetCancelled, FleetError
+from mgpu_backend.ltx import api
 
 PACK_DIR = Path(__file__).resolve().parent.parent
 CATEGORY = "MGPU/LTX-2"
@@ -124,7 +124,6 @@ def test_pack_exports_six_nodes_with_the_issue_display_names_and_web_directory()
 def test_nodes_package_is_not_shipped_in_the_wheel():
     # ComfyUI has a top-level module 'nodes': the wheel must not install ours under that name.
     import tomllib
-
     from setuptools import find_packages
 
     config = tomllib.loads((PACK_DIR / "pyproject.toml").read_text())
