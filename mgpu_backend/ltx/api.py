@@ -22,7 +22,15 @@ from dataclasses import dataclass
 import torch
 
 from mgpu_backend.fleet.client import FleetClient, FleetError, FleetUnavailable
-from mgpu_backend.ltx.schema import CONTEXT_MISSING, DecodeRequest, EncodeRequest, Guidance, LoadRequest, SampleRequest, UpscaleRequest
+from mgpu_backend.ltx.schema import (
+    CONTEXT_MISSING,
+    DecodeRequest,
+    EncodeRequest,
+    Guidance,
+    LoadRequest,
+    SampleRequest,
+    UpscaleRequest,
+)
 
 Progress = Callable[[dict], None] | None
 ShouldCancel = Callable[[], bool] | None
@@ -99,25 +107,24 @@ def _given(**fields) -> dict:
     return {name: value for name, value in fields.items() if value is not None}
 
 
-def run_naming_prompts(op: str, wire: dict, tensors: dict, prompts: dict[str, PromptEncoding], progress: Progress, should_cancel: ShouldCancel):
-    """Run a job that names its prompts by digest, sending only the contexts the fleet never kept.
+def run_naming_prompts(request, tensors: dict, prompts: dict[str, PromptEncoding], progress: Progress, should_cancel: ShouldCancel):
+    """Run a job whose request names its prompts by digest, sending only the contexts without one.
 
     When the fleet no longer holds a digest (it restarted, or kept newer prompts), the job fails on
     every rank before any work with the ``CONTEXT_MISSING`` error; it is then sent once more with
     the contexts this process kept."""
-    sent = dict(tensors)
+    wire, sent = request.to_wire(), dict(tensors)
     for prefix, encoding in prompts.items():
-        wire[f"{prefix}_digest"] = encoding.digest
         if encoding.digest is None:
             sent.update(_context_tensors(prefix, encoding))
     try:
-        return run(op, wire, sent, progress=progress, should_cancel=should_cancel)
+        return run(request.op, wire, sent, progress=progress, should_cancel=should_cancel)
     except FleetError as exc:
         if exc.kind != "input_error" or CONTEXT_MISSING not in str(exc):
             raise
     for prefix, encoding in prompts.items():
         sent.update(_context_tensors(prefix, encoding))
-    return run(op, wire, sent, progress=progress, should_cancel=should_cancel)
+    return run(request.op, wire, sent, progress=progress, should_cancel=should_cancel)
 
 
 def parse_tiles(text: str) -> tuple[int, int] | None:
@@ -188,14 +195,15 @@ def sample(
     shards of high SP degrees). ``compile_blocks`` also compiles the transformer blocks with
     torch.compile for this job (GPU ranks; a compile of tens of seconds per new shape, then fused
     kernels: worth it on a warm fleet at SP degree 4+)."""
+    prompts = {"positive": _encoding(positive), "negative": _encoding(negative)}
     request = SampleRequest.from_wire({
         "spec": spec, "dtype": dtype, "model_version": model_version, "parallel": parallel, "compile_blocks": compile_blocks,
+        "positive_digest": prompts["positive"].digest, "negative_digest": prompts["negative"].digest,
         **_given(width=width, height=height, num_frames=num_frames, frame_rate=frame_rate, seed=seed, steps=steps, cuda_graphs=cuda_graphs),
         **_given(video_guidance=video_guidance and video_guidance.to_wire(), audio_guidance=audio_guidance and audio_guidance.to_wire()),
     })  # fmt: skip
     tensors = {} if image is None else {"image": image}
-    prompts = {"positive": _encoding(positive), "negative": _encoding(negative)}
-    result = run_naming_prompts(request.op, request.to_wire(), tensors, prompts, progress, should_cancel)
+    result = run_naming_prompts(request, tensors, prompts, progress, should_cancel)
     return result.tensors["video_latent"], result.tensors["audio_latent"]
 
 
@@ -223,14 +231,16 @@ def upscale(
     ``tiles`` is (height tiles, width tiles); None picks a balanced split over the fleet. Arguments
     left as None take the schema's defaults (sigmas ``schema.TDP_UPSCALE_SIGMAS``).
     """
+    prompts = {"positive": _encoding(positive)}
     request = UpscaleRequest.from_wire({
         "spec": spec, "dtype": dtype, "model_version": model_version, "force_from_noise": force_from_noise,
+        "positive_digest": prompts["positive"].digest,
         **_given(frame_rate=frame_rate, seed=seed, sigmas=sigmas and list(sigmas), tiles=tiles and list(tiles), overlap=overlap),
     })  # fmt: skip
     tensors = {"video_latent": video_latent, "audio_latent": audio_latent}
     if image is not None:
         tensors["image"] = image
-    result = run_naming_prompts(request.op, request.to_wire(), tensors, {"positive": _encoding(positive)}, progress, should_cancel)
+    result = run_naming_prompts(request, tensors, prompts, progress, should_cancel)
     return result.tensors["video_latent"], result.tensors["audio_latent"]
 
 

@@ -37,7 +37,7 @@ PIPELINES = ("two-stage", "distilled")
 DTYPES = ("bfloat16", "float32", "float16")
 GEMMA_MODES = ("sharded", "batch_parallel")
 PARALLEL_PLANS = ("auto", "sp", "guidance", "hybrid")
-AFTER_STAGES = (0, 1, 2)
+AFTER_STAGES = (0, 1, 2)  # stages that drew noise from the job's generator before the decoder
 
 DISTILLED_LORA_STRENGTH = 1.0  # ltx_pipelines.utils.constants.DEFAULT_LORA_STRENGTH
 SEED_MAX = 2**63 - 1  # the ranks seed torch generators with a signed 64-bit value
@@ -172,7 +172,7 @@ def validate_generation(
                 f"{name} must be a multiple of {multiple} for {graph}, got {value}; "
                 f"use {_nearest_multiple(value, multiple)}"
             )
-    official = DEFAULTS[("2.0", "two-stage")]
+    official = OFFICIAL
     if num_inference_steps is not None and (int(num_inference_steps) != num_inference_steps or num_inference_steps < 1):
         raise RequestError(f"steps must be a whole number >= 1, got {num_inference_steps}; the official default is {official.steps}")
     if frame_rate is not None and not frame_rate > 0:
@@ -780,5 +780,3 @@ class UnloadRequest:
         _no_unknown_fields(data, cls, cls.op)
         return cls()
 
-
-REQUESTS = {request.op: request for request in (LoadRequest, EncodeRequest, SampleRequest, UpscaleRequest, DecodeRequest, UnloadRequest)}
