@@ -52,7 +52,7 @@ from mgpu_backend.parallel.tiled_data_parallel import DimensionTiling, TileCount
 from mgpu_backend.ltx.decode import decode_audio
 from mgpu_backend.ltx.latents import StageGeometry, job_generator
 from mgpu_backend.ltx.loading import ModelLoader
-from mgpu_backend.ltx.schema import CONTEXT_MISSING, PROMPT_CACHE_ENTRIES, VIDEO_LATENT_CHANNELS, DecodeRequest, EncodeRequest, LoadRequest, ModelFileError, ModelSpec, RequestError, SampleRequest, UnloadRequest, UpscaleRequest, pixel_geometry, validate_stg_blocks
+from mgpu_backend.ltx.schema import CONTEXT_MISSING, PROMPT_CACHE_ENTRIES, VIDEO_LATENT_CHANNELS, DecodeRequest, EncodeRequest, LoadRequest, ModelFileError, ModelSpec, SampleRequest, UnloadRequest, UpscaleRequest, pixel_geometry, validate_stg_blocks
 from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, guider_params, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
 from mgpu_backend.ltx.text import TextContext
 from mgpu_backend.ltx.validation import TransformerDims
@@ -70,7 +70,7 @@ def input_errors():
         yield
     except JobInputError:
         raise
-    except (ValueError, RequestError, ModelFileError, FileNotFoundError, TypeError) as exc:
+    except (ValueError, ModelFileError, FileNotFoundError, TypeError) as exc:
         raise JobInputError(str(exc)) from exc
 
 
@@ -185,8 +185,8 @@ def embedded_bundle(ctx: JobContext):
     if ctx.rank == 0 and folder not in _embedded_bundles:
         try:
             _embedded_bundles[folder] = make_tiny_bundle(folder)
-        except OSError as exc:
-            failure = str(exc)
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait below: every failure must reach them
+            failure = f"{type(exc).__name__}: {exc}"
     failed = ctx.control.all_reduce_max(torch.tensor([int(bool(failure))], dtype=torch.int64))
     if failed.item():
         raise JobInputError(
@@ -276,8 +276,8 @@ def prompt_contexts(ctx: JobContext, tensors: dict, wanted: list[tuple[str, str 
     for prefix, digest in wanted:
         context = _sent_context(tensors, prefix)
         if context is not None:
-            if digest is not None:
-                cache.put(digest, context)
+            if digest is not None:  # a copy: the job's inputs may live in a shared-memory segment of this job
+                cache.put(digest, TextContext(context.video_context.clone(), context.audio_context.clone()))
         elif digest is not None:
             looked_up = True
             context = cache.get(digest)
