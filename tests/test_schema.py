@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from ltx_core.components.guiders import MultiModalGuiderParams
@@ -235,3 +236,12 @@ def test_rank_prompt_cache_drops_the_least_recently_used_entry_past_its_bound():
     cache.put("d", "D")
     assert cache.get("b") is None and [cache.get(name) for name in "acd"] == ["A", "C", "D"]
     assert schema.PROMPT_CACHE_ENTRIES == PromptCache().entries == 32
+
+
+def test_explicit_empty_stg_blocks_perturb_no_block_with_or_without_a_layer_count():
+    from mgpu_backend.ltx.stages import guider_params
+
+    none_perturbed = Guidance(3.0, 1.0, 0.7, 3.0, 0, ())
+    official = schema.OFFICIAL.video_guidance
+    assert guider_params(none_perturbed, official).stg_blocks == [] == guider_params(none_perturbed, official, 48).stg_blocks
+    assert guider_params(replace(none_perturbed, stg_blocks=None), official).stg_blocks == [29]

@@ -70,7 +70,10 @@ def guider_params(guidance: Guidance, official: Guidance, layer_count: int | Non
     """ltx-core's guider parameters for a schema ``Guidance`` whose scales are all set.
 
     STG blocks it leaves unset are the ``official`` ones, clipped to a model of ``layer_count`` blocks."""
-    blocks = guidance.blocks_for(layer_count, official) if layer_count is not None else guidance.stg_blocks or official.stg_blocks
+    if layer_count is not None:
+        blocks = guidance.blocks_for(layer_count, official)
+    else:
+        blocks = official.stg_blocks if guidance.stg_blocks is None else guidance.stg_blocks
     return MultiModalGuiderParams(
         cfg_scale=guidance.cfg_scale, stg_scale=guidance.stg_scale, rescale_scale=guidance.rescale_scale,
         modality_scale=guidance.modality_scale, skip_step=guidance.skip_step, stg_blocks=list(blocks),
