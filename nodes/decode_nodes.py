@@ -8,11 +8,11 @@ AUDIO ``{"waveform": [B, C, T], "sample_rate"}``. The tiling and blending happen
 from __future__ import annotations
 
 from mgpu_backend.ltx import api
+from mgpu_backend.ltx.schema import DECODE_SPATIAL_TILE_PIXELS, DECODE_TEMPORAL_TILE_FRAMES, OFFICIAL, SEED_MAX
 
 from .fleet_job import FleetJob
 from .layouts import FRAME_RATE_KEY, MODEL_TYPE, STAGES_KEY, check_model_handle, make_audio, split_latent
 from .model_nodes import CATEGORY
-from .sampling_nodes import SEED_MAX
 
 
 class DistributedVAEDecode:
@@ -34,9 +34,9 @@ class DistributedVAEDecode:
             "required": {
                 "model": (MODEL_TYPE, {"tooltip": "The model from Load Checkpoint MGPU (its VAEs and vocoder decode)."}),
                 "av_latent": ("LATENT", {"tooltip": "The AV LATENT from TDP Upscale or SP Sampler, or a video-only LTX-2 LATENT."}),
-                "seed": ("INT", {"default": 10, "min": 0, "max": SEED_MAX, "control_after_generate": True, "tooltip": "Seed of the small noise LTX-2's video decoder adds; the same seed gives the same frames."}),
-                "spatial_tile_pixels": ("INT", {"default": 512, "min": 64, "max": 4096, "step": 32, "tooltip": "Side of one decode tile in output pixels (the official 512). Smaller tiles: less memory per GPU and more tiles to share out."}),
-                "temporal_tile_frames": ("INT", {"default": 64, "min": 16, "max": 1024, "step": 8, "tooltip": "Frames per decode chunk (the official 64). Smaller: less memory per GPU."}),
+                "seed": ("INT", {"default": OFFICIAL.seed, "min": 0, "max": SEED_MAX, "control_after_generate": True, "tooltip": "Seed of the small noise LTX-2's video decoder adds; the same seed gives the same frames."}),
+                "spatial_tile_pixels": ("INT", {"default": DECODE_SPATIAL_TILE_PIXELS, "min": 64, "max": 4096, "step": 32, "tooltip": f"Side of one decode tile in output pixels (the official {DECODE_SPATIAL_TILE_PIXELS}). Smaller tiles: less memory per GPU and more tiles to share out."}),
+                "temporal_tile_frames": ("INT", {"default": DECODE_TEMPORAL_TILE_FRAMES, "min": 16, "max": 1024, "step": 8, "tooltip": f"Frames per decode chunk (the official {DECODE_TEMPORAL_TILE_FRAMES}). Smaller: less memory per GPU."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -46,7 +46,7 @@ class DistributedVAEDecode:
         video_latent, audio_latent = split_latent(av_latent, "av_latent")
         # The decoder's noise continues the job generator after the stages that made the latent, as
         # in the official pipeline; a latent from native nodes has no such history.
-        history = {"frame_rate": float(av_latent.get(FRAME_RATE_KEY) or 24.0), "after_stages": int(av_latent.get(STAGES_KEY, 0))}
+        history = {"frame_rate": float(av_latent.get(FRAME_RATE_KEY) or OFFICIAL.frame_rate), "after_stages": int(av_latent.get(STAGES_KEY, 0))}
         job = FleetJob(unique_id, "Distributed VAE Decode")
         frames, waveform, sample_rate = job.call(
             api.decode,

@@ -3,8 +3,10 @@
 - ``MGPU_MODEL``: a small plain dict (the model spec as JSON plus the fleet options). Every job
   carries it, so a fleet that restarted reloads the model on its own.
 - ``CONDITIONING``: ComfyUI's ``[[video_context, {...}]]`` with the LTX-2 audio context under
-  ``mgpu_audio_context``: native nodes pass it along untouched, and a CONDITIONING without it (from
-  a native text encoder) is refused with a message that says what to connect instead.
+  ``mgpu_audio_context`` and the digest the fleet keeps the prompt's contexts under: native nodes
+  pass it along untouched, and a CONDITIONING without it (from a native text encoder) is refused
+  with a message that says what to connect instead. The tensors stay here too, so that a fleet that
+  lost the digest gets them again.
 - ``LATENT`` (audio + video): built exactly as ComfyUI's LTXVConcatAVLatent builds it, a
   ``comfy.nested_tensor.NestedTensor((video, audio))`` under ``samples``, so native LTX-2 nodes
   (LTXVSeparateAVLatent, LTXVAudioVAEDecode, ...) accept ours and ours accept theirs.
@@ -18,9 +20,16 @@ import math
 
 import torch
 
+from mgpu_backend.ltx.api import PromptEncoding
+from mgpu_backend.ltx.schema import VIDEO_LATENT_CHANNELS
+
 MODEL_TYPE = "MGPU_MODEL"
 AUDIO_CONTEXT_KEY = "mgpu_audio_context"
 PROMPT_KEY = "mgpu_prompt"
+DIGEST_KEY = "mgpu_prompt_digest"
+DIGESTED_CONTEXT_KEY = "mgpu_digested_video_context"
+"""The video context the digest was made for: a native node that replaced the CONDITIONING's tensor
+(ConditioningAverage, ...) but copied the options along leaves a digest that no longer fits it."""
 FRAME_RATE_KEY = "frame_rate"
 STAGES_KEY = "mgpu_stages"
 """Our AV LATENT records the frame rate it was sampled at and how many denoising stages made it
@@ -28,16 +37,13 @@ STAGES_KEY = "mgpu_stages"
 noise after those stages' draws, as the official pipeline does. Native nodes copy unknown keys
 along (LTXVSeparateAVLatent copies the whole dict)."""
 
-VIDEO_LATENT_CHANNELS = 128
 AUDIO_LATENT_CHANNELS = 8
 AUDIO_LATENT_MEL_BINS = 16
 AUDIO_LATENT_SAMPLE_RATE = 16000
 """The LTX-2 audio VAE's input sample rate: LTXVEmptyLatentAudio stores it in the audio LATENT
 under ``sample_rate`` and LTXVConcatAVLatent keeps it, so ours carries the same value."""
 
-GEMMA_MODES = ("sharded", "batch_parallel")
-PARALLEL_PLANS = ("auto", "sp", "guidance", "hybrid")
-DTYPES = ("bfloat16", "float32")
+DTYPES = ("bfloat16", "float32")  # the loader's choices (the fleet also takes float16)
 
 
 # --- MGPU_MODEL -----------------------------------------------------------------------------------
@@ -71,14 +77,19 @@ def parse_gpus(text: str) -> str:
 # --- CONDITIONING ---------------------------------------------------------------------------------
 
 
-def make_conditioning(video_context: torch.Tensor, audio_context: torch.Tensor, prompt: str) -> list:
+def make_conditioning(encoding: PromptEncoding, prompt: str) -> list:
     """One prompt as a ComfyUI CONDITIONING: the video context where ComfyUI expects the text
-    embedding, the audio context (which ComfyUI has no slot for) in the options dict."""
-    return [[video_context, {AUDIO_CONTEXT_KEY: audio_context, PROMPT_KEY: prompt}]]
+    embedding, the audio context (which ComfyUI has no slot for) and the fleet's digest of both in
+    the options dict."""
+    options = {AUDIO_CONTEXT_KEY: encoding.audio_context, PROMPT_KEY: prompt}
+    if encoding.digest is not None:
+        options.update({DIGEST_KEY: encoding.digest, DIGESTED_CONTEXT_KEY: encoding.video_context})
+    return [[encoding.video_context, options]]
 
 
-def conditioning_contexts(conditioning, input_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(video_context, audio_context)`` of a CONDITIONING made by MGPU Text Encode."""
+def conditioning_contexts(conditioning, input_name: str) -> PromptEncoding:
+    """The prompt encoding of a CONDITIONING made by MGPU Text Encode: its contexts, and its digest
+    while the video context is still the one the digest was made for."""
     if not isinstance(conditioning, (list, tuple)) or not conditioning:
         raise ValueError(f"{input_name} must be a CONDITIONING from 'MGPU Text Encode', got {type(conditioning).__name__}")
     if len(conditioning) != 1:
@@ -93,7 +104,8 @@ def conditioning_contexts(conditioning, input_name: str) -> tuple[torch.Tensor, 
             f"{input_name} comes from a native text encoder: it has no LTX-2 audio context, which the MGPU nodes need; "
             "encode the prompt with 'MGPU Text Encode' and connect its output instead"
         )
-    return entry[0], options[AUDIO_CONTEXT_KEY]
+    digest = options.get(DIGEST_KEY) if options.get(DIGESTED_CONTEXT_KEY) is entry[0] else None
+    return PromptEncoding(entry[0], options[AUDIO_CONTEXT_KEY], digest)
 
 
 # --- LATENT ---------------------------------------------------------------------------------------

@@ -12,10 +12,11 @@ import logging
 import os
 
 from mgpu_backend.ltx import api
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, ModelSpec
 
 from .fleet_admin import format_status, status_snapshot, stop_fleet, unload_models
 from .fleet_job import FleetJob, prompt_server
-from .layouts import DTYPES, GEMMA_MODES, MODEL_TYPE, PARALLEL_PLANS, make_model_handle, parse_gpus
+from .layouts import DTYPES, MODEL_TYPE, make_model_handle, parse_gpus
 
 log = logging.getLogger("comfyui-mgpu")
 
@@ -88,9 +89,8 @@ def _resolve_gemma(name: str) -> str:
 
 
 def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: float, spatial_upsampler: str, gemma: str) -> dict:
-    """The ModelSpec JSON for the chosen files; the embedded tiny bundle is one set, never mixed."""
-    from mgpu_backend.ltx.loading import ModelSpec
-
+    """The ModelSpec JSON for the chosen files; the embedded tiny bundle is one set, never mixed, and
+    named symbolically: the fleet makes (or finds) its files, nothing is written in this process."""
     if ckpt_name == EMBEDDED:
         if gemma != EMBEDDED:
             raise ValueError(f"the embedded tiny checkpoint only works with its own text encoder: set gemma to {EMBEDDED!r}")
@@ -99,15 +99,11 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
                 raise ValueError(
                     f"{input_name} {value!r} does not fit the embedded tiny checkpoint; choose {EMBEDDED!r} or {NO_FILE!r}"
                 )
-        tiny = ModelSpec.tiny()
-        spec = ModelSpec(
-            checkpoint_path=tiny.checkpoint_path,
-            gemma_root=tiny.gemma_root,
-            spatial_upsampler_path=tiny.spatial_upsampler_path if spatial_upsampler == EMBEDDED else None,
-            distilled_lora=tiny.distilled_lora if distilled_lora == EMBEDDED else None,
+        spec = ModelSpec.embedded_tiny(
+            spatial_upsampler=spatial_upsampler == EMBEDDED, distilled_lora=distilled_lora == EMBEDDED,
             distilled_lora_strength=distilled_lora_strength,
-        )
-        return spec.to_json()
+        )  # fmt: skip
+        return spec.to_wire()
     embedded = [name for name, value in (("distilled_lora", distilled_lora), ("spatial_upsampler", spatial_upsampler), ("gemma", gemma)) if value == EMBEDDED]
     if embedded:
         raise ValueError(
@@ -123,7 +119,7 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
         distilled_lora=None if distilled_lora == NO_FILE else _resolve_file("loras", distilled_lora),
         distilled_lora_strength=distilled_lora_strength,
     )
-    return spec.to_json()
+    return spec.to_wire()
 
 
 class LoadCheckpointMGPU:
@@ -142,7 +138,7 @@ class LoadCheckpointMGPU:
             "required": {
                 "ckpt_name": ([EMBEDDED, *model_file_choices("checkpoints")], {"default": EMBEDDED, "tooltip": "The LTX-2 checkpoint from models/checkpoints, e.g. ltx-2-19b-dev.safetensors. The embedded tiny entry needs no download (random weights: noise out) and is for trying the graph."}),
                 "distilled_lora": ([EMBEDDED, NO_FILE, *model_file_choices("loras")], {"default": EMBEDDED, "tooltip": "The distilled LoRA TDP Upscale refines with, from models/loras, e.g. ltx-2-19b-distilled-lora-384.safetensors. (none) if you only run SP Sampler."}),
-                "distilled_lora_strength": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 2.0, "step": 0.05, "tooltip": "Strength of the distilled LoRA in stage 2. The official pipeline uses 1.0."}),
+                "distilled_lora_strength": ("FLOAT", {"default": DISTILLED_LORA_STRENGTH, "min": 0.0, "max": 2.0, "step": 0.05, "tooltip": f"Strength of the distilled LoRA in stage 2. The official pipeline uses {DISTILLED_LORA_STRENGTH}."}),
                 "spatial_upsampler": ([EMBEDDED, NO_FILE, *model_file_choices("latent_upscale_models")], {"default": EMBEDDED, "tooltip": "The 2x latent upsampler TDP Upscale needs, from models/latent_upscale_models, e.g. ltx-2-spatial-upscaler-x2-1.0.safetensors. (none) if you only run SP Sampler."}),
                 "gemma": ([EMBEDDED, *gemma_folder_choices()], {"default": EMBEDDED, "tooltip": "The Gemma 3 text encoder FOLDER (Hugging Face layout: config.json, tokenizer, safetensors shards) inside models/text_encoders, e.g. gemma-3-12b-it-qat-q4_0-unquantized."}),
                 "gpus": ("STRING", {"default": "all", "tooltip": "GPUs the fleet runs on: 'all' or a list like 0,1. Applies when the fleet starts; after changing it press Restart in the MGPU panel."}),

@@ -2,19 +2,30 @@
 
 Each checks its inputs (sizes, frame counts, sigmas, tiles) with a message that says what to
 change before anything is sent, calls ``mgpu_backend.ltx.api`` and returns an AV LATENT in ComfyUI's
-LTX-2 layout. How the work is split over GPUs (sequence parallel, guidance parallel, tiled data
-parallel) is decided in the fleet, never here.
+LTX-2 layout. Widget defaults and the input checks come from ``mgpu_backend.ltx.schema``, the one
+place the official values are written. How the work is split over GPUs (sequence parallel, guidance
+parallel, tiled data parallel) is decided in the fleet, never here.
 """
 
 from __future__ import annotations
 
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.api import parse_tiles
+from mgpu_backend.ltx.schema import (
+    MAX_SIDE,
+    OFFICIAL,
+    PARALLEL_PLANS,
+    SEED_MAX,
+    TDP_OVERLAP,
+    TDP_UPSCALE_SIGMAS,
+    VIDEO_SPATIAL_COMPRESSION,
+    validate_generation,
+    validate_upscale_sigmas,
+)
 
 from .fleet_job import FleetJob
 from .layouts import (
     MODEL_TYPE,
-    PARALLEL_PLANS,
     check_model_handle,
     conditioning_contexts,
     first_frame,
@@ -25,13 +36,14 @@ from .layouts import (
 from .model_nodes import CATEGORY
 
 FROM_LOADER = "(from loader)"
-MAX_SIDE = 8192
-MAX_FRAMES = 1025
-SEED_MAX = 2**63 - 1  # the fleet seeds torch generators with a signed 64-bit value
+MAX_FRAMES = 1025  # the widget's range: about 40 s at 24 fps
+VIDEO = OFFICIAL.video_guidance
+AUDIO = OFFICIAL.audio_guidance
+OFFICIAL_STG_BLOCKS = ",".join(map(str, VIDEO.stg_blocks))
 
 
 def parse_stg_blocks(text: str) -> tuple[int, ...] | None:
-    """'29' or '28, 29' -> block indices; empty -> None, the fleet's default (the official block 29,
+    """'29' or '28, 29' -> block indices; empty -> None, the fleet's default (the official block,
     or the last block of a smaller model)."""
     parts = [part.strip() for part in text.split(",") if part.strip()]
     if not all(part.isdigit() for part in parts):
@@ -42,22 +54,15 @@ def parse_stg_blocks(text: str) -> tuple[int, ...] | None:
 def parse_sigmas(text: str, force_from_noise: bool) -> tuple[float, ...]:
     """'0.625, 0.4, 0.0' -> a strictly decreasing schedule in [0, 1] that does not start from noise
     (sigma 1.0) unless forced: TDP refines an upsampled latent, it does not generate one."""
-    from mgpu_backend.ltx.validation import validate_sigmas
-
     try:
         sigmas = tuple(float(part) for part in text.replace(";", ",").split(",") if part.strip())
     except ValueError:
-        raise ValueError(f"sigmas must be numbers separated by commas like 0.625, 0.4, 0.0; got {text!r}") from None
-    import torch
-
-    validate_sigmas(torch.tensor(sigmas, dtype=torch.float64))
-    if sigmas[0] >= 1.0 and not force_from_noise:
-        raise ValueError(
-            f"sigmas start at {sigmas[0]} (pure noise): TDP Upscale refines the upsampled stage-1 latent and, "
-            "started from noise, its tiles would each invent their own picture; start below 1.0 "
-            "(e.g. 0.625, 0.4, 0.0) or turn on force_from_noise if you really mean it"
-        )
+        raise ValueError(f"sigmas must be numbers separated by commas like {DEFAULT_SIGMAS}; got {text!r}") from None
+    validate_upscale_sigmas(sigmas, force_from_noise)
     return sigmas
+
+
+DEFAULT_SIGMAS = ", ".join(map(str, TDP_UPSCALE_SIGMAS))
 
 
 class SPSampler:
@@ -80,18 +85,18 @@ class SPSampler:
                 "model": (MODEL_TYPE, {"tooltip": "The model from Load Checkpoint MGPU."}),
                 "positive": ("CONDITIONING", {"tooltip": "Positive conditioning from MGPU Text Encode."}),
                 "negative": ("CONDITIONING", {"tooltip": "Negative conditioning from MGPU Text Encode."}),
-                "width": ("INT", {"default": 768, "min": 32, "max": MAX_SIDE, "step": 32, "tooltip": "Width of this stage in pixels, a multiple of 32. In the two-stage graph TDP Upscale doubles it (768 gives a 1536 video), so the final width is a multiple of 64."}),
-                "height": ("INT", {"default": 512, "min": 32, "max": MAX_SIDE, "step": 32, "tooltip": "Height of this stage in pixels, a multiple of 32. In the two-stage graph TDP Upscale doubles it (512 gives a 1024 video), so the final height is a multiple of 64."}),
-                "length": ("INT", {"default": 121, "min": 1, "max": MAX_FRAMES, "step": 8, "tooltip": "Number of frames, 8k+1 (the video VAE packs 8 frames per latent frame): 121 is 5 s at 24 fps."}),
-                "frame_rate": ("FLOAT", {"default": 24.0, "min": 1.0, "max": 120.0, "step": 0.01, "tooltip": "Frames per second. Sets how long the audio is; use the same value in CreateVideo."}),
-                "seed": ("INT", {"default": 10, "min": 0, "max": SEED_MAX, "control_after_generate": True, "tooltip": "Noise seed. The same seed and inputs give the same video on any number of GPUs."}),
-                "steps": ("INT", {"default": 40, "min": 1, "max": 200, "tooltip": "Denoising steps. The official LTX-2 default is 40; fewer is faster and rougher."}),
-                "video_cfg": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 20.0, "step": 0.1, "tooltip": "Classifier-free guidance of the video: how strongly it follows the prompt. 1.0 turns it off (one pass less per step)."}),
-                "audio_cfg": ("FLOAT", {"default": 7.0, "min": 0.0, "max": 20.0, "step": 0.1, "tooltip": "Classifier-free guidance of the audio. The official default 7.0 is higher than the video's."}),
-                "stg_scale": ("FLOAT", {"default": 1.0, "min": 0.0, "max": 10.0, "step": 0.05, "tooltip": "Spatio-temporal guidance (a pass with perturbed attention in stg_blocks) for video and audio. 0 turns it off (one pass less per step)."}),
-                "stg_blocks": ("STRING", {"default": "", "tooltip": "Transformer blocks STG perturbs, e.g. 29 or 28,29; they must exist in the model. Empty: the official block 29 (the last block of a smaller model)."}),
-                "rescale": ("FLOAT", {"default": 0.7, "min": 0.0, "max": 1.0, "step": 0.05, "tooltip": "Rescales the guided prediction toward the conditional one's spread to avoid over-saturation. 0 turns it off."}),
-                "modality_scale": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 10.0, "step": 0.1, "tooltip": "Audio-video sync guidance (a pass with the cross-modal attention cut). 1.0 turns it off (one pass less per step)."}),
+                "width": ("INT", {"default": OFFICIAL.stage1_width, "min": VIDEO_SPATIAL_COMPRESSION, "max": MAX_SIDE, "step": VIDEO_SPATIAL_COMPRESSION, "tooltip": "Width of this stage in pixels, a multiple of 32. In the two-stage graph TDP Upscale doubles it (768 gives a 1536 video), so the final width is a multiple of 64."}),
+                "height": ("INT", {"default": OFFICIAL.stage1_height, "min": VIDEO_SPATIAL_COMPRESSION, "max": MAX_SIDE, "step": VIDEO_SPATIAL_COMPRESSION, "tooltip": "Height of this stage in pixels, a multiple of 32. In the two-stage graph TDP Upscale doubles it (512 gives a 1024 video), so the final height is a multiple of 64."}),
+                "length": ("INT", {"default": OFFICIAL.num_frames, "min": 1, "max": MAX_FRAMES, "step": 8, "tooltip": "Number of frames, 8k+1 (the video VAE packs 8 frames per latent frame): 121 is 5 s at 24 fps."}),
+                "frame_rate": ("FLOAT", {"default": OFFICIAL.frame_rate, "min": 1.0, "max": 120.0, "step": 0.01, "tooltip": "Frames per second. Sets how long the audio is; use the same value in CreateVideo."}),
+                "seed": ("INT", {"default": OFFICIAL.seed, "min": 0, "max": SEED_MAX, "control_after_generate": True, "tooltip": "Noise seed. The same seed and inputs give the same video on any number of GPUs."}),
+                "steps": ("INT", {"default": OFFICIAL.steps, "min": 1, "max": 200, "tooltip": f"Denoising steps. The official LTX-2 default is {OFFICIAL.steps}; fewer is faster and rougher."}),
+                "video_cfg": ("FLOAT", {"default": VIDEO.cfg_scale, "min": 0.0, "max": 20.0, "step": 0.1, "tooltip": "Classifier-free guidance of the video: how strongly it follows the prompt. 1.0 turns it off (one pass less per step)."}),
+                "audio_cfg": ("FLOAT", {"default": AUDIO.cfg_scale, "min": 0.0, "max": 20.0, "step": 0.1, "tooltip": f"Classifier-free guidance of the audio. The official default {AUDIO.cfg_scale} is higher than the video's."}),
+                "stg_scale": ("FLOAT", {"default": VIDEO.stg_scale, "min": 0.0, "max": 10.0, "step": 0.05, "tooltip": "Spatio-temporal guidance (a pass with perturbed attention in stg_blocks) for video and audio. 0 turns it off (one pass less per step)."}),
+                "stg_blocks": ("STRING", {"default": "", "tooltip": f"Transformer blocks STG perturbs, e.g. 29 or 28,29; they must exist in the model. Empty: the official block {OFFICIAL_STG_BLOCKS} (the last block of a smaller model)."}),
+                "rescale": ("FLOAT", {"default": VIDEO.rescale_scale, "min": 0.0, "max": 1.0, "step": 0.05, "tooltip": "Rescales the guided prediction toward the conditional one's spread to avoid over-saturation. 0 turns it off."}),
+                "modality_scale": ("FLOAT", {"default": VIDEO.modality_scale, "min": 0.0, "max": 10.0, "step": 0.1, "tooltip": "Audio-video sync guidance (a pass with the cross-modal attention cut). 1.0 turns it off (one pass less per step)."}),
                 "parallel": ([FROM_LOADER, *PARALLEL_PLANS], {"default": FROM_LOADER, "tooltip": "How the steps are spread over the GPUs; (from loader) uses the loader's choice. sp: sequence parallel, guidance: passes on separate GPUs, hybrid: both, auto: planner."}),
             },
             "optional": {
@@ -102,8 +107,6 @@ class SPSampler:
         }
 
     def sample(self, model, positive, negative, width, height, length, frame_rate, seed, steps, video_cfg, audio_cfg, stg_scale, stg_blocks, rescale, modality_scale, parallel, image=None, compile_blocks=False, unique_id=None):
-        from mgpu_backend.ltx.validation import validate_generation
-
         handle = check_model_handle(model)
         validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate)
         blocks = parse_stg_blocks(stg_blocks)
@@ -151,10 +154,10 @@ class TDPUpscale:
                 "model": (MODEL_TYPE, {"tooltip": "The model from Load Checkpoint MGPU; it needs the spatial upsampler and the distilled LoRA."}),
                 "av_latent": ("LATENT", {"tooltip": "The stage-1 AV LATENT from SP Sampler (or LTXVConcatAVLatent)."}),
                 "positive": ("CONDITIONING", {"tooltip": "Positive conditioning from MGPU Text Encode (stage 2 uses no negative prompt)."}),
-                "seed": ("INT", {"default": 10, "min": 0, "max": SEED_MAX, "control_after_generate": True, "tooltip": "Seed of the noise added back at the first sigma."}),
-                "sigmas": ("STRING", {"default": "0.625, 0.4, 0.0", "tooltip": "Refinement schedule, strictly decreasing in [0, 1], comma separated. Higher first sigma: more change. Starting at 1.0 is refused unless force_from_noise."}),
+                "seed": ("INT", {"default": OFFICIAL.seed, "min": 0, "max": SEED_MAX, "control_after_generate": True, "tooltip": "Seed of the noise added back at the first sigma."}),
+                "sigmas": ("STRING", {"default": DEFAULT_SIGMAS, "tooltip": "Refinement schedule, strictly decreasing in [0, 1], comma separated. Higher first sigma: more change. Starting at 1.0 is refused unless force_from_noise."}),
                 "tiles": ("STRING", {"default": "auto", "tooltip": "Tile counts as HxW (height x width), e.g. 2x2, or auto for a balanced split over the GPUs. More tiles than GPUs is fine."}),
-                "overlap": ("INT", {"default": 4, "min": 0, "max": 64, "tooltip": "Overlap between neighbouring tiles in latent cells (32 output pixels each). More overlap hides seams and costs time."}),
+                "overlap": ("INT", {"default": TDP_OVERLAP, "min": 0, "max": 64, "tooltip": "Overlap between neighbouring tiles in latent cells (32 output pixels each). More overlap hides seams and costs time."}),
                 "frame_rate": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 120.0, "step": 0.01, "tooltip": "0: the frame rate SP Sampler recorded in the latent. Set it only for a latent from native nodes (the rate it was sampled at)."}),
                 "force_from_noise": ("BOOLEAN", {"default": False, "tooltip": "Allow sigmas starting at 1.0 (pure noise). Tiles then do not share one picture: only for experiments."}),
             },

@@ -1,8 +1,8 @@
 """MGPU Text Encode: positive and negative prompt -> two CONDITIONING, encoded by Gemma on the fleet.
 
 LTX-2 conditions video and audio on two different text contexts; a native ComfyUI CONDITIONING
-has room for one, so the audio context rides in its options dict (see ``layouts``). Nothing here
-runs Gemma: the fleet does.
+has room for one, so the audio context rides in its options dict (see ``layouts``), with the digest
+the fleet keeps both under. Nothing here runs Gemma: the fleet does.
 """
 
 from __future__ import annotations
@@ -55,12 +55,8 @@ class MGPUTextEncode:
         if not positive.strip():
             raise ValueError("the positive prompt is empty; describe the video and its sound")
         job = FleetJob(unique_id, "MGPU Text Encode")
-        contexts = job.call(
+        positive_encoding, negative_encoding = job.call(
             api.encode, handle["spec"], [positive, negative], dtype=handle["dtype"], gemma_mode=handle["gemma_mode"],
             free_gemma=bool(free_gemma),
         )
-        (positive_video, positive_audio), (negative_video, negative_audio) = contexts
-        return (
-            make_conditioning(positive_video, positive_audio, positive),
-            make_conditioning(negative_video, negative_audio, negative),
-        )
+        return make_conditioning(positive_encoding, positive), make_conditioning(negative_encoding, negative)

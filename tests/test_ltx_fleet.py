@@ -13,8 +13,10 @@ from safetensors.torch import load_file, save_file
 
 from mgpu_backend.tools import media
 from mgpu_backend.fleet.client import FleetCancelled, FleetClient, FleetError
-from mgpu_backend.ltx.jobs import _guider
+from mgpu_backend.ltx import api
+from mgpu_backend.ltx.jobs import EMBEDDED_BUNDLE_FOLDER, stage1_params
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
+from mgpu_backend.ltx.schema import CONTEXT_MISSING, SampleRequest, prompt_digest
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import encode_prompts
 from mgpu_backend.bundles.tiny import make_tiny_bundle
@@ -87,15 +89,16 @@ def test_fleet_jobs_at_two_ranks_equal_the_in_process_stages_bf16(fleet, spec):
 
     loader = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16)
     positive, negative = encode_prompts(loader, [PROMPT, NEGATIVE])
-    params = GenerationParams(
-        height=64, width=96, num_frames=9, seed=7, num_inference_steps=3, two_stage=False,
-        video_guider=_guider(sample_args(spec), "video_guidance", 2), audio_guider=_guider(sample_args(spec), "audio_guidance", 2),
-    )  # fmt: skip
+    params = stage1_params(SampleRequest.from_wire(sample_args(spec)), layer_count=2)
     video, audio = sample_stage1(loader, params, positive, negative)
     params2 = GenerationParams(height=128, width=192, num_frames=9, seed=7, two_stage=True)
     video2, audio2 = refine_stage2(loader, params2, upsample_video(loader, video), audio, positive, sigmas=SINGLE_GPU_SIGMAS)
 
-    assert torch.equal(encoded.tensors["video_context_0"], positive.video_context.float())
+    # The contexts come back in the model's dtype, exactly what the ranks computed (bf16 round trip).
+    for index, context in enumerate((positive, negative)):
+        for name, tensor in (("video", context.video_context), ("audio", context.audio_context)):
+            sent = encoded.tensors[f"{name}_context_{index}"]
+            assert sent.dtype == tensor.dtype == torch.bfloat16 and torch.equal(sent, tensor), f"{name} context {index}"
     for name, ours, fleet_tensor in (
         ("stage-1 video", video, stage1.tensors["video_latent"]),
         ("stage-1 audio", audio, stage1.tensors["audio_latent"]),
@@ -105,6 +108,51 @@ def test_fleet_jobs_at_two_ranks_equal_the_in_process_stages_bf16(fleet, spec):
         assert diff == 0.0, f"{name} differs from the one-process stages by {diff}"
     assert torch.equal(upscaled.tensors["audio_latent"], stage1.tensors["audio_latent"]), "stage 2 must return the stage-1 audio"
     assert stage1.fields["sp_degree"] == 2
+
+
+def test_sample_naming_the_prompts_by_digest_equals_sending_the_contexts(fleet, spec):
+    encoded = run(fleet, "encode", {"spec": spec, "prompts": [PROMPT, NEGATIVE]})
+    digests = encoded.fields["digests"]
+    assert digests == [prompt_digest(p, ModelSpec.from_wire(spec), "bfloat16", "sharded") for p in (PROMPT, NEGATIVE)]
+    by_tensors = run(fleet, "sample", sample_args(spec, steps=2), context_tensors(encoded))
+    by_digest = run(fleet, "sample", sample_args(spec, steps=2, positive_digest=digests[0], negative_digest=digests[1]))
+    for name in ("video_latent", "audio_latent"):
+        assert torch.equal(by_digest.tensors[name], by_tensors.tensors[name]), name
+
+
+def test_a_digest_the_fleet_does_not_hold_fails_with_context_missing_and_the_api_resends_once(fleet, spec, monkeypatch):
+    encoded = run(fleet, "encode", {"spec": spec, "prompts": [PROMPT, NEGATIVE]})
+    unknown = "f" * 64  # as after a fleet restart: the client kept the contexts, the ranks did not
+    with pytest.raises(FleetError, match=CONTEXT_MISSING) as info:
+        run(fleet, "sample", sample_args(spec, steps=2, positive_digest=unknown, negative_digest=encoded.fields["digests"][1]))
+    assert info.value.kind == "input_error" and "positive" in str(info.value)
+    expected = run(fleet, "sample", sample_args(spec, steps=2), context_tensors(encoded))
+
+    sent = []
+    real_run = api.run
+    monkeypatch.setattr(api, "run", lambda op, args, tensors=None, **kw: sent.append((op, sorted(tensors or {}))) or real_run(op, args, tensors, **kw))
+    api.configure(address=str(fleet))
+    try:
+        (pv, pa), (nv, na) = contexts_of(encoded, 0), contexts_of(encoded, 1)
+        video, audio = api.sample(
+            spec, api.PromptEncoding(pv, pa, unknown), api.PromptEncoding(nv, na, encoded.fields["digests"][1]),
+            width=96, height=64, num_frames=9, frame_rate=24.0, seed=7, steps=2,
+            video_guidance=api.Guidance(3.0, 1.0, 0.7, 3.0, stg_blocks=(1,)), audio_guidance=api.Guidance(7.0, 1.0, 0.7, 3.0, stg_blocks=(1,)),
+        )  # fmt: skip
+        # Now the fleet holds the resent contexts under the digest: a second job sends none.
+        api.sample(spec, api.PromptEncoding(pv, pa, unknown), api.PromptEncoding(nv, na, encoded.fields["digests"][1]),
+                   width=96, height=64, num_frames=9, seed=7, steps=1)  # fmt: skip
+    finally:
+        api.configure()
+    contexts = [f"{p}_{m}_context" for p in ("negative", "positive") for m in ("audio", "video")]
+    assert sent == [("sample", []), ("sample", contexts), ("sample", [])]
+    assert torch.equal(video, expected.tensors["video_latent"]) and torch.equal(audio, expected.tensors["audio_latent"])
+
+
+def test_a_float32_model_returns_float32_contexts(fleet, spec):
+    encoded = run(fleet, "encode", {"spec": spec, "prompts": [PROMPT], "dtype": "float32"})
+    assert encoded.tensors["video_context_0"].dtype == torch.float32 == encoded.tensors["audio_context_0"].dtype
+    assert encoded.fields["digests"] != run(fleet, "encode", {"spec": spec, "prompts": [PROMPT]}).fields["digests"]
 
 
 def test_warm_second_load_reads_nothing_from_disk(fleet, spec):
@@ -196,6 +244,8 @@ def test_generate_writes_an_h264_aac_mp4_on_the_tiny_bundle_and_says_so(tmp_path
     started = time.monotonic()
     completed = _generate(tmp_path, "one")
     assert "embedded tiny LTX-2 bundle" in completed.stderr
+    # The CLI named the bundle; the fleet's ranks wrote it into the cache.
+    assert (tmp_path / "cache" / EMBEDDED_BUNDLE_FOLDER / "ltx-2-tiny.safetensors").is_file()
     assert time.monotonic() - started < 60, "the whole two-stage job on the tiny bundle must take under a minute"
     facts = media.probe(tmp_path / "one.mp4")
     assert facts["video"] == {"codec": "h264", "width": 192, "height": 128, "frames": 9}

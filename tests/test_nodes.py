@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from mgpu_backend.ltx import api
 from mgpu_backend.fleet.client import FleetCancelled, FleetError
+from mgpu_backend.ltx import api
 
 PACK_DIR = Path(__file__).resolve().parent.parent
 CATEGORY = "MGPU/LTX-2"
@@ -88,7 +88,7 @@ def contexts(seed: int, tokens: int = 5):
 
 
 def mgpu_conditioning(seed: int, prompt: str = "a prompt"):
-    return layouts.make_conditioning(*contexts(seed), prompt)
+    return layouts.make_conditioning(api.PromptEncoding(*contexts(seed), digest=f"{seed:064x}"), prompt)
 
 
 def tiny_handle(**overrides):
@@ -124,7 +124,6 @@ def test_pack_exports_six_nodes_with_the_issue_display_names_and_web_directory()
 def test_nodes_package_is_not_shipped_in_the_wheel():
     # ComfyUI has a top-level module 'nodes': the wheel must not install ours under that name.
     import tomllib
-
     from setuptools import find_packages
 
     config = tomllib.loads((PACK_DIR / "pyproject.toml").read_text())
@@ -155,15 +154,21 @@ def test_every_input_has_a_tooltip_and_every_widget_a_default_and_range(name):
                     assert options.get("step", 0) > 0, f"{name}.{input_name}: FLOAT without a step"
 
 
-def test_sampler_defaults_are_the_issue_values():
+def test_sampler_widget_defaults_are_the_official_ltx_2_values():
+    from ltx_pipelines.utils.constants import LTX_2_PARAMS as official
+
     required = NODES["MGPUSPSampler"].INPUT_TYPES()["required"]
     defaults = {name: spec[1]["default"] for name, spec in required.items() if len(spec) > 1 and "default" in spec[1]}
-    expected = {"width": 768, "height": 512, "length": 121, "frame_rate": 24.0, "seed": 10, "steps": 40, "video_cfg": 3.0,
-                "audio_cfg": 7.0, "stg_scale": 1.0, "rescale": 0.7, "modality_scale": 3.0}  # fmt: skip
+    video, audio = official.video_guider_params, official.audio_guider_params
+    expected = {"width": official.stage_1_width, "height": official.stage_1_height, "length": official.num_frames,
+                "frame_rate": official.frame_rate, "seed": official.seed, "steps": official.num_inference_steps,
+                "video_cfg": video.cfg_scale, "audio_cfg": audio.cfg_scale, "stg_scale": video.stg_scale,
+                "rescale": video.rescale_scale, "modality_scale": video.modality_scale}  # fmt: skip
     assert {name: defaults[name] for name in expected} == expected
+    assert (expected["width"], expected["audio_cfg"]) == (768, 7.0)
     upscale = NODES["MGPUTDPUpscale"].INPUT_TYPES()["required"]
     assert upscale["sigmas"][1]["default"] == "0.625, 0.4, 0.0" and upscale["force_from_noise"][1]["default"] is False
-    assert upscale["tiles"][1]["default"] == "auto"
+    assert upscale["tiles"][1]["default"] == "auto" and upscale["overlap"][1]["default"] == 4
 
 
 def test_loader_lists_embedded_bundle_first_outside_comfyui():
@@ -177,26 +182,25 @@ def test_loader_lists_embedded_bundle_first_outside_comfyui():
 # --- node -> api mapping ----------------------------------------------------------------------------
 
 
-def test_loader_loads_the_embedded_bundle_and_returns_a_self_describing_handle(fake_api):
-    from mgpu_backend.ltx.loading import ModelSpec
+def test_loader_names_the_embedded_bundle_and_returns_a_self_describing_handle(fake_api):
+    from mgpu_backend.ltx.schema import EMBEDDED_TINY, ModelSpec
 
     fake_api["load"].result = {"seconds": 0.1}
     (handle,) = node("MGPULoadCheckpoint").load(
         model_nodes.EMBEDDED, model_nodes.EMBEDDED, 0.8, model_nodes.NO_FILE, model_nodes.EMBEDDED,
         " 1, 0 ", "batch_parallel", "hybrid", "float32", unique_id="4",
     )  # fmt: skip
-    tiny = ModelSpec.tiny()
-    expected_spec = ModelSpec(tiny.checkpoint_path, tiny.gemma_root, None, tiny.distilled_lora, 0.8).to_json()
+    expected_spec = ModelSpec(EMBEDDED_TINY, EMBEDDED_TINY, None, EMBEDDED_TINY, 0.8).to_wire()
     assert handle == {"spec": expected_spec, "dtype": "float32", "gemma_mode": "batch_parallel", "parallel": "hybrid", "gpus": "1,0"}
     assert fake_api["configure"].calls == [((), {"gpus": "1,0"})]
     ((args, kwargs),) = fake_api["load"].calls
     assert args == (expected_spec,) and kwargs["dtype"] == "float32"
     assert callable(kwargs["progress"]) and callable(kwargs["should_cancel"])
-    assert ModelSpec.from_json(handle["spec"]) == ModelSpec(tiny.checkpoint_path, tiny.gemma_root, None, tiny.distilled_lora, 0.8)
+    assert ModelSpec.from_wire(handle["spec"]) == ModelSpec.embedded_tiny(spatial_upsampler=False, distilled_lora_strength=0.8)
 
 
-def test_text_encode_returns_two_conditionings_carrying_both_contexts(fake_api):
-    positive, negative = contexts(1), contexts(2)
+def test_text_encode_returns_two_conditionings_carrying_both_contexts_and_their_digest(fake_api):
+    positive, negative = api.PromptEncoding(*contexts(1), "1" * 64), api.PromptEncoding(*contexts(2), "2" * 64)
     fake_api["encode"].result = [positive, negative]
     handle = tiny_handle()
     positive_cond, negative_cond = node("MGPUTextEncode").encode(handle, "a fox in snow", "", unique_id="2")
@@ -205,11 +209,22 @@ def test_text_encode_returns_two_conditionings_carrying_both_contexts(fake_api):
     assert kwargs["free_gemma"] is False
     node("MGPUTextEncode").encode(handle, "a fox in snow", "", free_gemma=True, unique_id="2")
     assert fake_api["encode"].calls[1][1]["free_gemma"] is True
-    for conditioning, (video, audio), prompt in ((positive_cond, positive, "a fox in snow"), (negative_cond, negative, "")):
-        assert len(conditioning) == 1 and conditioning[0][0] is video
-        assert conditioning[0][1] == {"mgpu_audio_context": audio, "mgpu_prompt": prompt}
-        got_video, got_audio = layouts.conditioning_contexts(conditioning, "x")
-        assert got_video is video and got_audio is audio
+    for conditioning, encoding, prompt in ((positive_cond, positive, "a fox in snow"), (negative_cond, negative, "")):
+        assert len(conditioning) == 1 and conditioning[0][0] is encoding.video_context
+        assert conditioning[0][1] == {"mgpu_audio_context": encoding.audio_context, "mgpu_prompt": prompt,
+                                      "mgpu_prompt_digest": encoding.digest, "mgpu_digested_video_context": encoding.video_context}  # fmt: skip
+        got = layouts.conditioning_contexts(conditioning, "x")
+        assert got.video_context is encoding.video_context and got.audio_context is encoding.audio_context
+        assert got.digest == encoding.digest
+
+
+def test_a_conditioning_whose_video_context_a_native_node_replaced_loses_its_digest():
+    positive = mgpu_conditioning(1)
+    averaged = [[positive[0][0] * 0.5, dict(positive[0][1])]]  # what ConditioningAverage makes: new tensor, options copied
+    assert layouts.conditioning_contexts(positive, "positive").digest == f"{1:064x}"
+    got = layouts.conditioning_contexts(averaged, "positive")
+    assert got.digest is None, "the fleet's contexts of the digest are not this tensor: send the tensor itself"
+    assert got.video_context is averaged[0][0]
 
 
 def test_sp_sampler_maps_every_input_onto_api_sample_and_returns_a_concat_av_latent(fake_api):
@@ -221,8 +236,9 @@ def test_sp_sampler_maps_every_input_onto_api_sample_and_returns_a_concat_av_lat
     (latent,) = node("MGPUSPSampler").sample(tiny_handle(), positive, negative, **SAMPLER_INPUTS, image=image, unique_id="5")
     ((args, kwargs),) = fake_api["sample"].calls
     assert args[0] == tiny_handle()["spec"]
-    assert args[1][0] is positive[0][0] and args[1][1] is positive[0][1]["mgpu_audio_context"]
-    assert args[2][0] is negative[0][0] and args[2][1] is negative[0][1]["mgpu_audio_context"]
+    for encoding, conditioning in ((args[1], positive), (args[2], negative)):
+        assert encoding.video_context is conditioning[0][0] and encoding.audio_context is conditioning[0][1]["mgpu_audio_context"]
+        assert encoding.digest == conditioning[0][1]["mgpu_prompt_digest"]
     expected = {"width": 96, "height": 64, "num_frames": 9, "frame_rate": 25.0, "seed": 7, "steps": 3, "parallel": "sp", "dtype": "float32", "compile_blocks": False}
     assert {key: kwargs[key] for key in expected} == expected
     assert kwargs["video_guidance"] == api.Guidance(cfg_scale=3.5, stg_scale=1.0, rescale_scale=0.5, modality_scale=2.0, stg_blocks=(1,))
@@ -249,7 +265,7 @@ def test_tdp_upscale_passes_the_input_audio_through_unchanged(fake_api):
     positive = mgpu_conditioning(3)
     (result,) = node("MGPUTDPUpscale").upscale(tiny_handle(), latent, positive, **{**UPSCALE_INPUTS, "tiles": "2x3"}, unique_id="6")
     ((args, kwargs),) = fake_api["upscale"].calls
-    assert args[1] is video and args[2] is audio and args[3][0] is positive[0][0]
+    assert args[1] is video and args[2] is audio and args[3].video_context is positive[0][0] and args[3].digest == f"{3:064x}"
     expected = {"frame_rate": 24.0, "seed": 11, "sigmas": (0.625, 0.4, 0.0), "tiles": (2, 3), "overlap": 2, "force_from_noise": False, "image": None}
     assert {key: kwargs[key] for key in expected} == expected
     out_video, out_audio = result["samples"].unbind()
@@ -604,3 +620,92 @@ def test_loader_warns_on_the_node_when_the_running_fleet_has_other_gpus(fake_api
         node("MGPULoadCheckpoint").load(model_nodes.EMBEDDED, model_nodes.EMBEDDED, 1.0, model_nodes.EMBEDDED, model_nodes.EMBEDDED, "0,1", "sharded", "auto", "bfloat16", unique_id="1")
     expected = "the fleet already runs on GPUs 0,1,2,3, not GPUs 0,1; press Restart in the MGPU panel to apply gpus=0,1"
     assert ("1", expected) in comfy.texts and expected in caplog.text
+
+
+# --- the ComfyUI process stays light ------------------------------------------------------------------
+
+COMFY_SIDE_SCRIPT = r"""
+import importlib.util, json, os, sys, types
+from pathlib import Path
+
+import torch
+
+pack_dir = Path(sys.argv[1])
+spec = importlib.util.spec_from_file_location("comfyui_mgpu_pack", pack_dir / "__init__.py", submodule_search_locations=[str(pack_dir)])
+pack = importlib.util.module_from_spec(spec)
+sys.modules["comfyui_mgpu_pack"] = pack
+spec.loader.exec_module(pack)
+for node_class in pack.NODE_CLASS_MAPPINGS.values():
+    node_class.INPUT_TYPES()
+
+from mgpu_backend.ltx import api
+
+sent = []
+
+def fleet_run(op, args, tensors=None, progress=None, should_cancel=None, log=None):
+    # The transport alone is replaced: requests are built and checked by the real api and schema.
+    sent.append((op, json.loads(json.dumps(args)), sorted(tensors or {})))
+    video, audio = torch.zeros(1, 128, 2, 2, 3), torch.zeros(1, 8, 9, 16)
+    if op == "encode":
+        return types.SimpleNamespace(fields={"digests": ["d" * 64, "e" * 64]}, tensors={
+            "video_context_0": torch.zeros(1, 4, 8), "audio_context_0": torch.zeros(1, 4, 4),
+            "video_context_1": torch.ones(1, 4, 8), "audio_context_1": torch.ones(1, 4, 4)})
+    if op == "decode":
+        return types.SimpleNamespace(fields={"sample_rate": 24000}, tensors={"frames": torch.zeros(9, 64, 96, 3), "waveform": torch.zeros(1, 2, 10)})
+    return types.SimpleNamespace(fields={"bytes_read": 0}, tensors={"video_latent": video, "audio_latent": audio})
+
+api.run = fleet_run
+nodes = {name: cls() for name, cls in pack.NODE_CLASS_MAPPINGS.items()}
+model_nodes = sys.modules["comfyui_mgpu_pack.nodes.model_nodes"]
+E = model_nodes.EMBEDDED
+(handle,) = nodes["MGPULoadCheckpoint"].load(E, E, 1.0, E, E, "all", "sharded", "auto", "bfloat16")
+positive, negative = nodes["MGPUTextEncode"].encode(handle, "a fox", "blurry")
+refusals = []
+for call in (
+    lambda: nodes["MGPUSPSampler"].sample(handle, positive, negative, 96, 64, 120, 24.0, 7, 3, 3.0, 7.0, 1.0, "", 0.7, 3.0, "auto"),
+    lambda: nodes["MGPUSPSampler"].sample(handle, positive, negative, 100, 64, 9, 24.0, 7, 3, 3.0, 7.0, 1.0, "", 0.7, 3.0, "auto"),
+):
+    try:
+        call()
+    except ValueError as exc:
+        refusals.append(str(exc))
+(latent,) = nodes["MGPUSPSampler"].sample(handle, positive, negative, 96, 64, 9, 24.0, 7, 3, 3.0, 7.0, 1.0, "", 0.7, 3.0, "auto")
+for sigmas in ("1.0, 0.5, 0.0", "0.4, 0.625, 0.0"):
+    try:
+        nodes["MGPUTDPUpscale"].upscale(handle, latent, positive, 7, sigmas, "auto", 4, 0.0, False)
+    except ValueError as exc:
+        refusals.append(str(exc))
+(upscaled,) = nodes["MGPUTDPUpscale"].upscale(handle, latent, positive, 7, "0.625, 0.4, 0.0", "auto", 4, 0.0, False)
+nodes["MGPUDistributedVAEDecode"].decode(handle, upscaled, 7, 512, 64)
+cache = Path(os.environ["MGPU_CACHE_DIR"])
+print(json.dumps({
+    "heavy_modules": sorted(m for m in sys.modules if m.split(".")[0] in ("ltx_core", "ltx_pipelines", "sentencepiece", "transformers")
+                            or m in ("mgpu_backend.ltx.loading", "mgpu_backend.ltx.validation", "mgpu_backend.ltx.jobs", "mgpu_backend.bundles.tiny")),
+    "files_written": sorted(str(p) for p in cache.rglob("*")) if cache.exists() else [],
+    "sent": sent,
+    "refusals": refusals,
+}))
+"""
+
+
+def test_the_comfyui_side_imports_no_model_code_and_writes_no_bundle(tmp_path):
+    """The pack imported as ComfyUI imports it, every node's INPUT_TYPES, their input checks and a whole
+    two-stage graph built into fleet requests (the transport replaced), in a fresh interpreter."""
+    import json
+    import os
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(PACK_DIR), "MGPU_CACHE_DIR": str(tmp_path / "cache")}
+    completed = subprocess.run([sys.executable, "-c", COMFY_SIDE_SCRIPT, str(PACK_DIR)], env=env, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    report = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert report["heavy_modules"] == [] and report["files_written"] == []
+    assert [op for op, _, _ in report["sent"]] == ["load", "encode", "sample", "upscale", "decode"]
+    assert report["refusals"][0].startswith("frames must be 8k+1") and "multiple of 32" in report["refusals"][1]
+    assert "refuses to start from pure noise" in report["refusals"][2] and "decrease strictly" in report["refusals"][3]
+    load, encode, sample, upscale, _ = (args for _, args, _ in report["sent"])
+    assert load["spec"]["checkpoint_path"] == "embedded:tiny" == encode["spec"]["gemma_root"]
+    # Prompts travel by digest: no context tensor goes with the jobs that name one.
+    assert (sample["positive_digest"], sample["negative_digest"], upscale["positive_digest"]) == ("d" * 64, "e" * 64, "d" * 64)
+    assert [tensors for op, _, tensors in report["sent"] if op in ("sample", "upscale")] == [[], ["audio_latent", "video_latent"]]
+    assert sample["audio_guidance"]["cfg_scale"] == 7.0 and sample["steps"] == 3

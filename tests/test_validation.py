@@ -1,4 +1,4 @@
-"""Input checks of the LTX-2 stages: clear refusals before any model work, and the memory estimate."""
+"""Input checks of the LTX-2 stages (the schema's torch-free ones and the memory estimate): clear refusals before any model work."""
 
 from __future__ import annotations
 
@@ -9,17 +9,9 @@ import torch
 from ltx_core.components.guiders import MultiModalGuiderParams
 from ltx_pipelines.utils.constants import LTX_2_PARAMS, STAGE_2_DISTILLED_SIGMA_VALUES
 
-from mgpu_backend.ltx.stages import STAGE_2_SIGMAS, GenerationParams
-from mgpu_backend.ltx.validation import (
-    GIB,
-    TransformerDims,
-    check_fits,
-    estimate_memory_bytes,
-    nearest_valid_frame_count,
-    validate_generation,
-    validate_sigmas,
-    validate_stg_blocks,
-)
+from mgpu_backend.ltx.schema import STAGE_2_SIGMAS, nearest_valid_frame_count, validate_generation, validate_sigmas, validate_stg_blocks
+from mgpu_backend.ltx.stages import GenerationParams
+from mgpu_backend.ltx.validation import GIB, TransformerDims, check_fits, estimate_memory_bytes
 
 
 def test_frames_not_8k_plus_1_are_refused_with_the_nearest_valid_count():

@@ -2,8 +2,10 @@
 
 Each function submits one job (``load``, ``encode``, ``sample``, ``upscale``, ``decode``) to the
 fleet and returns tensors in ComfyUI's layouts: video latent ``[B,128,F',H/32,W/32]``, audio latent
-``[B,8,T,16]``, IMAGE ``[frames,H,W,3]`` float32 in 0..1, waveform ``[B,C,T]``. Every job carries the
-model spec, so a fleet that restarted reloads the model on its own. ``progress`` receives the
+``[B,8,T,16]``, IMAGE ``[frames,H,W,3]`` float32 in 0..1, waveform ``[B,C,T]``. Each builds its job's
+request with ``schema`` (which checks it and fills the official defaults: a keyword left as None
+means "the schema's default"). Every job carries the model spec, so a fleet that restarted reloads
+the model on its own; prompts travel by digest, their contexts resent only when the fleet lost them. ``progress`` receives the
 fleet's progress events; ``should_cancel`` is polled while a job runs (ComfyUI's interrupt).
 
 The connection is shared by the whole process and serialised with a lock: the fleet runs one job
@@ -20,6 +22,15 @@ from dataclasses import dataclass
 import torch
 
 from mgpu_backend.fleet.client import FleetClient, FleetError, FleetUnavailable
+from mgpu_backend.ltx.schema import (
+    CONTEXT_MISSING,
+    DecodeRequest,
+    EncodeRequest,
+    Guidance,
+    LoadRequest,
+    SampleRequest,
+    UpscaleRequest,
+)
 
 Progress = Callable[[dict], None] | None
 ShouldCancel = Callable[[], bool] | None
@@ -74,22 +85,46 @@ def run(op: str, args: dict, tensors: dict | None = None, progress: Progress = N
 
 
 @dataclass(frozen=True)
-class Guidance:
-    """Multimodal guidance of one modality, as ltx-core's MultiModalGuiderParams."""
+class PromptEncoding:
+    """One prompt as the encode job returned it: its video and audio contexts, in the model's dtype,
+    and the digest the fleet keeps them under (None: contexts made elsewhere, always sent)."""
 
-    cfg_scale: float
-    stg_scale: float = 1.0
-    rescale_scale: float = 0.7
-    modality_scale: float = 3.0
-    skip_step: int = 0
-    stg_blocks: tuple[int, ...] | None = None  # None: the official block 29 (the last block of a smaller model)
-
-    def to_json(self) -> dict:
-        return {**self.__dict__, "stg_blocks": None if self.stg_blocks is None else list(self.stg_blocks)}
+    video_context: torch.Tensor
+    audio_context: torch.Tensor
+    digest: str | None = None
 
 
-VIDEO_GUIDANCE = Guidance(cfg_scale=3.0)  # ltx-pipelines 1.0.0 LTX-2.0 defaults
-AUDIO_GUIDANCE = Guidance(cfg_scale=7.0)
+def _encoding(prompt: PromptEncoding | tuple[torch.Tensor, torch.Tensor]) -> PromptEncoding:
+    return prompt if isinstance(prompt, PromptEncoding) else PromptEncoding(prompt[0], prompt[1])
+
+
+def _context_tensors(prefix: str, encoding: PromptEncoding) -> dict[str, torch.Tensor]:
+    return {f"{prefix}_video_context": encoding.video_context, f"{prefix}_audio_context": encoding.audio_context}
+
+
+def _given(**fields) -> dict:
+    """The keyword arguments the caller set: the others take the schema's defaults."""
+    return {name: value for name, value in fields.items() if value is not None}
+
+
+def run_naming_prompts(request, tensors: dict, prompts: dict[str, PromptEncoding], progress: Progress, should_cancel: ShouldCancel):
+    """Run a job whose request names its prompts by digest, sending only the contexts without one.
+
+    When the fleet no longer holds a digest (it restarted, or kept newer prompts), the job fails on
+    every rank before any work with the ``CONTEXT_MISSING`` error; it is then sent once more with
+    the contexts this process kept."""
+    wire, sent = request.to_wire(), dict(tensors)
+    for prefix, encoding in prompts.items():
+        if encoding.digest is None:
+            sent.update(_context_tensors(prefix, encoding))
+    try:
+        return run(request.op, wire, sent, progress=progress, should_cancel=should_cancel)
+    except FleetError as exc:
+        if exc.kind != "input_error" or CONTEXT_MISSING not in str(exc):
+            raise
+    for prefix, encoding in prompts.items():
+        sent.update(_context_tensors(prefix, encoding))
+    return run(request.op, wire, sent, progress=progress, should_cancel=should_cancel)
 
 
 def parse_tiles(text: str) -> tuple[int, int] | None:
@@ -105,7 +140,8 @@ def parse_tiles(text: str) -> tuple[int, int] | None:
 
 def load(spec: dict, dtype: str = "bfloat16", progress: Progress = None, should_cancel: ShouldCancel = None) -> dict:
     """Validate the model files and load every component into every rank. Returns load figures."""
-    return run("load", {"spec": spec, "dtype": dtype}, progress=progress, should_cancel=should_cancel).fields
+    request = LoadRequest.from_wire({"spec": spec, "dtype": dtype})
+    return run(request.op, request.to_wire(), progress=progress, should_cancel=should_cancel).fields
 
 
 def encode(
@@ -116,57 +152,58 @@ def encode(
     free_gemma: bool = False,
     progress: Progress = None,
     should_cancel: ShouldCancel = None,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(video_context, audio_context) for each prompt, from the Gemma text encoder on the fleet.
+) -> list[PromptEncoding]:
+    """Each prompt's (video_context, audio_context) from the Gemma text encoder on the fleet, with the
+    digest the fleet keeps them under: later jobs name the digest instead of sending the tensors.
 
     ``gemma_mode``: 'sharded' (one copy split over the GPUs, loaded by rank 0) or 'batch_parallel'
     (a copy per GPU, prompts split); ``free_gemma`` gives Gemma's memory back after encoding.
     """
-    args = {"spec": spec, "dtype": dtype, "prompts": list(prompts), "gemma_mode": gemma_mode, "free_gemma": free_gemma}
-    result = run("encode", args, progress=progress, should_cancel=should_cancel)
-    return [(result.tensors[f"video_context_{i}"], result.tensors[f"audio_context_{i}"]) for i in range(len(prompts))]
+    request = EncodeRequest.from_wire({"spec": spec, "dtype": dtype, "prompts": list(prompts), "gemma_mode": gemma_mode, "free_gemma": free_gemma})
+    result = run(request.op, request.to_wire(), progress=progress, should_cancel=should_cancel)
+    digests = result.fields["digests"]
+    return [PromptEncoding(result.tensors[f"video_context_{i}"], result.tensors[f"audio_context_{i}"], digests[i]) for i in range(len(prompts))]
 
 
 def sample(
     spec: dict,
-    positive: tuple[torch.Tensor, torch.Tensor],
-    negative: tuple[torch.Tensor, torch.Tensor],
+    positive: PromptEncoding | tuple[torch.Tensor, torch.Tensor],
+    negative: PromptEncoding | tuple[torch.Tensor, torch.Tensor],
     *,
-    width: int,
-    height: int,
-    num_frames: int,
-    frame_rate: float = 24.0,
-    seed: int = 10,
-    steps: int = 40,
-    video_guidance: Guidance = VIDEO_GUIDANCE,
-    audio_guidance: Guidance = AUDIO_GUIDANCE,
+    width: int | None = None,
+    height: int | None = None,
+    num_frames: int | None = None,
+    frame_rate: float | None = None,
+    seed: int | None = None,
+    steps: int | None = None,
+    video_guidance: Guidance | None = None,
+    audio_guidance: Guidance | None = None,
     image: torch.Tensor | None = None,
     parallel: str = "auto",
-    cuda_graphs: bool = True,
+    cuda_graphs: bool | None = None,
     compile_blocks: bool = False,
+    model_version: str = "2.0",
     dtype: str = "bfloat16",
     progress: Progress = None,
     should_cancel: ShouldCancel = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1: full-frame generation from noise at width x height (sequence/guidance parallel).
 
-    ``cuda_graphs`` replays each pass's forward from a captured CUDA graph on GPU ranks (equal to
-    eager within bf16 noise; it pays off on the small shards of high SP degrees). ``compile_blocks``
-    also compiles the transformer blocks with torch.compile for this job (GPU ranks; a compile of
-    tens of seconds per new shape, then fused kernels: worth it on a warm fleet at SP degree 4+)."""
-    args = {
-        "spec": spec, "dtype": dtype, "width": width, "height": height, "num_frames": num_frames,
-        "frame_rate": frame_rate, "seed": seed, "steps": steps, "parallel": parallel, "cuda_graphs": cuda_graphs,
-        "compile_blocks": compile_blocks,
-        "video_guidance": video_guidance.to_json(), "audio_guidance": audio_guidance.to_json(),
-    }  # fmt: skip
-    tensors = {
-        "positive_video_context": positive[0], "positive_audio_context": positive[1],
-        "negative_video_context": negative[0], "negative_audio_context": negative[1],
-    }  # fmt: skip
-    if image is not None:
-        tensors["image"] = image
-    result = run("sample", args, tensors, progress=progress, should_cancel=should_cancel)
+    Arguments left as None take the schema's official defaults of ``model_version``; a guidance's
+    fields left as None too. ``cuda_graphs`` replays each pass's forward from a captured CUDA graph
+    on GPU ranks (None: on with CUDA; equal to eager within bf16 noise; it pays off on the small
+    shards of high SP degrees). ``compile_blocks`` also compiles the transformer blocks with
+    torch.compile for this job (GPU ranks; a compile of tens of seconds per new shape, then fused
+    kernels: worth it on a warm fleet at SP degree 4+)."""
+    prompts = {"positive": _encoding(positive), "negative": _encoding(negative)}
+    request = SampleRequest.from_wire({
+        "spec": spec, "dtype": dtype, "model_version": model_version, "parallel": parallel, "compile_blocks": compile_blocks,
+        "positive_digest": prompts["positive"].digest, "negative_digest": prompts["negative"].digest,
+        **_given(width=width, height=height, num_frames=num_frames, frame_rate=frame_rate, seed=seed, steps=steps, cuda_graphs=cuda_graphs),
+        **_given(video_guidance=video_guidance and video_guidance.to_wire(), audio_guidance=audio_guidance and audio_guidance.to_wire()),
+    })  # fmt: skip
+    tensors = {} if image is None else {"image": image}
+    result = run_naming_prompts(request, tensors, prompts, progress, should_cancel)
     return result.tensors["video_latent"], result.tensors["audio_latent"]
 
 
@@ -174,15 +211,16 @@ def upscale(
     spec: dict,
     video_latent: torch.Tensor,
     audio_latent: torch.Tensor,
-    positive: tuple[torch.Tensor, torch.Tensor],
+    positive: PromptEncoding | tuple[torch.Tensor, torch.Tensor],
     *,
-    frame_rate: float = 24.0,
-    seed: int = 10,
-    sigmas: tuple[float, ...] = (0.625, 0.4, 0.0),
+    frame_rate: float | None = None,
+    seed: int | None = None,
+    sigmas: tuple[float, ...] | None = None,
     tiles: tuple[int, int] | None = None,
-    overlap: int = 4,
+    overlap: int | None = None,
     image: torch.Tensor | None = None,
     force_from_noise: bool = False,
+    model_version: str = "2.0",
     dtype: str = "bfloat16",
     progress: Progress = None,
     should_cancel: ShouldCancel = None,
@@ -190,19 +228,19 @@ def upscale(
     """Stage 2: 2x spatial upsample, then tiled data parallel refinement with the distilled LoRA.
 
     Returns the refined video latent and the stage-1 audio latent unchanged (frozen by design).
-    ``tiles`` is (height tiles, width tiles); None picks a balanced split over the fleet.
+    ``tiles`` is (height tiles, width tiles); None picks a balanced split over the fleet. Arguments
+    left as None take the schema's defaults (sigmas ``schema.TDP_UPSCALE_SIGMAS``).
     """
-    args = {
-        "spec": spec, "dtype": dtype, "frame_rate": frame_rate, "seed": seed, "sigmas": list(sigmas),
-        "tiles": list(tiles) if tiles else None, "overlap": overlap, "force_from_noise": force_from_noise,
-    }  # fmt: skip
-    tensors = {
-        "video_latent": video_latent, "audio_latent": audio_latent,
-        "positive_video_context": positive[0], "positive_audio_context": positive[1],
-    }  # fmt: skip
+    prompts = {"positive": _encoding(positive)}
+    request = UpscaleRequest.from_wire({
+        "spec": spec, "dtype": dtype, "model_version": model_version, "force_from_noise": force_from_noise,
+        "positive_digest": prompts["positive"].digest,
+        **_given(frame_rate=frame_rate, seed=seed, sigmas=sigmas and list(sigmas), tiles=tiles and list(tiles), overlap=overlap),
+    })  # fmt: skip
+    tensors = {"video_latent": video_latent, "audio_latent": audio_latent}
     if image is not None:
         tensors["image"] = image
-    result = run("upscale", args, tensors, progress=progress, should_cancel=should_cancel)
+    result = run_naming_prompts(request, tensors, prompts, progress, should_cancel)
     return result.tensors["video_latent"], result.tensors["audio_latent"]
 
 
@@ -211,11 +249,11 @@ def decode(
     video_latent: torch.Tensor,
     audio_latent: torch.Tensor | None,
     *,
-    seed: int = 10,
-    frame_rate: float = 24.0,
+    seed: int | None = None,
+    frame_rate: float | None = None,
     after_stages: int = 2,
-    spatial_tile_pixels: int = 512,
-    temporal_tile_frames: int = 64,
+    spatial_tile_pixels: int | None = None,
+    temporal_tile_frames: int | None = None,
     dtype: str = "bfloat16",
     progress: Progress = None,
     should_cancel: ShouldCancel = None,
@@ -225,15 +263,16 @@ def decode(
 
     ``seed``, ``frame_rate`` and ``after_stages`` (how many stages drew noise from the job's
     generator before the decoder) reproduce the official pipeline's decoder noise exactly.
+    Arguments left as None take the schema's defaults.
     """
-    args = {
-        "spec": spec, "dtype": dtype, "seed": seed, "frame_rate": frame_rate, "after_stages": after_stages,
-        "spatial_tile_pixels": spatial_tile_pixels, "temporal_tile_frames": temporal_tile_frames,
-    }  # fmt: skip
+    request = DecodeRequest.from_wire({
+        "spec": spec, "dtype": dtype, "after_stages": after_stages,
+        **_given(seed=seed, frame_rate=frame_rate, spatial_tile_pixels=spatial_tile_pixels, temporal_tile_frames=temporal_tile_frames),
+    })  # fmt: skip
     tensors = {"video_latent": video_latent}
     if audio_latent is not None:
         tensors["audio_latent"] = audio_latent
-    result = run("decode", args, tensors, progress=progress, should_cancel=should_cancel)
+    result = run(request.op, request.to_wire(), tensors, progress=progress, should_cancel=should_cancel)
     waveform = result.tensors.get("waveform")
     return result.tensors["frames"], waveform, result.fields.get("sample_rate") if waveform is not None else None
 

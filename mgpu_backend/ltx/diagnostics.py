@@ -19,12 +19,15 @@ import torch
 from ltx_core.model.transformer import LTXModelConfigurator, X0Model
 
 from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
-from mgpu_backend.ltx.jobs import _float, _guider, _int, run_stage1
-from mgpu_backend.ltx.stages import GenerationParams, transformer_layer_count
+from mgpu_backend.ltx.jobs import input_errors, run_stage1
+from mgpu_backend.ltx.schema import MAX_FRAMES, MAX_SIDE, MAX_STEPS, OFFICIAL, Guidance, integer_field, number_field
+from mgpu_backend.ltx.stages import GenerationParams, guider_params, transformer_layer_count
 from mgpu_backend.ltx.text import TextContext
 from mgpu_backend.ltx.validation import TransformerDims
 from mgpu_backend.parallel.compiled_blocks import compile_blocks_wanted
 from mgpu_backend.parallel.cuda_graphs import cuda_graphs_wanted
+
+BENCH_STEPS = 4  # a few stage-1 steps time a step; the official 40 would only repeat them
 
 
 def random_transformer(config: dict, device: torch.device, dtype: torch.dtype, seed: int) -> X0Model:
@@ -105,7 +108,8 @@ def bench_stage1(ctx: JobContext, args: dict, tensors: dict):
     if not isinstance(config, dict) or not isinstance(config.get("transformer"), dict):
         raise JobInputError("bench_stage1 needs 'config' with a 'transformer' section (shared/configs/*.json)")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.get("dtype", "bfloat16")]
-    seed = _int(args, "seed", 10, 0, 2**31)
+    with input_errors():
+        seed = integer_field(args, "seed", OFFICIAL.seed, 0, 2**31)
     key = ("random_model", json_key(config), dtype, seed)
     if ctx.state.get("bench_key") != key:
         ctx.state.pop("bench_model", None)
@@ -113,13 +117,18 @@ def bench_stage1(ctx: JobContext, args: dict, tensors: dict):
         ctx.state["bench_key"] = key
     model = ctx.state["bench_model"]
     layers = model.layer_count()
-    params = GenerationParams(
-        height=_int(args, "height", 512, 32, 8192), width=_int(args, "width", 768, 32, 8192),
-        num_frames=_int(args, "num_frames", 121, 1, 100_000), frame_rate=_float(args, "frame_rate", 24.0, 1.0, 240.0),
-        seed=seed, num_inference_steps=_int(args, "steps", 4, 1, 1000),
-        video_guider=_guider(args, "video_guidance", layers), audio_guider=_guider(args, "audio_guidance", layers),
-        two_stage=False,
-    )  # fmt: skip
+    with input_errors():
+        video, audio = (Guidance.from_wire(args.get(f"{m}_guidance"), f"{m}_guidance", getattr(OFFICIAL, f"{m}_guidance")) for m in ("video", "audio"))
+        params = GenerationParams(
+            height=integer_field(args, "height", OFFICIAL.stage1_height, 32, MAX_SIDE),
+            width=integer_field(args, "width", OFFICIAL.stage1_width, 32, MAX_SIDE),
+            num_frames=integer_field(args, "num_frames", OFFICIAL.num_frames, 1, MAX_FRAMES),
+            frame_rate=number_field(args, "frame_rate", OFFICIAL.frame_rate, 1.0, 240.0),
+            seed=seed, num_inference_steps=integer_field(args, "steps", BENCH_STEPS, 1, MAX_STEPS),
+            video_guider=guider_params(video, OFFICIAL.video_guidance, layers),
+            audio_guider=guider_params(audio, OFFICIAL.audio_guidance, layers),
+            two_stage=False,
+        )  # fmt: skip
     positive, negative = random_contexts(config["transformer"]["caption_channels"], ctx.device, dtype, seed)
     original_step = ctx.step
     marks: list[float] = []
@@ -208,8 +217,9 @@ def doctor_collectives(ctx: JobContext, args: dict, tensors: dict):
     sizes = args.get("sizes_bytes")
     if not isinstance(sizes, list) or not sizes or not all(isinstance(s, int) and 4 <= s <= 2**31 for s in sizes):
         raise JobInputError(f"sizes_bytes must be a list of byte counts from 4 to 2**31, got {sizes!r}")
-    iterations = _int(args, "iterations", 10, 1, 10_000)
-    warmup = _int(args, "warmup", 2, 0, 1000)
+    with input_errors():
+        iterations = integer_field(args, "iterations", 10, 1, 10_000)
+        warmup = integer_field(args, "warmup", 2, 0, 1000)
     results = []
     for index, size in enumerate(sizes):
         # float32 elements, a whole number per rank so the all-to-all chunks are equal
@@ -262,8 +272,9 @@ def doctor_all_to_all_kernel(ctx: JobContext, args: dict, tensors: dict):
 
     if ctx.device.type != "cuda" or ctx.world_size < 2:
         raise JobInputError("the all-to-all kernel check needs a CUDA fleet of at least 2 ranks")
-    size = _int(args, "bytes", 16 << 20, 4 * ctx.world_size, 2**31)
-    iterations = _int(args, "iterations", 10, 1, 10_000)
+    with input_errors():
+        size = integer_field(args, "bytes", 16 << 20, 4 * ctx.world_size, 2**31)
+        iterations = integer_field(args, "iterations", 10, 1, 10_000)
     choice, reasons = _install_and_explain(ctx.comm, ctx.device)
     fields = {"choice": choice, "reasons": reasons}
     if choice == CUDA_IPC:
@@ -333,8 +344,9 @@ def doctor_sp_check(ctx: JobContext, args: dict, tensors: dict):
     config = args.get("config")
     if not isinstance(config, dict) or not isinstance(config.get("transformer"), dict):
         raise JobInputError("doctor_sp_check needs 'config' with a 'transformer' section")
-    seed = _int(args, "seed", 0, 0, 2**31)
-    noise = _float(args, "reference_noise", 0.0, 0.0, 1.0)
+    with input_errors():
+        seed = integer_field(args, "seed", 0, 0, 2**31)
+        noise = number_field(args, "reference_noise", 0.0, 0.0, 1.0)
     model = random_transformer(config, ctx.device, torch.float32, seed)
     video, audio = _sp_check_inputs(config, ctx.device, seed, text_tokens=8)
 

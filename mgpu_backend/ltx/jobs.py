@@ -8,8 +8,17 @@ heavy work, so the fleet stays as it was), then runs the stage functions of ``st
 - upscale: tiled data parallel around the stage-2 transformer;
 - decode: the distributed decoder, frames written straight into shared memory on rank 0.
 
-Every job names its model spec; the rank keeps one model resident (``ResidentModel``), so a job with
-the same spec reads nothing from disk, and a fleet that restarted reloads on the next job by itself.
+Every job reads its arguments with the request type of ``schema`` (``SampleRequest.from_wire`` ...),
+which also holds every default. Every job names its model spec; the rank keeps one model resident
+(``ResidentModel``), so a job with the same spec reads nothing from disk, and a fleet that restarted
+reloads on the next job by itself. A spec naming the embedded tiny bundle (``schema.EMBEDDED_TINY``)
+is resolved here, on the ranks: rank 0 writes the bundle into the cache folder (or finds it there).
+
+Prompt encodings stay in the fleet: the encode job keeps each prompt's contexts on every rank by a
+content digest (``schema.prompt_digest``, at most ``PROMPT_CACHE_ENTRIES``, least recently used
+dropped) and returns them too, in the model's dtype, for the client to keep. Sample and upscale
+name the digests; a rank that no longer holds one fails the job on every rank with a
+``schema.CONTEXT_MISSING`` error, and the client resends the contexts it kept.
 """
 
 from __future__ import annotations
@@ -17,11 +26,12 @@ from __future__ import annotations
 import functools
 import gc
 import logging
-import math
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from ltx_core.components.guiders import MultiModalGuiderParams
@@ -33,7 +43,7 @@ from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
 from mgpu_backend.parallel.batched_passes import batch_passes_wanted, batching_runner
 from mgpu_backend.parallel.compiled_blocks import compile_blocks_wanted, compiled_blocks
 from mgpu_backend.parallel.cuda_graphs import CapturingPassRunner, cuda_graphs_wanted
-from mgpu_backend.parallel.distributed_gemma import GEMMA_MODES, encode_prompts_distributed, last_encode_stats, release_text_encoders
+from mgpu_backend.parallel.distributed_gemma import encode_prompts_distributed, last_encode_stats, release_text_encoders
 from mgpu_backend.parallel.distributed_decode import decoded_images_shape, distributed_decode_images, last_decode_stats
 from mgpu_backend.parallel.guidance_parallel import build_stage1_parallel, plan_stage1
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel, sequence_parallel_degree
@@ -41,18 +51,16 @@ from mgpu_backend.parallel.weight_tracker import TransformerWeightTracker
 from mgpu_backend.parallel.tiled_data_parallel import DimensionTiling, TileCounts, VideoTilePlan, apply_tiled_data_parallel, balanced_tile_split
 from mgpu_backend.ltx.decode import decode_audio
 from mgpu_backend.ltx.latents import StageGeometry, job_generator
-from mgpu_backend.ltx.loading import ModelFileError, ModelLoader, ModelSpec
-from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
+from mgpu_backend.ltx.loading import ModelLoader
+from mgpu_backend.ltx.schema import CONTEXT_MISSING, PROMPT_CACHE_ENTRIES, VIDEO_LATENT_CHANNELS, DecodeRequest, EncodeRequest, LoadRequest, ModelFileError, ModelSpec, SampleRequest, UnloadRequest, UpscaleRequest, pixel_geometry, validate_stg_blocks
+from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, guider_params, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
 from mgpu_backend.ltx.text import TextContext
-from mgpu_backend.ltx.validation import TransformerDims, validate_stg_blocks
+from mgpu_backend.ltx.validation import TransformerDims
 
 log = logging.getLogger("mgpu.ltx")
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
-MAX_PROMPTS = 16
-MAX_PROMPT_CHARS = 20_000
-VIDEO_LATENT_CHANNELS = 128
-OFFICIAL_STG_BLOCK = 29  # ltx-pipelines 1.0.0 default, for the 48-block LTX-2 19B model
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+EMBEDDED_BUNDLE_FOLDER = "embedded-tiny-ltx2"
 
 
 @contextmanager
@@ -145,16 +153,14 @@ class ResidentModel:
         return block.attn1.heads, block.audio_attn1.heads
 
 
-def resident_model(ctx: JobContext, args: dict) -> ResidentModel:
-    """The model the job names, loading it (and dropping another) when it is not resident yet."""
+def resident_model(ctx: JobContext, request) -> ResidentModel:
+    """The model the request names, loading it (and dropping another) when it is not resident yet."""
     with input_errors():
-        if not isinstance(args.get("spec"), dict):
-            raise JobInputError("the job needs a model 'spec' object (see ModelSpec.to_json)")
-        spec = ModelSpec.from_json(args["spec"])
-        dtype_name = args.get("dtype", "bfloat16")
-        if dtype_name not in DTYPES:
-            raise JobInputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
-        dtype = DTYPES[dtype_name]
+        spec = request.spec
+        if spec.names_embedded:
+            spec = spec.resolve_embedded(embedded_bundle(ctx))
+        spec.check_files_exist()
+        dtype = TORCH_DTYPES[request.dtype]
         resident = ctx.state.get("model")
         if resident is not None and resident.spec == spec and resident.dtype == dtype:
             return resident
@@ -162,6 +168,34 @@ def resident_model(ctx: JobContext, args: dict) -> ResidentModel:
         resident = ResidentModel(spec, ctx.device, dtype, ctx.comm)  # validates the files from their headers
     ctx.state["model"] = resident
     return resident
+
+
+_embedded_bundles: dict[str, object] = {}  # cache folder -> TinyBundle, once this process has seen it complete
+
+
+def embedded_bundle(ctx: JobContext):
+    """The embedded tiny bundle in this host's cache folder (``$MGPU_CACHE_DIR``, else
+    ~/.cache/comfyui-mgpu), written by rank 0 on first use while the other ranks wait.
+
+    Collective: every rank calls it for a job whose spec names the embedded bundle."""
+    from mgpu_backend.bundles.tiny import make_tiny_bundle
+
+    folder = str(Path(os.environ.get("MGPU_CACHE_DIR") or Path.home() / ".cache" / "comfyui-mgpu") / EMBEDDED_BUNDLE_FOLDER)
+    failure = ""
+    if ctx.rank == 0 and folder not in _embedded_bundles:
+        try:
+            _embedded_bundles[folder] = make_tiny_bundle(folder)
+        except Exception as exc:  # noqa: BLE001 - the other ranks wait below: every failure must reach them
+            failure = f"{type(exc).__name__}: {exc}"
+    failed = ctx.control.all_reduce_max(torch.tensor([int(bool(failure))], dtype=torch.int64))
+    if failed.item():
+        raise JobInputError(
+            f"could not write the embedded tiny bundle to {folder} ({failure or 'on rank 0'}); "
+            "set MGPU_CACHE_DIR to a writable folder, or choose real model files"
+        )
+    if folder not in _embedded_bundles:
+        _embedded_bundles[folder] = make_tiny_bundle(folder)  # complete since rank 0 wrote it: only checked
+    return _embedded_bundles[folder]
 
 
 def unload_models(ctx: JobContext) -> None:
@@ -175,53 +209,91 @@ def unload_models(ctx: JobContext) -> None:
         torch.cuda.empty_cache()
 
 
-# -- argument checks ---------------------------------------------------------------------------
+# -- arguments and prompt contexts --------------------------------------------------------------
 
 
-def _int(args: dict, name: str, default: int | None = None, low: int = 0, high: int = 2**31) -> int:
-    value = args.get(name, default)
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise JobInputError(f"{name} must be an integer from {low} to {high}, got {value!r}")
-    return value
+def stage1_params(request: SampleRequest, layer_count: int) -> GenerationParams:
+    """The stage-1 generation a sample request asks for, on a model of ``layer_count`` blocks."""
+    official = request.defaults
+    return GenerationParams(
+        height=request.height, width=request.width, num_frames=request.num_frames, frame_rate=request.frame_rate,
+        seed=request.seed, num_inference_steps=request.steps,
+        video_guider=guider_params(request.video_guidance, official.video_guidance, layer_count),
+        audio_guider=guider_params(request.audio_guidance, official.audio_guidance, layer_count),
+        two_stage=False,
+    )  # fmt: skip
 
 
-def _float(args: dict, name: str, default: float, low: float = -math.inf, high: float = math.inf) -> float:
-    value = args.get(name, default)
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not low <= value <= high:
-        raise JobInputError(f"{name} must be a number from {low} to {high}, got {value!r}")
-    return float(value)
+def refuse_pipelines_not_served(request) -> None:
+    if request.pipeline != "two-stage":
+        raise JobInputError(f"the fleet runs the two-stage pipeline only for now, not {request.pipeline!r}; use pipeline 'two-stage'")
 
 
-def _guider(args: dict, name: str, layer_count: int) -> MultiModalGuiderParams:
-    """Guidance parameters; ``stg_blocks: null`` means the official block 29, or the last block of a
-    model that has fewer (the tiny test bundle)."""
-    guidance = args.get(name, {})
-    if not isinstance(guidance, dict):
-        raise JobInputError(f"{name} must be an object")
-    blocks = guidance.get("stg_blocks")
-    if blocks is None:
-        blocks = [min(OFFICIAL_STG_BLOCK, layer_count - 1)]
-    if not isinstance(blocks, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
-        raise JobInputError(f"{name}.stg_blocks must be a list of block indices")
-    return MultiModalGuiderParams(
-        cfg_scale=_float(guidance, "cfg_scale", 3.0, 0.0, 100.0),
-        stg_scale=_float(guidance, "stg_scale", 1.0, 0.0, 100.0),
-        rescale_scale=_float(guidance, "rescale_scale", 0.7, 0.0, 1.0),
-        modality_scale=_float(guidance, "modality_scale", 3.0, 0.0, 100.0),
-        skip_step=_int(guidance, "skip_step", 0, 0, 1000),
-        stg_blocks=blocks,
-    )
+class PromptCache:
+    """Prompt contexts of this rank by digest; past ``entries`` the least recently used go first."""
+
+    def __init__(self, entries: int = PROMPT_CACHE_ENTRIES) -> None:
+        self.entries = entries
+        self.contexts: OrderedDict[str, TextContext] = OrderedDict()
+
+    def put(self, digest: str, context: TextContext) -> None:
+        self.contexts[digest] = context
+        self.contexts.move_to_end(digest)
+        while len(self.contexts) > self.entries:
+            self.contexts.popitem(last=False)
+
+    def get(self, digest: str) -> TextContext | None:
+        context = self.contexts.get(digest)
+        if context is not None:
+            self.contexts.move_to_end(digest)
+        return context
 
 
-def _context(tensors: dict, prefix: str) -> TextContext:
+def prompt_cache(ctx: JobContext) -> PromptCache:
+    return ctx.state.setdefault("prompt_contexts", PromptCache())
+
+
+def _sent_context(tensors: dict, prefix: str) -> TextContext | None:
     names = (f"{prefix}_video_context", f"{prefix}_audio_context")
+    if not any(name in tensors for name in names):
+        return None
     missing = [name for name in names if name not in tensors]
     if missing:
-        raise JobInputError(f"missing {', '.join(missing)}: encode the prompts with the MGPU text encoder first")
+        raise JobInputError(f"missing {', '.join(missing)}: send both contexts of the {prefix} prompt (MGPU Text Encode makes them)")
     for name in names:
         if tensors[name].ndim != 3 or tensors[name].shape[0] != 1:
             raise JobInputError(f"{name} must be [1, tokens, dim], got {tuple(tensors[name].shape)}")
     return TextContext(video_context=tensors[names[0]], audio_context=tensors[names[1]])
+
+
+def prompt_contexts(ctx: JobContext, tensors: dict, wanted: list[tuple[str, str | None]]) -> list[TextContext]:
+    """The contexts of the prompts a job names as (``positive``/``negative``, digest or None).
+
+    Contexts sent with the job are used (and kept under their digest); otherwise the digest is looked
+    up in this rank's cache. Collective when anything is looked up: a digest missing on any rank
+    fails the job on every rank with the ``CONTEXT_MISSING`` error the client answers by resending."""
+    cache, contexts, missing, looked_up = prompt_cache(ctx), [], [], False
+    for prefix, digest in wanted:
+        context = _sent_context(tensors, prefix)
+        if context is not None:
+            if digest is not None:  # a copy: the job's inputs may live in a shared-memory segment of this job
+                cache.put(digest, TextContext(context.video_context.clone(), context.audio_context.clone()))
+        elif digest is not None:
+            looked_up = True
+            context = cache.get(digest)
+            if context is None:
+                missing.append(prefix)
+        else:
+            raise JobInputError(f"missing {prefix}_video_context, {prefix}_audio_context: encode the prompts with the MGPU text encoder first")
+        contexts.append(context)
+    if looked_up:
+        missing_anywhere = ctx.control.all_reduce_max(torch.tensor([len(missing)], dtype=torch.int64))
+        if missing_anywhere.item():
+            raise JobInputError(
+                f"{CONTEXT_MISSING}: the fleet no longer holds the encoded {' and '.join(missing) or 'prompts'} prompt "
+                "(it restarted, or kept newer prompts); send the contexts with the job, or encode the prompts again"
+            )
+    return contexts
 
 
 def _moved(context: TextContext, resident: ResidentModel) -> TextContext:
@@ -246,12 +318,6 @@ def _video_latent(tensors: dict, what: str) -> torch.Tensor:
         shape = None if latent is None else tuple(latent.shape)
         raise JobInputError(f"{what} needs one LTX-2 video latent [1, 128, F', H/32, W/32], got {shape}")
     return latent.float()
-
-
-def _geometry_of(latent: torch.Tensor, frame_rate: float) -> tuple[int, int, int]:
-    """Pixel (height, width, frames) of a video latent: 32x spatial, 8x temporal (+1) compression."""
-    _, _, latent_frames, latent_height, latent_width = latent.shape
-    return latent_height * 32, latent_width * 32, (latent_frames - 1) * 8 + 1
 
 
 def _progress(ctx: JobContext, stage: str) -> Callable[[int, int], None]:
@@ -291,7 +357,9 @@ def ltx_job(name: str):
 def load(ctx: JobContext, args: dict, tensors: dict):
     """Load every component of the model into this rank (a no-op for the resident model)."""
     started = time.perf_counter()
-    resident = resident_model(ctx, args)
+    with input_errors():
+        request = LoadRequest.from_wire(args)
+    resident = resident_model(ctx, request)
     builders = [("transformer", "none"), ("video_encoder",), ("video_decoder",), ("audio_decoder",), ("vocoder",), ("embeddings_processor",)]
     if resident.spec.spatial_upsampler_path is not None:
         builders.append(("spatial_upsampler",))
@@ -310,26 +378,22 @@ def load(ctx: JobContext, args: dict, tensors: dict):
 
 @ltx_job("encode")
 def encode(ctx: JobContext, args: dict, tensors: dict):
-    """Video and audio text contexts of each prompt (Gemma + the checkpoint's connectors)."""
-    prompts = args.get("prompts")
-    if not isinstance(prompts, list) or not 0 < len(prompts) <= MAX_PROMPTS or not all(isinstance(p, str) for p in prompts):
-        raise JobInputError(f"prompts must be a list of 1 to {MAX_PROMPTS} strings")
-    if any(len(prompt) > MAX_PROMPT_CHARS for prompt in prompts):
-        raise JobInputError(f"a prompt is longer than {MAX_PROMPT_CHARS} characters; shorten it")
-    gemma_mode = args.get("gemma_mode", "sharded")
-    if gemma_mode not in GEMMA_MODES:
-        raise JobInputError(f"gemma_mode must be one of {', '.join(GEMMA_MODES)}, got {gemma_mode!r}")
-    resident = resident_model(ctx, args)
-    contexts = encode_prompts_distributed(resident.loader, prompts, ctx.comm, gemma_mode, free_after=bool(args.get("free_gemma", False)))
+    """Video and audio text contexts of each prompt (Gemma + the checkpoint's connectors), kept on every
+    rank by digest and returned in the model's dtype (the dtype the stages use them in)."""
+    with input_errors():
+        request = EncodeRequest.from_wire(args)
+    resident = resident_model(ctx, request)
+    contexts = encode_prompts_distributed(resident.loader, list(request.prompts), ctx.comm, request.gemma_mode, free_after=request.free_gemma)
     stats = last_encode_stats()
     where = f", Gemma on {stats['gemma_placement']}" if stats.get("gemma_placement") else ""
-    ctx.log(f"text encode ({gemma_mode}): {stats.get('encoded_here', 0)} prompt(s) on this rank in {stats.get('seconds', 0):.2f} s{where}")
+    ctx.log(f"text encode ({request.gemma_mode}): {stats.get('encoded_here', 0)} prompt(s) on this rank in {stats.get('seconds', 0):.2f} s{where}")
     ctx.step("encode", 1, 1)
-    out = {}
-    for index, context in enumerate(contexts):
-        out[f"video_context_{index}"] = context.video_context.float().cpu()
-        out[f"audio_context_{index}"] = context.audio_context.float().cpu()
-    return {"prompts": len(prompts)}, out
+    cache, digests, out = prompt_cache(ctx), request.digests(), {}
+    for index, (digest, context) in enumerate(zip(digests, contexts, strict=True)):
+        kept = TextContext(context.video_context.to(resident.dtype).cpu(), context.audio_context.to(resident.dtype).cpu())
+        cache.put(digest, kept)
+        out[f"video_context_{index}"], out[f"audio_context_{index}"] = kept.video_context, kept.audio_context
+    return {"prompts": len(request.prompts), "digests": digests}, out
 
 
 def active_passes(video: MultiModalGuiderParams, audio: MultiModalGuiderParams) -> list[str]:
@@ -381,31 +445,22 @@ def stage1_parallel(ctx: JobContext, resident: ResidentModel, video_tokens: int,
 @ltx_job("sample")
 def sample(ctx: JobContext, args: dict, tensors: dict):
     """Stage 1: full-frame generation from noise, sequence/guidance parallel (faithful)."""
-    resident = resident_model(ctx, args)
+    with input_errors():
+        request = SampleRequest.from_wire(args)
+        refuse_pipelines_not_served(request)
+    resident = resident_model(ctx, request)
     layers = resident.layer_count()
     with input_errors():
-        params = GenerationParams(
-            height=_int(args, "height", 512, 32, 8192),
-            width=_int(args, "width", 768, 32, 8192),
-            num_frames=_int(args, "num_frames", 121, 1, 100_000),
-            frame_rate=_float(args, "frame_rate", 24.0, 1.0, 240.0),
-            seed=_int(args, "seed", 10, 0, 2**63 - 1),
-            num_inference_steps=_int(args, "steps", 40, 1, 1000),
-            video_guider=_guider(args, "video_guidance", layers),
-            audio_guider=_guider(args, "audio_guidance", layers),
-            two_stage=False,
-        )
+        params = stage1_params(request, layers)
         params.validate()
         validate_stg_blocks(params.video_guider, layers, "video")
         validate_stg_blocks(params.audio_guider, layers, "audio")
-        positive, negative = _context(tensors, "positive"), _context(tensors, "negative")
         image = _image(tensors)
-        mode = args.get("parallel", "auto")
         dims = TransformerDims.from_checkpoint(resident.spec.checkpoint_path)
-        cuda_graphs = cuda_graphs_wanted(args.get("cuda_graphs"), ctx.device)
-        compile_blocks = compile_blocks_wanted(args.get("compile_blocks"), ctx.device)
-    batch_passes = args.get("batch_passes", "auto")
-    return run_stage1(ctx, resident, params, positive, negative, image, mode, dims, cuda_graphs, batch_passes, compile_blocks)
+        cuda_graphs = cuda_graphs_wanted(request.cuda_graphs, ctx.device)
+        compile_blocks = compile_blocks_wanted(request.compile_blocks, ctx.device)
+        positive, negative = prompt_contexts(ctx, tensors, [("positive", request.positive_digest), ("negative", request.negative_digest)])
+    return run_stage1(ctx, resident, params, positive, negative, image, request.parallel, dims, cuda_graphs, request.batch_passes, compile_blocks)
 
 
 def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: TextContext, negative: TextContext,
@@ -435,20 +490,18 @@ def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: Te
     return fields, {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
 
 
-def upscale_tiling(ctx: JobContext, args: dict, video_grid: tuple[int, int, int]) -> TileCounts | None:
+def upscale_tiling(ctx: JobContext, request: UpscaleRequest, video_grid: tuple[int, int, int]) -> TileCounts | None:
     """The TDP tiling of the stage-2 latent grid, or None for the untiled (one-rank) stage 2.
 
     Tiles are (height, width) counts; with none given, a balanced split over the fleet. When the
     grid is too small for the requested overlap, the overlap shrinks to what fits (logged).
     """
-    tiles, overlap = args.get("tiles"), _int(args, "overlap", 4, 0, 64)
+    tiles, overlap = request.tiles, request.overlap
     if tiles is None:
         if ctx.world_size == 1:
             return None
-        tiles = list(balanced_tile_split(ctx.world_size))
-    if not isinstance(tiles, list) or len(tiles) != 2 or not all(isinstance(t, int) and t >= 1 for t in tiles):
-        raise JobInputError(f"tiles must be [height_tiles, width_tiles] of positive integers, got {tiles!r}")
-    if tiles == [1, 1]:
+        tiles = tuple(balanced_tile_split(ctx.world_size))
+    if tuple(tiles) == (1, 1):
         return None
     last_error = None
     for tried in range(overlap, -1, -1):
@@ -456,7 +509,7 @@ def upscale_tiling(ctx: JobContext, args: dict, video_grid: tuple[int, int, int]
         try:
             VideoTilePlan(tiling, video_grid)  # raises when the tiles do not fit the grid
         except ValueError as exc:
-            if args.get("tiles") is not None:  # the user's own tiling: say so rather than change it
+            if request.tiles is not None:  # the user's own tiling: say so rather than change it
                 raise JobInputError(f"tiling {tiles[0]}x{tiles[1]} with overlap {tried} does not fit the {video_grid[1]}x{video_grid[2]} latent: {exc}") from exc
             last_error = exc
             continue
@@ -469,34 +522,27 @@ def upscale_tiling(ctx: JobContext, args: dict, video_grid: tuple[int, int, int]
 @ltx_job("upscale")
 def upscale(ctx: JobContext, args: dict, tensors: dict):
     """Stage 2: spatial 2x, then the distilled-LoRA refinement over TDP tiles; audio stays frozen."""
-    resident = resident_model(ctx, args)
+    with input_errors():
+        request = UpscaleRequest.from_wire(args)
+        refuse_pipelines_not_served(request)
+    resident = resident_model(ctx, request)
     with input_errors():
         video_latent = _video_latent(tensors, "TDP Upscale")
         audio_latent = tensors.get("audio_latent")
         if audio_latent is None:
             raise JobInputError("TDP Upscale needs the stage-1 audio latent too (the video attends to it)")
-        frame_rate = _float(args, "frame_rate", 24.0, 1.0, 240.0)
-        height, width, frames = _geometry_of(video_latent, frame_rate)
-        sigmas = args.get("sigmas", [0.625, 0.4, 0.0])
-        if not isinstance(sigmas, list) or len(sigmas) < 2 or not all(isinstance(s, (int, float)) for s in sigmas):
-            raise JobInputError(f"sigmas must be a list of at least two numbers ending in 0, got {sigmas!r}")
-        if sigmas[0] >= 1.0 and not args.get("force_from_noise", False):
-            raise JobInputError(
-                f"TDP refuses to start from pure noise (first sigma {sigmas[0]}): each tile would denoise on its own and the "
-                "tiles would not agree on one video. Generate stage 1 with the SP Sampler and upscale that "
-                "(default sigmas 0.625, 0.4, 0.0); set force_from_noise only to study the failure"
-            )
+        height, width, frames = pixel_geometry(*video_latent.shape[2:])
+        sigmas = list(request.sigmas)
         params = GenerationParams(
-            height=height * 2, width=width * 2, num_frames=frames, frame_rate=frame_rate,
-            seed=_int(args, "seed", 10, 0, 2**63 - 1), two_stage=True,
+            height=height * 2, width=width * 2, num_frames=frames, frame_rate=request.frame_rate, seed=request.seed, two_stage=True,
         )  # fmt: skip
         params.validate()
-        positive = _context(tensors, "positive")
         image = _image(tensors)
         stage2_grid = (video_latent.shape[2], video_latent.shape[3] * 2, video_latent.shape[4] * 2)
-        tiling = upscale_tiling(ctx, args, stage2_grid)
+        tiling = upscale_tiling(ctx, request, stage2_grid)
         dims = TransformerDims.from_checkpoint(resident.spec.checkpoint_path)
         check_generation_fits(params, ctx.device, dims, resident.dtype, weights_resident=True)
+        (positive,) = prompt_contexts(ctx, tensors, [("positive", request.positive_digest)])
     upsampled = upsample_video(resident, video_latent)
     ctx.step("upsample", 1, 1)
     stage2_transformer = resident.transformer("distilled")  # the same working copy stage 1 used
@@ -513,11 +559,8 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
     return {"tiling": tiles}, {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
 
 
-def decode_tiling(args: dict) -> TilingConfig:
-    spatial = _int(args, "spatial_tile_pixels", 512, 64, 8192)
-    temporal = _int(args, "temporal_tile_frames", 64, 16, 4096)
-    if spatial % 32 or temporal % 8:
-        raise JobInputError(f"decode tiles must be multiples of 32 pixels and 8 frames, got {spatial} px and {temporal} frames")
+def decode_tiling(request: DecodeRequest) -> TilingConfig:
+    spatial, temporal = request.spatial_tile_pixels, request.temporal_tile_frames
     return TilingConfig(
         spatial_config=SpatialTilingConfig(tile_size_in_pixels=spatial, tile_overlap_in_pixels=min(64, spatial // 4 // 32 * 32)),
         temporal_config=TemporalTilingConfig(tile_size_in_frames=temporal, tile_overlap_in_frames=min(24, temporal // 8 * 3)),
@@ -542,18 +585,18 @@ def noise_history(after_stages, height: int, width: int, frames: int, frame_rate
 @ltx_job("decode")
 def decode(ctx: JobContext, args: dict, tensors: dict):
     """Distributed VAE decode of the video (frames to the client through shared memory) + audio."""
-    resident = resident_model(ctx, args)
+    with input_errors():
+        request = DecodeRequest.from_wire(args)
+    resident = resident_model(ctx, request)
     with input_errors():
         video_latent = _video_latent(tensors, "Distributed VAE Decode")
         audio_latent = tensors.get("audio_latent")
         if audio_latent is not None and (audio_latent.ndim != 4 or audio_latent.shape[1] != 8):
             raise JobInputError(f"the audio latent must be [B, 8, T, 16], got {tuple(audio_latent.shape)}")
-        tiling = decode_tiling(args)
-        height, width, frames = _geometry_of(video_latent, 24.0)
-        seed = _int(args, "seed", 10, 0, 2**63 - 1)
-        frame_rate = _float(args, "frame_rate", 24.0, 1.0, 240.0)
-        stages_before = noise_history(args.get("after_stages", 2), height, width, frames, frame_rate)
-    generator = job_generator(seed, ctx.device, resident.dtype, stages_before=stages_before)
+        tiling = decode_tiling(request)
+        height, width, frames = pixel_geometry(*video_latent.shape[2:])
+        stages_before = noise_history(request.after_stages, height, width, frames, request.frame_rate)
+    generator = job_generator(request.seed, ctx.device, resident.dtype, stages_before=stages_before)
     decoder = resident.video_decoder()
     out = ctx.shared_output("frames", decoded_images_shape(decoder, video_latent.shape)) if ctx.rank == 0 else None
     with torch.inference_mode():
@@ -580,6 +623,8 @@ def decode(ctx: JobContext, args: dict, tensors: dict):
 @ltx_job("unload")
 def unload(ctx: JobContext, args: dict, tensors: dict):
     """Drop the resident model and its parallel groups' state; the fleet stays up."""
+    with input_errors():
+        UnloadRequest.from_wire(args)
     had = ctx.state.get("model") is not None
     unload_models(ctx)
     ctx.step("unload", 1, 1)

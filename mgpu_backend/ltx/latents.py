@@ -25,7 +25,8 @@ from ltx_core.conditioning import ConditioningItem, VideoConditionByLatentIndex
 from ltx_core.tools import AudioLatentTools, LatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, LatentState, VideoLatentShape, VideoPixelShape
 
-VIDEO_LATENT_CHANNELS = 128
+from mgpu_backend.ltx.schema import VIDEO_LATENT_CHANNELS
+
 # The official pipeline compresses a conditioning image with H.264 at this CRF before encoding it,
 # so that the first frame looks like a video frame rather than a clean still.
 DEFAULT_IMAGE_CRF = 33

@@ -1,4 +1,4 @@
-"""The per-process model loader every rank uses: what to load (``ModelSpec``), checks that the files
+"""The per-process model loader every rank uses: what to load (``ModelSpec``, defined in ``schema``), checks that the files
 are what they claim before any heavy work (``validate_model_files``), and ``ModelLoader``, which
 builds each LTX-2 component exactly the way ltx-pipelines' ``ModelLedger`` does.
 
@@ -53,94 +53,10 @@ from ltx_core.model.video_vae import (
     VideoEncoderConfigurator,
 )
 
+from mgpu_backend.ltx.schema import ModelFileError, ModelSpec  # noqa: F401 - re-exported: the loader's callers name them here
+
 LORA_SETS = ("none", "distilled")
 """``none``: stage 1 (user LoRAs only). ``distilled``: stage 2 (user LoRAs + the distilled LoRA)."""
-
-
-class ModelFileError(ValueError):
-    """A model file or folder that cannot be used; the message names it and says what to do."""
-
-
-# --- What to load ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """The files of one LTX-2 model. Small and JSON-able: it travels in the MGPU model handle."""
-
-    checkpoint_path: str
-    gemma_root: str
-    spatial_upsampler_path: str | None = None
-    distilled_lora: str | None = None
-    distilled_lora_strength: float = 1.0
-    loras: tuple[tuple[str, float], ...] = ()
-
-    def to_json(self) -> dict:
-        return {
-            "checkpoint_path": self.checkpoint_path,
-            "gemma_root": self.gemma_root,
-            "spatial_upsampler_path": self.spatial_upsampler_path,
-            "distilled_lora": self.distilled_lora,
-            "distilled_lora_strength": self.distilled_lora_strength,
-            "loras": [[path, strength] for path, strength in self.loras],
-        }
-
-    @classmethod
-    def from_json(cls, data: dict) -> ModelSpec:
-        """Parse ``to_json``'s form; types are checked and every named file must exist."""
-        if not isinstance(data, dict):
-            raise ModelFileError(f"a model spec must be a JSON object, got {type(data).__name__}")
-        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
-        if unknown:
-            raise ModelFileError(f"unknown model spec field(s) {unknown}; expected {sorted(cls.__dataclass_fields__)}")
-        for name in ("checkpoint_path", "gemma_root"):
-            if not isinstance(data.get(name), str) or not data[name]:
-                raise ModelFileError(
-                    f"model spec field {name!r} must be a non-empty path string, got {data.get(name)!r}"
-                )
-        for name in ("spatial_upsampler_path", "distilled_lora"):
-            if data.get(name) is not None and (not isinstance(data[name], str) or not data[name]):
-                raise ModelFileError(f"model spec field {name!r} must be a path string or null, got {data[name]!r}")
-        strength = data.get("distilled_lora_strength", 1.0)
-        if isinstance(strength, bool) or not isinstance(strength, (int, float)):
-            raise ModelFileError(f"model spec field 'distilled_lora_strength' must be a number, got {strength!r}")
-        loras = data.get("loras", [])
-        if not isinstance(loras, (list, tuple)):
-            raise ModelFileError(f"model spec field 'loras' must be a list of [path, strength], got {loras!r}")
-        parsed_loras = []
-        for entry in loras:
-            if (
-                not isinstance(entry, (list, tuple))
-                or len(entry) != 2
-                or not isinstance(entry[0], str)
-                or isinstance(entry[1], bool)
-                or not isinstance(entry[1], (int, float))
-            ):
-                raise ModelFileError(f"each LoRA must be [path, strength], got {entry!r}")
-            parsed_loras.append((entry[0], float(entry[1])))
-        spec = cls(
-            checkpoint_path=data["checkpoint_path"],
-            gemma_root=data["gemma_root"],
-            spatial_upsampler_path=data.get("spatial_upsampler_path"),
-            distilled_lora=data.get("distilled_lora"),
-            distilled_lora_strength=float(strength),
-            loras=tuple(parsed_loras),
-        )
-        _check_paths_exist(spec)
-        return spec
-
-    @classmethod
-    def tiny(cls) -> ModelSpec:
-        """The embedded tiny random-weight bundle (made in the cache folder on first use)."""
-        from mgpu_backend.bundles.tiny import default_tiny_bundle
-
-        bundle = default_tiny_bundle()
-        return cls(
-            checkpoint_path=bundle.checkpoint_path,
-            gemma_root=bundle.gemma_root,
-            spatial_upsampler_path=bundle.spatial_upsampler_path,
-            distilled_lora=bundle.distilled_lora_path,
-        )
 
 
 # --- Checks before any heavy work ------------------------------------------------------------------
@@ -195,23 +111,6 @@ def _read_header(path: str, role: str, remedy: str) -> _SafetensorsHeader:
     return _SafetensorsHeader(tensors=tensors, metadata=metadata)
 
 
-def _check_paths_exist(spec: ModelSpec) -> None:
-    files = [("checkpoint", spec.checkpoint_path)]
-    if spec.spatial_upsampler_path is not None:
-        files.append(("spatial upsampler", spec.spatial_upsampler_path))
-    if spec.distilled_lora is not None:
-        files.append(("distilled LoRA", spec.distilled_lora))
-    files += [("LoRA", path) for path, _ in spec.loras]
-    for role, path in files:
-        if not Path(path).is_file():
-            raise ModelFileError(f"{role} file {path} does not exist; check the path (or download the file there)")
-    if not Path(spec.gemma_root).is_dir():
-        raise ModelFileError(
-            f"Gemma folder {spec.gemma_root} does not exist; point gemma_root at the folder holding the "
-            "Gemma-3 text encoder (config.json, model*.safetensors, tokenizer.model)"
-        )
-
-
 def _gemma_files(gemma_root: str) -> tuple[Path, list[str]]:
     """The Gemma config.json and weight files, found the way ltx-core finds them."""
     root = Path(gemma_root)
@@ -257,7 +156,7 @@ def validate_model_files(spec: ModelSpec) -> None:
 
     Reads only file headers and small configs, so it is cheap enough to run before every load.
     """
-    _check_paths_exist(spec)
+    spec.check_files_exist()
     checkpoint = _validate_checkpoint(spec.checkpoint_path)
     _validate_gemma(spec.gemma_root, spec.checkpoint_path, checkpoint)
     if spec.spatial_upsampler_path is not None:

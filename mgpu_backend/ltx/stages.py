@@ -48,35 +48,46 @@ from mgpu_backend.ltx.latents import (
     state_to_comfy,
 )
 from mgpu_backend.ltx.passes import GuidancePass, PassRunner, SequentialPassRunner
+from mgpu_backend.ltx.schema import (
+    OFFICIAL,
+    STAGE_2_SIGMAS,
+    Guidance,
+    validate_generation,
+    validate_sigmas,
+    validate_stg_blocks,
+)
 from mgpu_backend.ltx.text import TextContext
 from mgpu_backend.ltx.validation import (
     TransformerDims,
     check_fits,
     estimate_memory_bytes,
-    validate_generation,
-    validate_sigmas,
-    validate_stg_blocks,
 )
-
-# Stage 2 refines from this tail of the distilled model's schedule (ltx-pipelines 1.0.0,
-# utils/constants.py, STAGE_2_DISTILLED_SIGMA_VALUES).
-STAGE_2_SIGMAS = (0.909375, 0.725, 0.421875, 0.0)
 
 OnStep = Callable[[int, int], None]
 
 
-def default_video_guider() -> MultiModalGuiderParams:
-    """LTX-2.0 video guidance of ltx-pipelines 1.0.0 (``LTX_2_PARAMS``)."""
+def guider_params(guidance: Guidance, official: Guidance, layer_count: int | None = None) -> MultiModalGuiderParams:
+    """ltx-core's guider parameters for a schema ``Guidance`` whose scales are all set.
+
+    STG blocks it leaves unset are the ``official`` ones, clipped to a model of ``layer_count`` blocks."""
+    if layer_count is not None:
+        blocks = guidance.blocks_for(layer_count, official)
+    else:
+        blocks = official.stg_blocks if guidance.stg_blocks is None else guidance.stg_blocks
     return MultiModalGuiderParams(
-        cfg_scale=3.0, stg_scale=1.0, rescale_scale=0.7, modality_scale=3.0, skip_step=0, stg_blocks=[29]
-    )
+        cfg_scale=guidance.cfg_scale, stg_scale=guidance.stg_scale, rescale_scale=guidance.rescale_scale,
+        modality_scale=guidance.modality_scale, skip_step=guidance.skip_step, stg_blocks=list(blocks),
+    )  # fmt: skip
+
+
+def default_video_guider() -> MultiModalGuiderParams:
+    """The official LTX-2.0 video guidance (``schema.OFFICIAL``)."""
+    return guider_params(OFFICIAL.video_guidance, OFFICIAL.video_guidance)
 
 
 def default_audio_guider() -> MultiModalGuiderParams:
-    """LTX-2.0 audio guidance of ltx-pipelines 1.0.0 (``LTX_2_PARAMS``)."""
-    return MultiModalGuiderParams(
-        cfg_scale=7.0, stg_scale=1.0, rescale_scale=0.7, modality_scale=3.0, skip_step=0, stg_blocks=[29]
-    )
+    """The official LTX-2.0 audio guidance (``schema.OFFICIAL``)."""
+    return guider_params(OFFICIAL.audio_guidance, OFFICIAL.audio_guidance)
 
 
 @dataclass(frozen=True)
@@ -88,12 +99,12 @@ class GenerationParams:
     stage 1 runs at ``height`` x ``width`` and there is no stage 2.
     """
 
-    height: int = 1024
-    width: int = 1536
-    num_frames: int = 121
-    frame_rate: float = 24.0
-    seed: int = 10
-    num_inference_steps: int = 40
+    height: int = 2 * OFFICIAL.stage1_height
+    width: int = 2 * OFFICIAL.stage1_width
+    num_frames: int = OFFICIAL.num_frames
+    frame_rate: float = OFFICIAL.frame_rate
+    seed: int = OFFICIAL.seed
+    num_inference_steps: int = OFFICIAL.steps
     video_guider: MultiModalGuiderParams = field(default_factory=default_video_guider)
     audio_guider: MultiModalGuiderParams = field(default_factory=default_audio_guider)
     image_crf: int = DEFAULT_IMAGE_CRF
@@ -399,8 +410,7 @@ def refine_stage2(
     """Refine the upsampled video at full size with the distilled LoRA; audio passes through.
 
     ``video_latent`` is the upsampled stage-1 latent at ``params.height`` x ``params.width``.
-    It is noised to ``sigmas[0]`` (default: the official stage-2 schedule 0.909375, 0.725,
-    0.421875, 0.0) with the noise the official pipeline uses: the generator seeded with
+    It is noised to ``sigmas[0]`` (default: the official stage-2 schedule ``schema.STAGE_2_SIGMAS``) with the noise the official pipeline uses: the generator seeded with
     ``params.seed``, advanced past stage 1's draws. Positive prompt only, no guidance.
 
     Audio is frozen by design. The official 1.0.0 pipeline re-noises the stage-1 audio and

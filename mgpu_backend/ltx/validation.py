@@ -1,9 +1,10 @@
-"""Checks that run before any heavy work: sizes, frames, steps, sigmas, STG blocks, memory.
+"""The memory check that runs before any heavy work, and the transformer dimensions it needs.
 
-Every error says what was wrong and what to do. The memory estimate is deliberately simple (weights
-plus the activations of one transformer block at the peak of a forward pass) and errs on the side of
-letting a job run: its purpose is to refuse jobs that cannot possibly fit (a 4K, 20-second request on
-one GPU), not to predict the allocator to the megabyte.
+The torch-free input checks (sizes, frames, steps, sigmas, STG blocks) live in ``schema``, where the
+ComfyUI side can run them too. Every error says what was wrong and what to do. The memory estimate
+is deliberately simple (weights plus the activations of one transformer block at the peak of a
+forward pass) and errs on the side of letting a job run: its purpose is to refuse jobs that cannot
+possibly fit (a 4K, 20-second request on one GPU), not to predict the allocator to the megabyte.
 
 Nothing here loads a model or allocates device memory.
 """
@@ -16,82 +17,11 @@ import os
 from dataclasses import dataclass
 
 import torch
-from ltx_core.components.guiders import MultiModalGuiderParams
+
+from mgpu_backend.ltx.schema import VIDEO_SPATIAL_COMPRESSION as SPATIAL
+from mgpu_backend.ltx.schema import VIDEO_TEMPORAL_COMPRESSION as TEMPORAL
 
 GIB = 1024**3
-
-
-def _nearest_multiple(value: int, multiple: int) -> int:
-    """The closest positive multiple (ties go up)."""
-    return max(multiple, (value + multiple // 2) // multiple * multiple)
-
-
-def nearest_valid_frame_count(num_frames: int) -> int:
-    """The closest 8k+1 frame count (ties go up), at least 1."""
-    below = max(1, (num_frames - 1) // 8 * 8 + 1)
-    above = below + 8
-    return below if num_frames - below < above - num_frames else above
-
-
-def validate_generation(
-    height: int,
-    width: int,
-    num_frames: int,
-    two_stage: bool = True,
-    num_inference_steps: int | None = None,
-    frame_rate: float | None = None,
-) -> None:
-    """Raise ``ValueError`` for a size, frame count, step count or frame rate LTX-2 cannot run.
-
-    ``height`` and ``width`` are the final video size: multiples of 64 for the two-stage graph
-    (stage 1 runs at half size on a 32-pixel latent grid), of 32 for stage 1 alone.
-    """
-    for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
-        if int(value) != value or value <= 0:
-            raise ValueError(f"{name} must be a positive whole number, got {value}")
-    if num_frames % 8 != 1:
-        raise ValueError(
-            f"frames must be 8k+1 (the video VAE packs 8 frames per latent frame after the first), "
-            f"got {num_frames}; use {nearest_valid_frame_count(num_frames)}"
-        )
-    multiple = 64 if two_stage else 32
-    graph = "the two-stage graph (stage 1 runs at half size)" if two_stage else "a single stage"
-    for name, value in (("width", width), ("height", height)):
-        if value % multiple != 0:
-            raise ValueError(
-                f"{name} must be a multiple of {multiple} for {graph}, got {value}; "
-                f"use {_nearest_multiple(value, multiple)}"
-            )
-    if num_inference_steps is not None and (int(num_inference_steps) != num_inference_steps or num_inference_steps < 1):
-        raise ValueError(f"steps must be a whole number >= 1, got {num_inference_steps}; the official default is 40")
-    if frame_rate is not None and not frame_rate > 0:
-        raise ValueError(f"frame rate must be positive, got {frame_rate}; the official default is 24")
-
-
-def validate_sigmas(sigmas: torch.Tensor) -> None:
-    """A refinement schedule: at least two values in [0, 1], strictly decreasing."""
-    values = [float(v) for v in sigmas.flatten().tolist()]
-    if len(values) < 2:
-        raise ValueError(
-            f"sigmas need at least two values (start and end), got {values}; e.g. 0.909375, 0.725, 0.421875, 0.0"
-        )
-    if any(not 0.0 <= v <= 1.0 for v in values):
-        raise ValueError(f"sigmas must lie in [0, 1], got {values}")
-    if any(later >= earlier for earlier, later in zip(values, values[1:], strict=False)):
-        raise ValueError(f"sigmas must decrease strictly, got {values}; e.g. 0.909375, 0.725, 0.421875, 0.0")
-
-
-def validate_stg_blocks(guider: MultiModalGuiderParams, layer_count: int | None, modality: str) -> None:
-    """STG perturbs transformer blocks by index; an index past the model would silently do nothing."""
-    if layer_count is None or not guider.stg_scale or not guider.stg_blocks:
-        return
-    outside = [block for block in guider.stg_blocks if not 0 <= block < layer_count]
-    if outside:
-        raise ValueError(
-            f"{modality} stg_blocks {list(guider.stg_blocks)} name blocks {outside} outside this model's "
-            f"{layer_count} transformer blocks (0..{layer_count - 1}); use blocks in that range "
-            f"(the official LTX-2 default [29] is for the 48-block model), or set the {modality} stg scale to 0"
-        )
 
 
 @dataclass(frozen=True)
@@ -177,7 +107,7 @@ def estimate_memory_bytes(
     """
     dims = TransformerDims() if dims is None else dims
     element_bytes = torch.empty((), dtype=dtype).element_size()
-    video_tokens = ((num_frames - 1) // 8 + 1) * (height // 32) * (width // 32)
+    video_tokens = ((num_frames - 1) // TEMPORAL + 1) * (height // SPATIAL) * (width // SPATIAL)
     audio_tokens = round(num_frames / frame_rate * 25)
     video_per_rank = -(-video_tokens // sp_degree)
     activation_elements = ACTIVATION_WIDTHS_PER_TOKEN * (

@@ -1,21 +1,22 @@
 """``python -m mgpu_backend generate``: the whole two-stage LTX-2 job from the command line.
 
-Flag names and defaults follow the official runner (``ltx_pipelines.ti2vid_two_stages``) where they
-exist. Without ``--checkpoint-path`` it uses the embedded tiny bundle (random weights: the output is
-noise, but every real component runs) at small sizes, and says so. It drives the same fleet jobs as
+Flag names follow the official runner (``ltx_pipelines.ti2vid_two_stages``) where they exist; every
+default is the schema's (``mgpu_backend.ltx.schema``) for the chosen ``--model-version``. Without
+``--checkpoint-path`` it uses the embedded tiny bundle (random weights: the output is noise, but
+every real component runs; the fleet makes or finds its files) at small sizes, and says so. It drives the same fleet jobs as
 the ComfyUI nodes (load, encode, sample, upscale, decode), shows a progress bar per stage, cancels
 cleanly on Ctrl-C, and writes an mp4 with H.264 video and AAC audio.
 """
 
 from __future__ import annotations
 
-import argparse
 import signal
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MODEL_VERSIONS, OFFICIAL, STAGE_2_SIGMAS, TDP_UPSCALE_SIGMAS, ModelSpec, defaults_for
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -31,11 +32,20 @@ DEFAULT_NEGATIVE_PROMPT = (
     "inconsistent tone, cinematic oversaturation, stylized filters, or AI artifacts."
 )  # ltx-pipelines 1.0.0's default negative prompt
 
-# Real-model defaults (ltx-pipelines 1.0.0, LTX-2.0) and the tiny bundle's, which must stay fast on a CPU.
-REAL_DEFAULTS = {"height": 1024, "width": 1536, "num_frames": 121, "num_inference_steps": 40}
+# The tiny bundle's sizes, which must stay fast on a CPU (a real model gets the schema's defaults).
 TINY_DEFAULTS = {"height": 128, "width": 192, "num_frames": 9, "num_inference_steps": 4}
-MULTI_GPU_STAGE2_SIGMAS = (0.625, 0.4, 0.0)
-SINGLE_GPU_STAGE2_SIGMAS = (0.909375, 0.725, 0.421875, 0.0)
+MULTI_GPU_STAGE2_SIGMAS = TDP_UPSCALE_SIGMAS
+SINGLE_GPU_STAGE2_SIGMAS = STAGE_2_SIGMAS
+
+
+def real_defaults(model_version: str) -> dict:
+    """The output size, frames and steps of a real model: the schema's (stage 2 doubles stage 1)."""
+    official = defaults_for(model_version)
+    return {"height": 2 * official.stage1_height, "width": 2 * official.stage1_width, "num_frames": official.num_frames, "num_inference_steps": official.steps}
+
+
+def _listed(values) -> str:
+    return ",".join(map(str, values))
 
 
 def add_generate_parser(commands) -> None:
@@ -47,19 +57,21 @@ def add_generate_parser(commands) -> None:
     model.add_argument("--spatial-upsampler-path", help="spatial 2x latent upsampler (.safetensors)")
     model.add_argument("--lora", nargs="+", action="append", metavar=("PATH", "STRENGTH"), help="a user LoRA (repeatable)")
     model.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype (default bfloat16, as the official pipeline)")
+    model.add_argument("--model-version", choices=MODEL_VERSIONS, default="2.0", help="LTX-2 version whose official defaults apply (default 2.0)")
 
     job = parser.add_argument_group("generation")
     job.add_argument("--prompt", required=True)
     job.add_argument("--negative-prompt", default=DEFAULT_NEGATIVE_PROMPT)
     job.add_argument("--output", "--output-path", dest="output", default="output.mp4", help="mp4 to write (default output.mp4)")
-    job.add_argument("--seed", type=int, default=10)
-    job.add_argument("--height", type=int, help="output height, a multiple of 64 (default 1024; tiny bundle 128)")
-    job.add_argument("--width", type=int, help="output width, a multiple of 64 (default 1536; tiny bundle 192)")
-    job.add_argument("--num-frames", type=int, help="8k+1 frames (default 121; tiny bundle 9)")
-    job.add_argument("--frame-rate", type=float, default=24.0)
-    job.add_argument("--num-inference-steps", type=int, help="stage-1 steps (default 40; tiny bundle 4)")
+    real, tiny = real_defaults("2.0"), TINY_DEFAULTS
+    job.add_argument("--seed", type=int, default=OFFICIAL.seed)
+    job.add_argument("--height", type=int, help=f"output height, a multiple of 64 (default {real['height']}; tiny bundle {tiny['height']})")
+    job.add_argument("--width", type=int, help=f"output width, a multiple of 64 (default {real['width']}; tiny bundle {tiny['width']})")
+    job.add_argument("--num-frames", type=int, help=f"8k+1 frames (default {real['num_frames']}; tiny bundle {tiny['num_frames']})")
+    job.add_argument("--frame-rate", type=float, default=OFFICIAL.frame_rate)
+    job.add_argument("--num-inference-steps", type=int, help=f"stage-1 steps (default {real['num_inference_steps']} for 2.0, {real_defaults('2.3')['num_inference_steps']} for 2.3; tiny bundle {tiny['num_inference_steps']})")
     job.add_argument("--image", metavar="PATH", help="image-to-video: condition the first frame on this image")
-    job.add_argument("--stage2-sigmas", default=",".join(map(str, MULTI_GPU_STAGE2_SIGMAS)), help="stage-2 sigmas (default: the official multi-GPU schedule 0.625,0.4,0.0; single-GPU: 0.909375,0.725,0.421875,0.0)")
+    job.add_argument("--stage2-sigmas", default=_listed(TDP_UPSCALE_SIGMAS), help=f"stage-2 sigmas (default: TDP Upscale's {_listed(TDP_UPSCALE_SIGMAS)}; the official single-GPU stage 2: {_listed(STAGE_2_SIGMAS)})")
     job.add_argument("--tiles", default="auto", help="stage-2 TDP tiles HxW, or 'auto' (balanced over the fleet; untiled on one rank)")
     job.add_argument("--parallel", choices=("auto", "sp", "guidance", "hybrid"), default="auto", help="stage-1 plan (default auto)")
     job.add_argument("--free-gemma", action="store_true", help="give Gemma's GPU memory back after encoding the prompts (for GPUs where memory is tight)")
@@ -67,14 +79,16 @@ def add_generate_parser(commands) -> None:
     job.add_argument("--compile-blocks", action="store_true", help="torch.compile the transformer blocks for stage 1 (GPU only; tens of seconds of compile per new shape, then faster small shards: for SP degree 4+)")
     job.add_argument("--debug-dump", metavar="PATH", help="write stage latents, frames (uint8) and waveform to this safetensors file")
 
-    guidance = parser.add_argument_group("guidance (ltx-pipelines 1.0.0 defaults)")
-    for modality, cfg, modality_flag in (("video", 3.0, "--a2v-guidance-scale"), ("audio", 7.0, "--v2a-guidance-scale")):
-        guidance.add_argument(f"--{modality}-cfg-guidance-scale", type=float, default=cfg)
-        guidance.add_argument(f"--{modality}-stg-guidance-scale", type=float, default=1.0)
-        guidance.add_argument(f"--{modality}-rescale-scale", type=float, default=0.7)
-        guidance.add_argument(modality_flag, type=float, default=3.0, dest=f"{modality}_modality_scale")
-        guidance.add_argument(f"--{modality}-skip-step", type=int, default=0)
-        guidance.add_argument(f"--{modality}-stg-blocks", type=int, nargs="*", default=None, help="default: block 29 (the last block of a smaller model)")
+    # Unset guidance flags take the schema's official values of --model-version (shown: 2.0's).
+    guidance = parser.add_argument_group("guidance (default: the official values of the model version)")
+    for modality, modality_flag in (("video", "--a2v-guidance-scale"), ("audio", "--v2a-guidance-scale")):
+        official = getattr(OFFICIAL, f"{modality}_guidance")
+        guidance.add_argument(f"--{modality}-cfg-guidance-scale", type=float, help=f"default {official.cfg_scale}")
+        guidance.add_argument(f"--{modality}-stg-guidance-scale", type=float, help=f"default {official.stg_scale}")
+        guidance.add_argument(f"--{modality}-rescale-scale", type=float, help=f"default {official.rescale_scale}")
+        guidance.add_argument(modality_flag, type=float, dest=f"{modality}_modality_scale", help=f"default {official.modality_scale}")
+        guidance.add_argument(f"--{modality}-skip-step", type=int, help=f"default {official.skip_step}")
+        guidance.add_argument(f"--{modality}-stg-blocks", type=int, nargs="*", default=None, help=f"default: block {_listed(official.stg_blocks)} (2.3: {_listed(getattr(defaults_for('2.3'), f'{modality}_guidance').stg_blocks)}; the last block of a smaller model)")
 
     fleet = parser.add_argument_group("fleet")
     fleet.add_argument("--socket", help="attach to this fleet server (default: $MGPU_SOCKET, else start one for this run)")
@@ -130,16 +144,14 @@ def _load_image(path: str) -> torch.Tensor:
 
 
 def build_spec(args) -> tuple[dict, bool]:
-    """The model spec JSON, and whether it is the embedded tiny bundle."""
-    from mgpu_backend.ltx.loading import ModelSpec
-
+    """The model spec JSON, and whether it is the embedded tiny bundle (named, not written here)."""
     given = [args.checkpoint_path, args.gemma_root, args.spatial_upsampler_path, args.distilled_lora]
     if not any(given):
-        return ModelSpec.tiny().to_json(), True
+        return ModelSpec.embedded_tiny().to_wire(), True
     missing = [flag for flag, value in zip(("--checkpoint-path", "--gemma-root", "--spatial-upsampler-path", "--distilled-lora"), given) if not value]
     if missing:
         raise SystemExit(f"error: a real model needs {', '.join(missing)} too (or omit all model flags for the tiny bundle)")
-    strength = float(args.distilled_lora[1]) if len(args.distilled_lora) > 1 else 1.0
+    strength = float(args.distilled_lora[1]) if len(args.distilled_lora) > 1 else DISTILLED_LORA_STRENGTH
     loras = [(lora[0], float(lora[1]) if len(lora) > 1 else 1.0) for lora in args.lora or []]
     spec = ModelSpec(
         checkpoint_path=args.checkpoint_path,
@@ -149,7 +161,7 @@ def build_spec(args) -> tuple[dict, bool]:
         distilled_lora_strength=strength,
         loras=tuple(loras),
     )
-    return spec.to_json(), False
+    return spec.to_wire(), False
 
 
 def run_generate(args) -> int:
@@ -158,7 +170,7 @@ def run_generate(args) -> int:
     from mgpu_backend.tools.media import write_mp4
 
     spec, tiny = build_spec(args)
-    defaults = TINY_DEFAULTS if tiny else REAL_DEFAULTS
+    defaults = TINY_DEFAULTS if tiny else real_defaults(args.model_version)
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -207,12 +219,12 @@ def run_generate(args) -> int:
             spec, positive, negative, width=args.width // 2, height=args.height // 2, num_frames=args.num_frames,
             frame_rate=args.frame_rate, seed=args.seed, steps=args.num_inference_steps, video_guidance=video_guidance,
             audio_guidance=audio_guidance, image=image, parallel=args.parallel, cuda_graphs=args.cuda_graphs,
-            compile_blocks=args.compile_blocks, **common,
+            compile_blocks=args.compile_blocks, model_version=args.model_version, **common,
         )  # fmt: skip
         stage1_video, stage1_audio = video, audio
         video, audio = api.upscale(
             spec, video, audio, positive, frame_rate=args.frame_rate, seed=args.seed, sigmas=sigmas, tiles=tiles,
-            image=image, **common,
+            image=image, model_version=args.model_version, **common,
         )  # fmt: skip
         frames, waveform, sample_rate = api.decode(spec, video, audio, seed=args.seed, frame_rate=args.frame_rate, **common)
         progress.close()

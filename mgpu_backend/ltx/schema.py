@@ -1,0 +1,782 @@
+"""The request schema of the LTX-2 jobs: the model spec, one typed request per job, and THE defaults.
+
+Every LTX-2 job of the fleet (load, encode, sample, upscale, decode, unload) takes exactly one of
+the frozen request types below. A request is built on the client side (ComfyUI nodes, ``api``, the
+CLI), sent as ``to_wire()``'s plain JSON, and read back on every rank with ``from_wire(dict)``, which
+checks types and ranges and says what was wrong and what to do. A field a job leaves out gets the
+official default of its model version and pipeline, written once in ``DEFAULTS``; everything else
+in the pack (jobs, api, CLI flags, node widgets) reads its defaults here.
+
+The torch-free facts and input checks the ComfyUI side needs before it queues anything (latent
+channels and compression, frame counts, sizes, sigma schedules) live here too, so that the ComfyUI
+process never imports the model code.
+
+This module must never import torch, ltx_core, ltx_pipelines or anything that does, and never
+writes files: the embedded tiny bundle is named symbolically (``EMBEDDED_TINY``) and made or found
+by the ranks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+# --- Facts of the LTX-2 latent space --------------------------------------------------------------
+
+VIDEO_LATENT_CHANNELS = 128  # ltx_pipelines.utils.constants.VIDEO_LATENT_CHANNELS
+VIDEO_SPATIAL_COMPRESSION = 32  # ltx_core.types.SpatioTemporalScaleFactors.default(): width = height = 32
+VIDEO_TEMPORAL_COMPRESSION = 8  # SpatioTemporalScaleFactors.default(): time = 8 (plus the first frame alone)
+
+MODEL_VERSIONS = ("2.0", "2.3")
+"""LTX-2.0 (19B) and LTX-2.3 (22B), as the checkpoint's ``model_version`` metadata names them."""
+PIPELINES = ("two-stage", "distilled")
+DTYPES = ("bfloat16", "float32", "float16")
+GEMMA_MODES = ("sharded", "batch_parallel")
+PARALLEL_PLANS = ("auto", "sp", "guidance", "hybrid")
+AFTER_STAGES = (0, 1, 2)  # stages that drew noise from the job's generator before the decoder
+
+DISTILLED_LORA_STRENGTH = 1.0  # ltx_pipelines.utils.constants.DEFAULT_LORA_STRENGTH
+SEED_MAX = 2**63 - 1  # the ranks seed torch generators with a signed 64-bit value
+MAX_SIDE = 8192
+MAX_FRAMES = 100_000
+MAX_STEPS = 1000
+MAX_PROMPTS = 16
+MAX_PROMPT_CHARS = 20_000
+
+EMBEDDED_TINY = "embedded:tiny"
+"""A model spec path that names the embedded tiny random-weight bundle: the ranks make it (or find it
+in their cache) and put the real paths in place, so that the ComfyUI process writes no model file."""
+
+CONTEXT_MISSING = "context missing"
+"""Start of the job error a rank raises when a request names a prompt digest it does not hold (the
+fleet restarted, or the cache let it go); the client then resends the contexts it kept."""
+
+PROMPT_CACHE_ENTRIES = 32
+"""Prompt encodings each rank keeps by digest (least recently used go first)."""
+
+
+class RequestError(ValueError):
+    """A job argument that cannot be used; the message names it and says what to do."""
+
+
+class ModelFileError(ValueError):
+    """A model file or folder that cannot be used; the message names it and says what to do."""
+
+
+# --- Field readers: one message style for every request -------------------------------------------
+
+
+def integer_field(data: dict, name: str, default: int, low: int, high: int) -> int:
+    value = data.get(name, default)
+    if value is None:
+        value = default
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise RequestError(f"{name} must be an integer from {low} to {high}, got {value!r}; leave it out for the default {default}")
+    return value
+
+
+def number_field(data: dict, name: str, default: float, low: float = -math.inf, high: float = math.inf) -> float:
+    value = data.get(name, default)
+    if value is None:
+        value = default
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not low <= value <= high:
+        raise RequestError(f"{name} must be a number from {low} to {high}, got {value!r}; leave it out for the default {default}")
+    return float(value)
+
+
+def _choice(data: dict, name: str, default, choices: Sequence):
+    value = data.get(name, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or value not in choices:
+        raise RequestError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    return value
+
+
+def _flag(data: dict, name: str, default: bool | None) -> bool | None:
+    value = data.get(name, default)
+    if value is not None and not isinstance(value, bool):
+        raise RequestError(f"{name} must be true or false, got {value!r}" + ("" if default is None else f"; the default is {str(default).lower()}"))
+    return value
+
+
+def _digest(data: dict, name: str) -> str | None:
+    value = data.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) != 64 or any(c not in "0123456789abcdef" for c in value):
+        raise RequestError(f"{name} must be the 64-hex-digit digest the encode job returned, got {value!r}; encode the prompt again")
+    return value
+
+
+def _floats(value, name: str) -> tuple[float, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        raise RequestError(f"{name} must be a list of numbers, got {value!r}")
+    return tuple(float(v) for v in value)
+
+
+def _no_unknown_fields(data: dict, cls: type, what: str) -> None:
+    if not isinstance(data, dict):
+        raise RequestError(f"a {what} request must be a JSON object, got {type(data).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise RequestError(f"unknown {what} field(s) {unknown}; the {what} job takes {sorted(known)}")
+
+
+# --- Checks before any work (torch-free: the nodes run them before queueing) -----------------------
+
+
+def _nearest_multiple(value: int, multiple: int) -> int:
+    """The closest positive multiple (ties go up)."""
+    return max(multiple, (value + multiple // 2) // multiple * multiple)
+
+
+def nearest_valid_frame_count(num_frames: int) -> int:
+    """The closest 8k+1 frame count (ties go up), at least 1."""
+    below = max(1, (num_frames - 1) // 8 * 8 + 1)
+    above = below + 8
+    return below if num_frames - below < above - num_frames else above
+
+
+def validate_generation(
+    height: int,
+    width: int,
+    num_frames: int,
+    two_stage: bool = True,
+    num_inference_steps: int | None = None,
+    frame_rate: float | None = None,
+) -> None:
+    """Raise ``RequestError`` (a ValueError) for a size, frame count, step count or frame rate LTX-2 cannot run.
+
+    ``height`` and ``width`` are the final video size: multiples of 64 for the two-stage graph
+    (stage 1 runs at half size on a 32-pixel latent grid), of 32 for stage 1 alone.
+    """
+    for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
+        if int(value) != value or value <= 0:
+            raise RequestError(f"{name} must be a positive whole number, got {value}")
+    if num_frames % VIDEO_TEMPORAL_COMPRESSION != 1:
+        raise RequestError(
+            f"frames must be 8k+1 (the video VAE packs 8 frames per latent frame after the first), "
+            f"got {num_frames}; use {nearest_valid_frame_count(num_frames)}"
+        )
+    multiple = 2 * VIDEO_SPATIAL_COMPRESSION if two_stage else VIDEO_SPATIAL_COMPRESSION
+    graph = "the two-stage graph (stage 1 runs at half size)" if two_stage else "a single stage"
+    for name, value in (("width", width), ("height", height)):
+        if value % multiple != 0:
+            raise RequestError(
+                f"{name} must be a multiple of {multiple} for {graph}, got {value}; "
+                f"use {_nearest_multiple(value, multiple)}"
+            )
+    official = OFFICIAL
+    if num_inference_steps is not None and (int(num_inference_steps) != num_inference_steps or num_inference_steps < 1):
+        raise RequestError(f"steps must be a whole number >= 1, got {num_inference_steps}; the official default is {official.steps}")
+    if frame_rate is not None and not frame_rate > 0:
+        raise RequestError(f"frame rate must be positive, got {frame_rate}; the official default is {official.frame_rate:g}")
+
+
+def validate_sigmas(sigmas: Iterable[float]) -> None:
+    """A refinement schedule: at least two values in [0, 1], strictly decreasing.
+
+    Takes any sequence of numbers (a torch tensor too, through ``tolist``)."""
+    values = [float(v) for v in (sigmas.flatten().tolist() if hasattr(sigmas, "flatten") else sigmas)]
+    example = ", ".join(map(str, STAGE_2_SIGMAS))
+    if len(values) < 2:
+        raise RequestError(f"sigmas need at least two values (start and end), got {values}; e.g. {example}")
+    if any(not 0.0 <= v <= 1.0 for v in values):
+        raise RequestError(f"sigmas must lie in [0, 1], got {values}")
+    if any(later >= earlier for earlier, later in zip(values, values[1:], strict=False)):
+        raise RequestError(f"sigmas must decrease strictly, got {values}; e.g. {example}")
+
+
+def validate_upscale_sigmas(sigmas: Sequence[float], force_from_noise: bool) -> None:
+    """A TDP Upscale schedule: valid, and not from pure noise (sigma 1.0) unless forced."""
+    validate_sigmas(sigmas)
+    if sigmas[0] >= 1.0 and not force_from_noise:
+        default = ", ".join(map(str, TDP_UPSCALE_SIGMAS))
+        raise RequestError(
+            f"TDP Upscale refuses to start from pure noise: the sigmas start at {sigmas[0]} (pure noise), so each tile "
+            "would denoise on its own and the tiles would not agree on one video. Generate stage 1 with the SP Sampler "
+            f"and upscale that (default sigmas {default}), or set force_from_noise only to study the failure"
+        )
+
+
+def validate_stg_blocks(guidance, layer_count: int | None, modality: str) -> None:
+    """STG perturbs transformer blocks by index; an index past the model would silently do nothing.
+
+    ``guidance``: anything with ``stg_scale`` and ``stg_blocks`` (a ``Guidance``, ltx-core's params)."""
+    if layer_count is None or not guidance.stg_scale or not guidance.stg_blocks:
+        return
+    outside = [block for block in guidance.stg_blocks if not 0 <= block < layer_count]
+    if outside:
+        raise RequestError(
+            f"{modality} stg_blocks {list(guidance.stg_blocks)} name blocks {outside} outside this model's "
+            f"{layer_count} transformer blocks (0..{layer_count - 1}); use blocks in that range "
+            f"(the official LTX-2 default [29] is for the 48-block model), or set the {modality} stg scale to 0"
+        )
+
+
+def pixel_geometry(latent_frames: int, latent_height: int, latent_width: int) -> tuple[int, int, int]:
+    """Pixel (height, width, frames) of a video latent grid: 32x spatial, 8x temporal (+1) compression."""
+    return (
+        latent_height * VIDEO_SPATIAL_COMPRESSION,
+        latent_width * VIDEO_SPATIAL_COMPRESSION,
+        (latent_frames - 1) * VIDEO_TEMPORAL_COMPRESSION + 1,
+    )
+
+
+# --- The model spec ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The files of one LTX-2 model. Small and JSON-able: it travels in the MGPU model handle.
+
+    A path may be ``EMBEDDED_TINY``: the embedded tiny bundle's file of that role, resolved on the
+    ranks (``resolve_embedded``)."""
+
+    checkpoint_path: str
+    gemma_root: str
+    spatial_upsampler_path: str | None = None
+    distilled_lora: str | None = None
+    distilled_lora_strength: float = DISTILLED_LORA_STRENGTH
+    loras: tuple[tuple[str, float], ...] = ()
+
+    @classmethod
+    def embedded_tiny(cls, spatial_upsampler: bool = True, distilled_lora: bool = True, distilled_lora_strength: float = DISTILLED_LORA_STRENGTH) -> ModelSpec:
+        """The embedded tiny random-weight bundle, named symbolically (nothing is written here)."""
+        return cls(
+            checkpoint_path=EMBEDDED_TINY,
+            gemma_root=EMBEDDED_TINY,
+            spatial_upsampler_path=EMBEDDED_TINY if spatial_upsampler else None,
+            distilled_lora=EMBEDDED_TINY if distilled_lora else None,
+            distilled_lora_strength=distilled_lora_strength,
+        )
+
+    @classmethod
+    def tiny(cls) -> ModelSpec:
+        """The embedded tiny bundle with its real paths, made in the cache folder on first use.
+
+        Writes files: for the fleet's processes and tests. The ComfyUI side uses ``embedded_tiny``."""
+        from mgpu_backend.bundles.tiny import default_tiny_bundle
+
+        return cls.embedded_tiny().resolve_embedded(default_tiny_bundle())
+
+    @property
+    def names_embedded(self) -> bool:
+        return EMBEDDED_TINY in (self.checkpoint_path, self.gemma_root, self.spatial_upsampler_path, self.distilled_lora)
+
+    def resolve_embedded(self, bundle) -> ModelSpec:
+        """This spec with every ``EMBEDDED_TINY`` path replaced by the file of ``bundle`` (a
+        ``TinyBundle``: ``checkpoint_path``, ``gemma_root``, ``spatial_upsampler_path``,
+        ``distilled_lora_path``). The embedded checkpoint only works with its own Gemma, and the
+        other way round."""
+        if (self.checkpoint_path == EMBEDDED_TINY) != (self.gemma_root == EMBEDDED_TINY):
+            raise ModelFileError(
+                "the embedded tiny checkpoint only works with its own text encoder: name both checkpoint_path and "
+                f"gemma_root {EMBEDDED_TINY!r}, or real files for both"
+            )
+
+        def resolved(path, real):
+            return real if path == EMBEDDED_TINY else path
+
+        return replace(
+            self,
+            checkpoint_path=resolved(self.checkpoint_path, bundle.checkpoint_path),
+            gemma_root=resolved(self.gemma_root, bundle.gemma_root),
+            spatial_upsampler_path=resolved(self.spatial_upsampler_path, bundle.spatial_upsampler_path),
+            distilled_lora=resolved(self.distilled_lora, bundle.distilled_lora_path),
+        )
+
+    def to_wire(self) -> dict:
+        return {
+            "checkpoint_path": self.checkpoint_path,
+            "gemma_root": self.gemma_root,
+            "spatial_upsampler_path": self.spatial_upsampler_path,
+            "distilled_lora": self.distilled_lora,
+            "distilled_lora_strength": self.distilled_lora_strength,
+            "loras": [[path, strength] for path, strength in self.loras],
+        }
+
+    to_json = to_wire
+
+    @classmethod
+    def from_wire(cls, data: dict) -> ModelSpec:
+        """Parse ``to_wire``'s form, checking every type (not whether the files exist)."""
+        if not isinstance(data, dict):
+            raise ModelFileError(f"a model spec must be a JSON object, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ModelFileError(f"unknown model spec field(s) {unknown}; expected {sorted(cls.__dataclass_fields__)}")
+        for name in ("checkpoint_path", "gemma_root"):
+            if not isinstance(data.get(name), str) or not data[name]:
+                raise ModelFileError(f"model spec field {name!r} must be a non-empty path string, got {data.get(name)!r}")
+        for name in ("spatial_upsampler_path", "distilled_lora"):
+            if data.get(name) is not None and (not isinstance(data[name], str) or not data[name]):
+                raise ModelFileError(f"model spec field {name!r} must be a path string or null, got {data[name]!r}")
+        strength = data.get("distilled_lora_strength", DISTILLED_LORA_STRENGTH)
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)):
+            raise ModelFileError(f"model spec field 'distilled_lora_strength' must be a number, got {strength!r}")
+        loras = data.get("loras", [])
+        if not isinstance(loras, (list, tuple)):
+            raise ModelFileError(f"model spec field 'loras' must be a list of [path, strength], got {loras!r}")
+        parsed_loras = []
+        for entry in loras:
+            if (
+                not isinstance(entry, (list, tuple))
+                or len(entry) != 2
+                or not isinstance(entry[0], str)
+                or isinstance(entry[1], bool)
+                or not isinstance(entry[1], (int, float))
+            ):
+                raise ModelFileError(f"each LoRA must be [path, strength], got {entry!r}")
+            parsed_loras.append((entry[0], float(entry[1])))
+        return cls(
+            checkpoint_path=data["checkpoint_path"],
+            gemma_root=data["gemma_root"],
+            spatial_upsampler_path=data.get("spatial_upsampler_path"),
+            distilled_lora=data.get("distilled_lora"),
+            distilled_lora_strength=float(strength),
+            loras=tuple(parsed_loras),
+        )
+
+    @classmethod
+    def from_json(cls, data: dict) -> ModelSpec:
+        """``from_wire``, and every named file must exist (embedded paths are resolved later)."""
+        spec = cls.from_wire(data)
+        spec.check_files_exist()
+        return spec
+
+    def check_files_exist(self) -> None:
+        """Raise ModelFileError naming the first file or folder that is not there."""
+        files = [("checkpoint", self.checkpoint_path)]
+        if self.spatial_upsampler_path is not None:
+            files.append(("spatial upsampler", self.spatial_upsampler_path))
+        if self.distilled_lora is not None:
+            files.append(("distilled LoRA", self.distilled_lora))
+        files += [("LoRA", path) for path, _ in self.loras]
+        for role, path in files:
+            if path != EMBEDDED_TINY and not Path(path).is_file():
+                raise ModelFileError(f"{role} file {path} does not exist; check the path (or download the file there)")
+        if self.gemma_root != EMBEDDED_TINY and not Path(self.gemma_root).is_dir():
+            raise ModelFileError(
+                f"Gemma folder {self.gemma_root} does not exist; point gemma_root at the folder holding the "
+                "Gemma-3 text encoder (config.json, model*.safetensors, tokenizer.model)"
+            )
+
+
+# --- Guidance and THE defaults ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Guidance:
+    """Multimodal guidance of one modality, as ltx-core's ``MultiModalGuiderParams``.
+
+    A field left as None takes the default of the request's model version and pipeline. ``stg_blocks``
+    None means the version's official block, or the last block of a model that has fewer (the tiny
+    test bundle); ``()`` perturbs no block.
+    """
+
+    cfg_scale: float | None = None
+    stg_scale: float | None = None
+    rescale_scale: float | None = None
+    modality_scale: float | None = None
+    skip_step: int | None = None
+    stg_blocks: tuple[int, ...] | None = None
+
+    def over(self, default: Guidance) -> Guidance:
+        """This guidance with every field it leaves out taken from ``default`` (``stg_blocks``
+        stays None: the job clips the official block to the model it runs)."""
+        return Guidance(**{f.name: getattr(default, f.name) if getattr(self, f.name) is None and f.name != "stg_blocks" else getattr(self, f.name) for f in fields(self)})
+
+    def blocks_for(self, layer_count: int, official: Guidance) -> tuple[int, ...]:
+        """The blocks STG perturbs in a model of ``layer_count`` blocks."""
+        if self.stg_blocks is not None:
+            return self.stg_blocks
+        return tuple(min(block, layer_count - 1) for block in official.stg_blocks)
+
+    def to_wire(self) -> dict:
+        wire = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "stg_blocks" and getattr(self, f.name) is not None}
+        wire["stg_blocks"] = None if self.stg_blocks is None else list(self.stg_blocks)
+        return wire
+
+    to_json = to_wire
+
+    @classmethod
+    def from_wire(cls, data, name: str, default: Guidance) -> Guidance:
+        """Parse one modality's guidance object; the fields it leaves out come from ``default``."""
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise RequestError(f"{name} must be an object of guidance scales, got {data!r}")
+        unknown = sorted(set(data) - {f.name for f in fields(cls)})
+        if unknown:
+            raise RequestError(f"unknown {name} field(s) {unknown}; guidance takes {[f.name for f in fields(cls)]}")
+        blocks = data.get("stg_blocks")
+        if blocks is not None and (not isinstance(blocks, (list, tuple)) or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks)):
+            raise RequestError(f"{name}.stg_blocks must be a list of block indices, or null for the official block")
+        return cls(
+            cfg_scale=number_field(data, "cfg_scale", default.cfg_scale, 0.0, 100.0),
+            stg_scale=number_field(data, "stg_scale", default.stg_scale, 0.0, 100.0),
+            rescale_scale=number_field(data, "rescale_scale", default.rescale_scale, 0.0, 1.0),
+            modality_scale=number_field(data, "modality_scale", default.modality_scale, 0.0, 100.0),
+            skip_step=integer_field(data, "skip_step", default.skip_step, 0, 1000),
+            stg_blocks=None if blocks is None else tuple(blocks),
+        )
+
+
+@dataclass(frozen=True)
+class PipelineDefaults:
+    """The official defaults of one model version and pipeline (sizes are stage 1's, in pixels)."""
+
+    model_version: str
+    pipeline: str
+    seed: int
+    stage1_height: int
+    stage1_width: int
+    num_frames: int
+    frame_rate: float
+    steps: int
+    video_guidance: Guidance
+    audio_guidance: Guidance
+    stage1_sigmas: tuple[float, ...] | None  # None: ltx-core's LTX2Scheduler over ``steps``
+    stage2_sigmas: tuple[float, ...]
+
+
+# ltx_pipelines.utils.constants.DISTILLED_SIGMA_VALUES: the distilled model's stage-1 schedule.
+DISTILLED_SIGMAS = (1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0)
+# ltx_pipelines.utils.constants.STAGE_2_DISTILLED_SIGMA_VALUES: stage 2 of both official pipelines.
+STAGE_2_SIGMAS = (0.909375, 0.725, 0.421875, 0.0)
+# TDP Upscale's own default: the official multi-GPU page has TDP start from a smaller first sigma than
+# the single-GPU stage 2, because re-injected noise lets the tiles drift apart (docs/techniques.md).
+TDP_UPSCALE_SIGMAS = (0.625, 0.4, 0.0)
+TDP_OVERLAP = 4  # latent cells between neighbouring tiles (docs/techniques.md)
+# ltx_core.model.video_vae.TilingConfig.default(): 512-pixel tiles, 64-frame chunks.
+DECODE_SPATIAL_TILE_PIXELS = 512
+DECODE_TEMPORAL_TILE_FRAMES = 64
+
+_LTX_2_0_TWO_STAGE = PipelineDefaults(
+    model_version="2.0",
+    pipeline="two-stage",
+    # ltx_pipelines.utils.constants.LTX_2_PARAMS (PipelineParams' own defaults):
+    seed=10,
+    stage1_height=512,
+    stage1_width=768,
+    num_frames=121,
+    frame_rate=24.0,
+    steps=40,
+    video_guidance=Guidance(cfg_scale=3.0, stg_scale=1.0, rescale_scale=0.7, modality_scale=3.0, skip_step=0, stg_blocks=(29,)),
+    audio_guidance=Guidance(cfg_scale=7.0, stg_scale=1.0, rescale_scale=0.7, modality_scale=3.0, skip_step=0, stg_blocks=(29,)),
+    stage1_sigmas=None,  # ltx_pipelines.ti2vid_two_stages: LTX2Scheduler().execute(steps=num_inference_steps)
+    stage2_sigmas=STAGE_2_SIGMAS,  # ti2vid_two_stages: stage 2 runs STAGE_2_DISTILLED_SIGMA_VALUES
+)
+# ltx_pipelines.utils.constants.LTX_2_3_PARAMS: LTX_2_PARAMS with 30 steps and STG on block 28.
+_LTX_2_3_TWO_STAGE = replace(
+    _LTX_2_0_TWO_STAGE,
+    model_version="2.3",
+    steps=30,
+    video_guidance=replace(_LTX_2_0_TWO_STAGE.video_guidance, stg_blocks=(28,)),
+    audio_guidance=replace(_LTX_2_0_TWO_STAGE.audio_guidance, stg_blocks=(28,)),
+)
+# ltx_pipelines.distilled: one positive-only pass per step (simple_denoising_func: no guidance, which
+# is ltx-core's MultiModalGuiderParams() as it comes) over DISTILLED_SIGMA_VALUES, then stage 2.
+NO_GUIDANCE = Guidance(cfg_scale=1.0, stg_scale=0.0, rescale_scale=0.0, modality_scale=1.0, skip_step=0, stg_blocks=())
+
+
+def _distilled(two_stage: PipelineDefaults) -> PipelineDefaults:
+    return replace(
+        two_stage, pipeline="distilled", steps=len(DISTILLED_SIGMAS) - 1, video_guidance=NO_GUIDANCE,
+        audio_guidance=NO_GUIDANCE, stage1_sigmas=DISTILLED_SIGMAS,
+    )  # fmt: skip
+
+
+DEFAULTS: dict[tuple[str, str], PipelineDefaults] = {
+    ("2.0", "two-stage"): _LTX_2_0_TWO_STAGE,
+    ("2.0", "distilled"): _distilled(_LTX_2_0_TWO_STAGE),
+    ("2.3", "two-stage"): _LTX_2_3_TWO_STAGE,
+    ("2.3", "distilled"): _distilled(_LTX_2_3_TWO_STAGE),
+}
+
+
+def defaults_for(model_version: str = "2.0", pipeline: str = "two-stage") -> PipelineDefaults:
+    """THE defaults of one model version and pipeline."""
+    if model_version not in MODEL_VERSIONS:
+        raise RequestError(f"model_version must be one of {', '.join(MODEL_VERSIONS)}, got {model_version!r}")
+    if pipeline not in PIPELINES:
+        raise RequestError(f"pipeline must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
+    return DEFAULTS[(model_version, pipeline)]
+
+
+OFFICIAL = defaults_for()
+"""The LTX-2.0 two-stage defaults: what the running jobs use today."""
+
+
+# --- Requests -----------------------------------------------------------------------------------------
+
+
+def _spec_of(data: dict, what: str) -> ModelSpec:
+    if not isinstance(data.get("spec"), dict):
+        raise RequestError(f"the {what} job needs a model 'spec' object (see ModelSpec.to_wire)")
+    return ModelSpec.from_wire(data["spec"])
+
+
+@dataclass(frozen=True)
+class LoadRequest:
+    """Load every component of the model into every rank (a no-op for the resident model)."""
+
+    spec: ModelSpec
+    dtype: str = "bfloat16"
+
+    op = "load"
+
+    def to_wire(self) -> dict:
+        return {"spec": self.spec.to_wire(), "dtype": self.dtype}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> LoadRequest:
+        _no_unknown_fields(data, cls, cls.op)
+        return cls(spec=_spec_of(data, cls.op), dtype=_choice(data, "dtype", "bfloat16", DTYPES))
+
+
+@dataclass(frozen=True)
+class EncodeRequest:
+    """Encode prompts with Gemma on the fleet; the ranks keep each result by its digest."""
+
+    spec: ModelSpec
+    prompts: tuple[str, ...]
+    dtype: str = "bfloat16"
+    gemma_mode: str = "sharded"
+    free_gemma: bool = False
+
+    op = "encode"
+
+    def digests(self) -> list[str]:
+        return [prompt_digest(prompt, self.spec, self.dtype, self.gemma_mode) for prompt in self.prompts]
+
+    def to_wire(self) -> dict:
+        return {"spec": self.spec.to_wire(), "prompts": list(self.prompts), "dtype": self.dtype, "gemma_mode": self.gemma_mode, "free_gemma": self.free_gemma}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> EncodeRequest:
+        _no_unknown_fields(data, cls, cls.op)
+        prompts = data.get("prompts")
+        if not isinstance(prompts, (list, tuple)) or not 0 < len(prompts) <= MAX_PROMPTS or not all(isinstance(p, str) for p in prompts):
+            raise RequestError(f"prompts must be a list of 1 to {MAX_PROMPTS} strings")
+        if any(len(prompt) > MAX_PROMPT_CHARS for prompt in prompts):
+            raise RequestError(f"a prompt is longer than {MAX_PROMPT_CHARS} characters; shorten it")
+        return cls(
+            spec=_spec_of(data, cls.op),
+            prompts=tuple(prompts),
+            dtype=_choice(data, "dtype", "bfloat16", DTYPES),
+            gemma_mode=_choice(data, "gemma_mode", "sharded", GEMMA_MODES),
+            free_gemma=bool(_flag(data, "free_gemma", False)),
+        )
+
+
+def prompt_digest(prompt: str, spec: ModelSpec, dtype: str, gemma_mode: str) -> str:
+    """sha256 of what determines a prompt's encoding: the text, the model files, dtype and Gemma mode."""
+    payload = {"prompt": prompt, "spec": spec.to_wire(), "dtype": dtype, "gemma_mode": gemma_mode}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """Stage 1: full-frame generation from noise at ``width`` x ``height`` (sequence/guidance parallel).
+
+    Fields left as None take ``defaults_for(model_version, pipeline)``. The prompts' contexts come as
+    tensors with the job, or by the digests of an earlier encode job (``positive_digest``, ...)."""
+
+    spec: ModelSpec
+    dtype: str = "bfloat16"
+    model_version: str = "2.0"
+    pipeline: str = "two-stage"
+    width: int | None = None
+    height: int | None = None
+    num_frames: int | None = None
+    frame_rate: float | None = None
+    seed: int | None = None
+    steps: int | None = None
+    video_guidance: Guidance | None = None
+    audio_guidance: Guidance | None = None
+    parallel: str = "auto"
+    cuda_graphs: bool | None = None  # None: on with CUDA
+    compile_blocks: bool | None = None  # None: off
+    batch_passes: str | bool = "auto"
+    positive_digest: str | None = None
+    negative_digest: str | None = None
+
+    op = "sample"
+
+    def __post_init__(self) -> None:
+        official = defaults_for(self.model_version, self.pipeline)
+        filled = {
+            "width": official.stage1_width, "height": official.stage1_height, "num_frames": official.num_frames,
+            "frame_rate": official.frame_rate, "seed": official.seed, "steps": official.steps,
+        }  # fmt: skip
+        for name, default in filled.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        object.__setattr__(self, "video_guidance", (self.video_guidance or Guidance()).over(official.video_guidance))
+        object.__setattr__(self, "audio_guidance", (self.audio_guidance or Guidance()).over(official.audio_guidance))
+
+    @property
+    def defaults(self) -> PipelineDefaults:
+        return defaults_for(self.model_version, self.pipeline)
+
+    def to_wire(self) -> dict:
+        wire = {f.name: getattr(self, f.name) for f in fields(self)}
+        wire.update(spec=self.spec.to_wire(), video_guidance=self.video_guidance.to_wire(), audio_guidance=self.audio_guidance.to_wire())
+        return wire
+
+    @classmethod
+    def from_wire(cls, data: dict) -> SampleRequest:
+        _no_unknown_fields(data, cls, cls.op)
+        version = _choice(data, "model_version", "2.0", MODEL_VERSIONS)
+        pipeline = _choice(data, "pipeline", "two-stage", PIPELINES)
+        official = defaults_for(version, pipeline)
+        batch_passes = data.get("batch_passes", "auto")
+        if batch_passes != "auto" and not isinstance(batch_passes, bool):
+            raise RequestError(f'batch_passes must be "auto", true or false, got {batch_passes!r}; leave it out for "auto"')
+        return cls(
+            spec=_spec_of(data, cls.op),
+            dtype=_choice(data, "dtype", "bfloat16", DTYPES),
+            model_version=version,
+            pipeline=pipeline,
+            width=integer_field(data, "width", official.stage1_width, VIDEO_SPATIAL_COMPRESSION, MAX_SIDE),
+            height=integer_field(data, "height", official.stage1_height, VIDEO_SPATIAL_COMPRESSION, MAX_SIDE),
+            num_frames=integer_field(data, "num_frames", official.num_frames, 1, MAX_FRAMES),
+            frame_rate=number_field(data, "frame_rate", official.frame_rate, 1.0, 240.0),
+            seed=integer_field(data, "seed", official.seed, 0, SEED_MAX),
+            steps=integer_field(data, "steps", official.steps, 1, MAX_STEPS),
+            video_guidance=Guidance.from_wire(data.get("video_guidance"), "video_guidance", official.video_guidance),
+            audio_guidance=Guidance.from_wire(data.get("audio_guidance"), "audio_guidance", official.audio_guidance),
+            parallel=_choice(data, "parallel", "auto", PARALLEL_PLANS),
+            cuda_graphs=_flag(data, "cuda_graphs", None),
+            compile_blocks=_flag(data, "compile_blocks", None),
+            batch_passes=batch_passes,
+            positive_digest=_digest(data, "positive_digest"),
+            negative_digest=_digest(data, "negative_digest"),
+        )
+
+
+@dataclass(frozen=True)
+class UpscaleRequest:
+    """Stage 2: 2x spatial upsample, then the distilled-LoRA refinement over TDP tiles; audio frozen.
+
+    ``tiles`` (height tiles, width tiles); None: a balanced split over the fleet."""
+
+    spec: ModelSpec
+    dtype: str = "bfloat16"
+    model_version: str = "2.0"
+    pipeline: str = "two-stage"
+    frame_rate: float | None = None
+    seed: int | None = None
+    sigmas: tuple[float, ...] = TDP_UPSCALE_SIGMAS
+    tiles: tuple[int, int] | None = None
+    overlap: int = TDP_OVERLAP
+    force_from_noise: bool = False
+    positive_digest: str | None = None
+
+    op = "upscale"
+
+    def __post_init__(self) -> None:
+        official = defaults_for(self.model_version, self.pipeline)
+        if self.frame_rate is None:
+            object.__setattr__(self, "frame_rate", official.frame_rate)
+        if self.seed is None:
+            object.__setattr__(self, "seed", official.seed)
+
+    def to_wire(self) -> dict:
+        wire = {f.name: getattr(self, f.name) for f in fields(self)}
+        wire.update(spec=self.spec.to_wire(), sigmas=list(self.sigmas), tiles=None if self.tiles is None else list(self.tiles))
+        return wire
+
+    @classmethod
+    def from_wire(cls, data: dict) -> UpscaleRequest:
+        _no_unknown_fields(data, cls, cls.op)
+        version = _choice(data, "model_version", "2.0", MODEL_VERSIONS)
+        pipeline = _choice(data, "pipeline", "two-stage", PIPELINES)
+        official = defaults_for(version, pipeline)
+        sigmas = data.get("sigmas")
+        sigmas = TDP_UPSCALE_SIGMAS if sigmas is None else _floats(sigmas, "sigmas")
+        force_from_noise = bool(_flag(data, "force_from_noise", False))
+        validate_upscale_sigmas(sigmas, force_from_noise)
+        tiles = data.get("tiles")
+        if tiles is not None and (
+            not isinstance(tiles, (list, tuple)) or len(tiles) != 2 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tiles)
+        ):
+            raise RequestError(f"tiles must be [height_tiles, width_tiles] of positive integers, got {tiles!r}")
+        return cls(
+            spec=_spec_of(data, cls.op),
+            dtype=_choice(data, "dtype", "bfloat16", DTYPES),
+            model_version=version,
+            pipeline=pipeline,
+            frame_rate=number_field(data, "frame_rate", official.frame_rate, 1.0, 240.0),
+            seed=integer_field(data, "seed", official.seed, 0, SEED_MAX),
+            sigmas=sigmas,
+            tiles=None if tiles is None else (tiles[0], tiles[1]),
+            overlap=integer_field(data, "overlap", TDP_OVERLAP, 0, 64),
+            force_from_noise=force_from_noise,
+            positive_digest=_digest(data, "positive_digest"),
+        )
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """Distributed VAE decode of the video and the audio.
+
+    ``seed``, ``frame_rate`` and ``after_stages`` (how many stages drew noise from the job's generator
+    before the decoder) reproduce the official pipeline's decoder noise."""
+
+    spec: ModelSpec
+    dtype: str = "bfloat16"
+    seed: int = OFFICIAL.seed
+    frame_rate: float = OFFICIAL.frame_rate
+    after_stages: int = 2
+    spatial_tile_pixels: int = DECODE_SPATIAL_TILE_PIXELS
+    temporal_tile_frames: int = DECODE_TEMPORAL_TILE_FRAMES
+
+    op = "decode"
+
+    def to_wire(self) -> dict:
+        return {**{f.name: getattr(self, f.name) for f in fields(self)}, "spec": self.spec.to_wire()}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> DecodeRequest:
+        _no_unknown_fields(data, cls, cls.op)
+        spatial = integer_field(data, "spatial_tile_pixels", DECODE_SPATIAL_TILE_PIXELS, 64, MAX_SIDE)
+        temporal = integer_field(data, "temporal_tile_frames", DECODE_TEMPORAL_TILE_FRAMES, 16, 4096)
+        if spatial % VIDEO_SPATIAL_COMPRESSION or temporal % VIDEO_TEMPORAL_COMPRESSION:
+            raise RequestError(f"decode tiles must be multiples of 32 pixels and 8 frames, got {spatial} px and {temporal} frames")
+        after_stages = data.get("after_stages", 2)
+        if isinstance(after_stages, bool) or after_stages not in AFTER_STAGES:
+            raise RequestError(f"after_stages must be 0, 1 or 2, got {after_stages!r}")
+        return cls(
+            spec=_spec_of(data, cls.op),
+            dtype=_choice(data, "dtype", "bfloat16", DTYPES),
+            seed=integer_field(data, "seed", OFFICIAL.seed, 0, SEED_MAX),
+            frame_rate=number_field(data, "frame_rate", OFFICIAL.frame_rate, 1.0, 240.0),
+            after_stages=after_stages,
+            spatial_tile_pixels=spatial,
+            temporal_tile_frames=temporal,
+        )
+
+
+@dataclass(frozen=True)
+class UnloadRequest:
+    """Drop the resident model and its parallel groups' state; the fleet stays up."""
+
+    op = "unload"
+
+    def to_wire(self) -> dict:
+        return {}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> UnloadRequest:
+        _no_unknown_fields(data, cls, cls.op)
+        return cls()
+
