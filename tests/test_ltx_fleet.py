@@ -243,12 +243,12 @@ def test_every_job_logs_its_disk_reads_and_status_reports_weight_memory_per_rank
 
 
 def test_sp_exchange_stays_on_torch_distributed_unless_the_ipc_kernel_is_asked_for(monkeypatch):
-    from mgpu_backend.ltx import jobs
+    from mgpu_backend.ltx import parallelize
 
     installed = []
-    monkeypatch.setattr(jobs, "install_fast_all_to_all", lambda comm, device: installed.append(comm) or "cuda-ipc")
+    monkeypatch.setattr(parallelize, "install_fast_all_to_all", lambda comm, device: installed.append(comm) or "cuda-ipc")
     monkeypatch.delenv("MGPU_ALL_TO_ALL", raising=False)
-    assert jobs.sp_all_to_all("comm", torch.device("cuda", 0)).startswith("torch.distributed (NCCL")
+    assert parallelize.sp_all_to_all("comm", torch.device("cuda", 0)).startswith("torch.distributed (NCCL")
     monkeypatch.setenv("MGPU_ALL_TO_ALL", "ipc")
-    assert jobs.sp_all_to_all("comm", torch.device("cuda", 0)) == "cuda-ipc"
+    assert parallelize.sp_all_to_all("comm", torch.device("cuda", 0)) == "cuda-ipc"
     assert installed == ["comm"]
