@@ -69,20 +69,20 @@ def stage_jobs_on_ranks(spec: dict) -> dict:
     world = Comm.world()
     logs: list[str] = []
     ctx = _context(world.rank, world, logs)
-    jobs.load(ctx, {"spec": spec, "dtype": "float32"}, {})
+    jobs.load(ctx, {"spec": spec}, {})
     transformer = ctx.state["model"].transformer("none")
     record = {"clean": instance_overrides(transformer)}
-    _, contexts = jobs.encode(ctx, {"spec": spec, "dtype": "float32", "prompts": PROMPTS}, {})
+    _, contexts = jobs.encode(ctx, {"spec": spec, "prompts": PROMPTS}, {})
     tensors = {
         "positive_video_context": contexts["video_context_0"], "positive_audio_context": contexts["audio_context_0"],
         "negative_video_context": contexts["video_context_1"], "negative_audio_context": contexts["audio_context_1"],
     }  # fmt: skip
-    sample = {"spec": spec, "dtype": "float32", "width": 96, "height": 64, "num_frames": 9, "steps": 2, "seed": 3}
+    sample = {"spec": spec, "width": 96, "height": 64, "num_frames": 9, "steps": 2, "seed": 3}
     runs = [
         ("sample", {**sample, "parallel": "sp"}),
-        ("upscale", {"spec": spec, "dtype": "float32", "seed": 3, "tiles": [1, 1]}),
+        ("upscale", {"spec": spec, "seed": 3, "tiles": [1, 1]}),
         ("sample", {**sample, "parallel": "guidance", "batch_passes": True}),
-        ("upscale", {"spec": spec, "dtype": "float32", "seed": 3, "tiles": [1, 2], "overlap": 1}),
+        ("upscale", {"spec": spec, "seed": 3, "tiles": [1, 2], "overlap": 1}),
     ]
     latents = None
     for index, (op, args) in enumerate(runs):
