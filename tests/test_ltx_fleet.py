@@ -107,6 +107,25 @@ def test_fleet_jobs_at_two_ranks_equal_the_in_process_stages_bf16(fleet, spec):
     assert stage1.fields["sp_degree"] == 2
 
 
+def test_stage1_guidance_plan_at_two_ranks_equals_the_in_process_stage_bf16(fleet, spec):
+    """Two guidance groups of one rank each (the passes of a step split over the ranks) reproduce the
+    one-process stage 1 bitwise, as the sp plan does in the test above."""
+    encoded = run(fleet, "encode", {"spec": spec, "prompts": [PROMPT, NEGATIVE]})
+    stage1 = run(fleet, "sample", sample_args(spec, parallel="guidance"), context_tensors(encoded))
+
+    loader = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16)
+    positive, negative = encode_prompts(loader, [PROMPT, NEGATIVE])
+    params = GenerationParams(
+        height=64, width=96, num_frames=9, seed=7, num_inference_steps=3, two_stage=False,
+        video_guider=_guider(sample_args(spec), "video_guidance", 2), audio_guider=_guider(sample_args(spec), "audio_guidance", 2),
+    )  # fmt: skip
+    video, audio = sample_stage1(loader, params, positive, negative)
+    assert (stage1.fields["guidance_groups"], stage1.fields["sp_degree"]) == (2, 1)
+    for name, ours, fleet_tensor in (("video", video, stage1.tensors["video_latent"]), ("audio", audio, stage1.tensors["audio_latent"])):
+        diff = (ours - fleet_tensor).abs().max().item()
+        assert diff == 0.0, f"stage-1 {name} under 2 guidance groups differs from the one-process stage by {diff}"
+
+
 def test_warm_second_load_reads_nothing_from_disk(fleet, spec):
     first = run(fleet, "load", {"spec": spec})
     second = run(fleet, "load", {"spec": spec})
