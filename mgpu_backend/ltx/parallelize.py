@@ -289,7 +289,7 @@ def parallelize_stage1(
         if graphs is not None:
             captured = graphs.captured
             applying(CUDA_GRAPHS, f"forwards replayed from graphs captured once per input shape ({len(captured.graphs)} "
-                                  "kept from earlier jobs)")  # fmt: skip
+                                  "graph(s) already held)")  # fmt: skip
         elif no_graphs is not None:
             say(CUDA_GRAPHS, no_graphs, applied=False)
 

@@ -25,8 +25,10 @@ When to use it, and what it costs
     own perturbation pattern, so expect a few minutes on a first job; Inductor's cache serves the
     identical graphs).
 
-This module never edits ltx-core's source or classes (only attributes of the model instances it
-is given) and never talks to other ranks.
+The stage-1 parallelize entry (``mgpu_backend.ltx.parallelize``) applies it when a job asks and
+removes it when the stage ends. This module never edits ltx-core's source or classes (only
+attributes of the model instances it is given), never imports another technique module, and never
+talks to other ranks.
 """
 
 from __future__ import annotations
