@@ -1,7 +1,8 @@
 """The parallelize entries (mgpu_backend.ltx.parallelize): the real sample and upscale jobs on two
 gloo ranks leave the resident transformer exactly as ltx-core made it after each stage, and log one
 line per technique in the fixed order; on one rank the entry applies and undoes compiled blocks and
-refuses to start stage 2 on a transformer that still carries stage 1's techniques.
+refuses to start stage 2 on a transformer that still carries stage 1's techniques. GPU (skipped
+without CUDA): graphs captured in one job replay in the next, and the model is left unpatched.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from mgpu_backend.fleet.jobs import JobContext
 from mgpu_backend.ltx.loading import ModelSpec
 from mgpu_backend.ltx.parallelize import (
     COMPILED_BLOCKS,
+    CUDA_GRAPHS,
     PROCESS_GROUPS,
     STAGE1_ORDER,
     Stage1Cache,
@@ -24,15 +26,17 @@ from mgpu_backend.ltx.parallelize import (
     parallelize_stage1,
     parallelize_stage2,
 )
-from mgpu_backend.ltx.passes import SequentialPassRunner
+from mgpu_backend.ltx.passes import GuidancePass, SequentialPassRunner
 from mgpu_backend.parallel.batched_passes import BatchedPassRunner
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.compiled_blocks import blocks_compiled
 from mgpu_backend.parallel.guidance_parallel import plan_stage1
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel
 from tests.dist_harness import run_ranks
+from tests.test_cuda_graphs import _inputs, _max_abs_diff, _stg
 from tests.test_sequence_parallel import _CommOfSize, build_tiny_model
 
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 PROMPTS = ["a red fox runs through fresh snow at dawn", "blurry, low quality"]
 TECHNIQUE_LINE = re.compile(r"^stage (1|2): (.+?): ")
 
@@ -177,3 +181,30 @@ def test_stage2_refuses_a_transformer_that_is_still_sequence_parallel():
     with parallelize_stage2(model, Comm(None), None, (2, 3, 5)) as wrapper:
         assert wrapper is None
 
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_graphs_captured_in_one_job_replay_in_the_next_and_leave_the_model_unpatched():
+    device = torch.device("cuda", torch.cuda.current_device())
+    model = build_tiny_model(seed=21).to(device, torch.bfloat16)
+    clean = instance_overrides(model)
+    plan = plan_stage1(1, 45, 2, "auto", attention_heads=8, audio_attention_heads=8)
+    cache, options = Stage1Cache(), Stage1Options(cuda_graphs=True)
+    video, audio = _inputs(8, device=device, dtype=torch.bfloat16)
+    passes = [GuidancePass("conditional", video, audio, None), GuidancePass("perturbed", video, audio, _stg())]
+    outputs, captures = [], []
+    for _job in range(2):
+        with torch.inference_mode(), parallelize_stage1(model, plan, Comm(None), device, options, cache) as stage:
+            assert stage.applied == [PROCESS_GROUPS, CUDA_GRAPHS], stage.applied
+            outputs.append(stage.runner.run(model, passes))
+            captures.append(stage.fields()["cuda_graphs"]["captures"])
+        assert instance_overrides(model) == clean, "the RoPE grids of graph capture must be given back"
+    with torch.inference_mode():
+        eager = SequentialPassRunner().run(model, passes)
+    assert captures == [2, 2], f"two signatures captured in the first job, none more in the second: {captures}"
+    for first, second, expected in zip(*outputs, eager):
+        for slot in range(2):
+            assert torch.equal(first[slot], second[slot]), "the second job's replay differs from the first job's"
+            scale = float(expected[slot].float().abs().max())
+            assert _max_abs_diff(first[slot], expected[slot]) <= 2e-2 * scale, (_max_abs_diff(first[slot], expected[slot]), scale)
