@@ -383,7 +383,8 @@ def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: Te
     video_heads, audio_heads = resident.attention_heads()
     with input_errors():
         plan = plan_stage1(ctx.world_size, params.stage1.video_tokens, passes, mode, attention_heads=video_heads, audio_attention_heads=audio_heads)
-        options = Stage1Options(cuda_graphs=cuda_graphs, batch_passes=batch_passes_wanted(batch_passes, plan, ctx.device), compile_blocks=compile_blocks)
+        batched = batch_passes_wanted(batch_passes, plan, ctx.device)
+        options = Stage1Options(cuda_graphs=cuda_graphs, batch_passes=batched, compile_blocks=compile_blocks)
         check_generation_fits(params, ctx.device, dims, resident.dtype, sp_degree=plan.sp_degree, weights_resident=True)
     transformer = resident.transformer("none")
     with parallelize_stage1(transformer, plan, ctx.comm, ctx.device, options, stage1_cache(ctx.state), ctx.log) as stage:

@@ -209,6 +209,20 @@ def _groups_for(plan: Plan, comm: Comm, device: torch.device, cache: Stage1Cache
     return groups, True
 
 
+def _why_no_cuda_graphs(options: Stage1Options, device: torch.device, groups: _Groups) -> str | None:
+    """Why CUDA graphs asked for cannot be applied (the exclusions of the module docstring), or None."""
+    if options.batch_passes:
+        return "the passes run batched, and a batched forward builds its perturbation masks on the host"
+    if device.type != "cuda":
+        return f"the ranks run on {device.type}; CUDA graphs need CUDA devices"
+    if groups.all_to_all == CUDA_IPC:
+        return (
+            "the SP group uses the CUDA-IPC all-to-all (MGPU_ALL_TO_ALL=ipc), which synchronises the host in every "
+            "exchange; unset MGPU_ALL_TO_ALL to capture with NCCL"
+        )
+    return None
+
+
 @contextmanager
 def parallelize_stage1(
     transformer,
@@ -262,15 +276,7 @@ def parallelize_stage1(
         # The runner of this rank's (its group's) own passes; guidance groups go around it.
         local_runner: PassRunner = SequentialPassRunner()
         graphs = None
-        no_graphs = None
-        if options.cuda_graphs:
-            if options.batch_passes:
-                no_graphs = "the passes run batched, and a batched forward builds its perturbation masks on the host"
-            elif device.type != "cuda":
-                no_graphs = f"the ranks run on {device.type}; CUDA graphs need CUDA devices"
-            elif groups.all_to_all == CUDA_IPC:
-                no_graphs = ("the SP group uses the CUDA-IPC all-to-all (MGPU_ALL_TO_ALL=ipc), which synchronises the "
-                             "host in every exchange; unset MGPU_ALL_TO_ALL to capture with NCCL")  # fmt: skip
+        no_graphs = _why_no_cuda_graphs(options, device, groups) if options.cuda_graphs else None
         if options.batch_passes:
             local_runner = apply_batched_passes(local_runner)
         elif options.cuda_graphs and no_graphs is None:
