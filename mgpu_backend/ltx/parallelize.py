@@ -241,7 +241,7 @@ def parallelize_stage1(
     """
     if comm.world_size != plan.world_size:
         raise ValueError(f"the stage-1 plan is for {plan.world_size} ranks but the fleet has {comm.world_size}")
-    _require_clean(transformer, "stage 1", "stage 1 applies its own")
+    _require_clean(transformer, "stage 1", "stage 1 applies them itself, for its own plan")
     say = _announcer("stage 1", job_log)
     log.info(plan.reason)
     if job_log is not None:
