@@ -19,14 +19,15 @@ from mgpu_backend.parallel.batched_passes import (
     BatchedPassRunner,
     PassesNotBatchable,
     batch_passes,
+    apply_batched_passes,
     batch_passes_wanted,
-    batching_runner,
     split_outputs,
 )
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.guidance_parallel import (
     GuidanceParallelRunner,
-    build_stage1_parallel,
+    apply_guidance_parallel,
+    build_stage1_groups,
     plan_stage1,
 )
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel
@@ -221,8 +222,8 @@ def batched_on_two_ranks() -> bytes:
         }
     for mode in ("sp", "guidance"):
         plan = plan_stage1(world.world_size, VIDEO_TOKENS, PASS_NAMES, mode, **TINY_HEADS)
-        sp_comm, runner = build_stage1_parallel(world, plan)
-        runner = batching_runner(runner)
+        sp_comm = build_stage1_groups(world, plan)
+        runner = apply_guidance_parallel(world, plan, local_runner=apply_batched_passes(SequentialPassRunner()))
         transformer = apply_sequence_parallel(build_tiny_model(), sp_comm)
         results[mode] = {"layout": (plan.guidance_groups, plan.sp_degree), **euler_stage1_loop(transformer, runner)}
     return portable(results)
@@ -233,8 +234,8 @@ def hybrid_batched_on_four_ranks() -> bytes:
     torch.set_num_threads(1)
     world = Comm.world()
     plan = plan_stage1(world.world_size, VIDEO_TOKENS, PASS_NAMES, "hybrid", **TINY_HEADS)
-    sp_comm, runner = build_stage1_parallel(world, plan)
-    runner = batching_runner(runner)
+    sp_comm = build_stage1_groups(world, plan)
+    runner = apply_guidance_parallel(world, plan, local_runner=apply_batched_passes(SequentialPassRunner()))
     assert isinstance(runner, GuidanceParallelRunner) and isinstance(runner.local_runner, BatchedPassRunner)
     transformer = apply_sequence_parallel(build_tiny_model(), sp_comm)
     loop = euler_stage1_loop(transformer, runner)

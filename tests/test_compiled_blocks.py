@@ -17,12 +17,12 @@ from torch._dynamo.utils import counters
 
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.compiled_blocks import (
+    apply_compiled_blocks,
     blocks_compiled,
-    perturbations_for_block,
     compile_blocks_wanted,
-    compile_transformer_blocks,
     compiled_blocks,
-    restore_eager_blocks,
+    perturbations_for_block,
+    remove_compiled_blocks,
     transformer_blocks,
 )
 from mgpu_backend.parallel.cuda_graphs import CapturedForward
@@ -75,8 +75,8 @@ def test_compiled_blocks_equal_eager_and_share_graphs_across_blocks_with_torch_2
     blocks = len(transformer_blocks(model))
     calls = _calls()
     eager = _forwards(model, calls)
-    assert compile_transformer_blocks(model, backend="aot_eager")
-    assert not compile_transformer_blocks(model, backend="aot_eager"), "a second call must not compile again"
+    assert apply_compiled_blocks(model, backend="aot_eager")
+    assert not apply_compiled_blocks(model, backend="aot_eager"), "a second call must not compile again"
     graphs = []
     compiled = []
     for call in calls:
@@ -104,7 +104,7 @@ def test_patterns_differing_only_in_the_perturbed_type_get_their_own_graphs():
         for kind in (PerturbationType.SKIP_VIDEO_SELF_ATTN, PerturbationType.SKIP_AUDIO_SELF_ATTN, PerturbationType.SKIP_A2V_CROSS_ATTN)
     ]
     eager = _forwards(model, calls)
-    compile_transformer_blocks(model, backend="aot_eager")
+    apply_compiled_blocks(model, backend="aot_eager")
     for index, (e, c) in enumerate(zip(eager, _forwards(model, calls))):
         for slot in range(2):
             assert torch.equal(e[slot], c[slot]), f"pattern {index} output {slot} differs by {_max_abs_diff(e[slot], c[slot])}"
@@ -126,9 +126,9 @@ def test_restored_blocks_run_the_class_forward_again():
     model = build_tiny_model(seed=5)
     calls = _calls()[:2]
     eager = _forwards(model, calls)
-    compile_transformer_blocks(model, backend="aot_eager")
+    apply_compiled_blocks(model, backend="aot_eager")
     assert blocks_compiled(model) and all("forward" in vars(block) for block in transformer_blocks(model))
-    assert restore_eager_blocks(model) and not restore_eager_blocks(model)
+    assert remove_compiled_blocks(model) and not remove_compiled_blocks(model)
     assert not blocks_compiled(model) and not any("forward" in vars(block) for block in transformer_blocks(model))
     for e, r in zip(eager, _forwards(model, calls)):
         assert torch.equal(e[0], r[0]) and torch.equal(e[1], r[1])
@@ -156,7 +156,7 @@ def _compiled_sp_on_ranks() -> bytes:
     torch.set_num_threads(1)
     model = build_tiny_model("19b")
     apply_sequence_parallel(model, Comm.world())
-    compile_transformer_blocks(model, backend="aot_eager")
+    apply_compiled_blocks(model, backend="aot_eager")
     cases = sp_forward_cases()
     with torch.no_grad():
         outputs = {name: model(video=cases[name][1], audio=cases[name][2], perturbations=cases[name][3]) for name in SP_CASES}
@@ -184,7 +184,7 @@ def test_gpu_inductor_blocks_with_graph_replay_match_eager_within_bf16_noise():
     wrapper = CapturedForward(model)
     with compiled_blocks(model, enabled=True):
         with torch.inference_mode():
-            replayed = [wrapper(video, audio, None) for video, audio, _ in calls]
+            replayed = [wrapper(video, audio, None, variant="compiled blocks") for video, audio, _ in calls]
     with torch.inference_mode():
         eager_replayed = wrapper(calls[0][0], calls[0][1], None)
     # The compiled capture must not serve the eager call: a second graph.

@@ -15,15 +15,14 @@ import pytest
 import torch
 from ltx_core.guidance.perturbations import BatchedPerturbationConfig
 
+from mgpu_backend.ltx.parallelize import Stage1Cache
 from mgpu_backend.ltx.passes import GuidancePass, SequentialPassRunner
 from mgpu_backend.parallel.cuda_graphs import (
     CapturedForward,
-    CapturingPassRunner,
-    captured_forward,
+    apply_cuda_graphs,
     cuda_graphs_wanted,
     forward_signature,
     keep_rope_grids_on_device,
-    release_captured_forward,
 )
 from tests.test_sequence_parallel import ISOLATED, STG, build_tiny_model, modality, tiny_contexts, tiny_latent_states
 
@@ -108,17 +107,18 @@ def test_capturing_runner_gives_the_inner_runners_outputs():
             GuidancePass("isolated", video, audio, _isolated()),
         ]
         expected = SequentialPassRunner().run(model, passes)
-        runner = CapturingPassRunner(SequentialPassRunner())
+        cache = Stage1Cache()
+        runner = apply_cuda_graphs(SequentialPassRunner(), cache.captured_forward(model))
         got = runner.run(model, passes)
         again = runner.run(model, passes)
     for index, (e, g, a) in enumerate(zip(expected, got, again)):
         for slot in range(2):
             assert torch.equal(e[slot], g[slot]), f"pass {index} output {slot} differs by {_max_abs_diff(e[slot], g[slot])}"
             assert torch.equal(e[slot], a[slot]), f"pass {index} output {slot} (2nd run) differs by {_max_abs_diff(e[slot], a[slot])}"
-    assert captured_forward(model) is runner.last_wrapper, "the wrapper is not kept per transformer"
+    assert cache.captured_forward(model) is runner.captured, "the wrapper is not kept per transformer"
     assert runner.summary()["eager_calls"] == 6, runner.summary()
-    release_captured_forward(model)
-    assert captured_forward(model) is not runner.last_wrapper
+    cache.release_graphs()
+    assert cache.captured_forward(model) is not runner.captured
 
 
 def test_rope_grids_on_device_give_bit_identical_outputs():

@@ -23,7 +23,8 @@ from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.guidance_parallel import (
     GuidanceParallelRunner,
     Plan,
-    build_stage1_parallel,
+    apply_guidance_parallel,
+    build_stage1_groups,
     plan_stage1,
 )
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel
@@ -127,7 +128,7 @@ def stage1_loops_on_ranks(modes: list[str]) -> dict:
     results = {}
     for mode in modes:
         plan = plan_stage1(world.world_size, VIDEO_TOKENS, PASS_NAMES, mode, **TINY_HEADS)
-        sp_comm, runner = build_stage1_parallel(world, plan)
+        sp_comm, runner = build_stage1_groups(world, plan), apply_guidance_parallel(world, plan)
         transformer = apply_sequence_parallel(build_tiny_model(), sp_comm)
         results[mode] = {"layout": (plan.guidance_groups, plan.sp_degree), **euler_stage1_loop(transformer, runner)}
     return portable(results)

@@ -155,6 +155,22 @@ def test_a_float32_model_returns_float32_contexts(fleet, spec):
     assert encoded.fields["digests"] != run(fleet, "encode", {"spec": spec, "prompts": [PROMPT]}).fields["digests"]
 
 
+def test_stage1_guidance_plan_at_two_ranks_equals_the_in_process_stage_bf16(fleet, spec):
+    """Two guidance groups of one rank each (the passes of a step split over the ranks) reproduce the
+    one-process stage 1 bitwise, as the sp plan does in the test above."""
+    encoded = run(fleet, "encode", {"spec": spec, "prompts": [PROMPT, NEGATIVE]})
+    stage1 = run(fleet, "sample", sample_args(spec, parallel="guidance"), context_tensors(encoded))
+
+    loader = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16)
+    positive, negative = encode_prompts(loader, [PROMPT, NEGATIVE])
+    params = stage1_params(SampleRequest.from_wire(sample_args(spec)), layer_count=2)
+    video, audio = sample_stage1(loader, params, positive, negative)
+    assert (stage1.fields["guidance_groups"], stage1.fields["sp_degree"]) == (2, 1)
+    for name, ours, fleet_tensor in (("video", video, stage1.tensors["video_latent"]), ("audio", audio, stage1.tensors["audio_latent"])):
+        diff = (ours - fleet_tensor).abs().max().item()
+        assert diff == 0.0, f"stage-1 {name} under 2 guidance groups differs from the one-process stage by {diff}"
+
+
 def test_warm_second_load_reads_nothing_from_disk(fleet, spec):
     first = run(fleet, "load", {"spec": spec})
     second = run(fleet, "load", {"spec": spec})
@@ -293,12 +309,12 @@ def test_every_job_logs_its_disk_reads_and_status_reports_weight_memory_per_rank
 
 
 def test_sp_exchange_stays_on_torch_distributed_unless_the_ipc_kernel_is_asked_for(monkeypatch):
-    from mgpu_backend.ltx import jobs
+    from mgpu_backend.ltx import parallelize
 
     installed = []
-    monkeypatch.setattr(jobs, "install_fast_all_to_all", lambda comm, device: installed.append(comm) or "cuda-ipc")
+    monkeypatch.setattr(parallelize, "install_fast_all_to_all", lambda comm, device: installed.append(comm) or "cuda-ipc")
     monkeypatch.delenv("MGPU_ALL_TO_ALL", raising=False)
-    assert jobs.sp_all_to_all("comm", torch.device("cuda", 0)).startswith("torch.distributed (NCCL")
+    assert parallelize.sp_all_to_all("comm", torch.device("cuda", 0)).startswith("torch.distributed (NCCL")
     monkeypatch.setenv("MGPU_ALL_TO_ALL", "ipc")
-    assert jobs.sp_all_to_all("comm", torch.device("cuda", 0)) == "cuda-ipc"
+    assert parallelize.sp_all_to_all("comm", torch.device("cuda", 0)) == "cuda-ipc"
     assert installed == ["comm"]

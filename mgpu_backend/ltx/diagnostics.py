@@ -4,7 +4,8 @@ No LTX-2 weights exist on the machines this project is measured on, and compute 
 the weights' values: ``random_transformer`` builds ltx-core's LTXModel at a given configuration
 (for example the 19B one in shared/configs) directly on the device with seeded random weights, so
 two processes that build it with the same seed hold the same weights. ``bench_stage1`` runs the
-fleet's own stage-1 code (plan, SP, guidance passes, progress and cancel points) on it.
+fleet's own stage-1 code on it (``jobs.run_stage1``: the plan, the techniques applied and undone by
+``parallelize.parallelize_stage1``, the guidance passes, progress and cancel points).
 
 Nothing here is used by the user-facing jobs.
 """

@@ -2,10 +2,11 @@
 
 Each job runs on every rank at once. It first checks its inputs (clear ``JobInputError`` before any
 heavy work, so the fleet stays as it was), then runs the stage functions of ``stages`` / ``text`` /
-``decode`` with the parallel technique of that stage plugged in:
+``decode`` with the parallel techniques of that stage plugged in:
 
-- sample: the stage-1 plan (sequence parallel inside guidance groups) from ``guidance_parallel``;
-- upscale: tiled data parallel around the stage-2 transformer;
+- sample: the stage-1 plan from ``guidance_parallel``, applied by ``parallelize.parallelize_stage1``
+  (sequence parallel inside guidance groups, and the single-rank speed-ups), undone after the stage;
+- upscale: ``parallelize.parallelize_stage2``, tiled data parallel around the stage-2 transformer;
 - decode: the distributed decoder, frames written straight into shared memory on rank 0.
 
 Every job reads its arguments with the request type of ``schema`` (``SampleRequest.from_wire`` ...),
@@ -19,6 +20,8 @@ content digest (``schema.prompt_digest``, at most ``PROMPT_CACHE_ENTRIES``, leas
 dropped) and returns them too, in the model's dtype, for the client to keep. Sample and upscale
 name the digests; a rank that no longer holds one fails the job on every rank with a
 ``schema.CONTEXT_MISSING`` error, and the client resends the contexts it kept.
+
+The jobs never compose techniques themselves: the parallelize entries do, in their fixed order.
 """
 
 from __future__ import annotations
@@ -37,21 +40,19 @@ import torch
 from ltx_core.components.guiders import MultiModalGuiderParams
 from ltx_core.model.video_vae import SpatialTilingConfig, TemporalTilingConfig, TilingConfig
 
-from mgpu_kernels import install_fast_all_to_all
-
 from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
-from mgpu_backend.parallel.batched_passes import batch_passes_wanted, batching_runner
-from mgpu_backend.parallel.compiled_blocks import compile_blocks_wanted, compiled_blocks
-from mgpu_backend.parallel.cuda_graphs import CapturingPassRunner, cuda_graphs_wanted
+from mgpu_backend.parallel.batched_passes import batch_passes_wanted
+from mgpu_backend.parallel.compiled_blocks import compile_blocks_wanted
+from mgpu_backend.parallel.cuda_graphs import cuda_graphs_wanted
 from mgpu_backend.parallel.distributed_gemma import encode_prompts_distributed, last_encode_stats, release_text_encoders
 from mgpu_backend.parallel.distributed_decode import decoded_images_shape, distributed_decode_images, last_decode_stats
-from mgpu_backend.parallel.guidance_parallel import build_stage1_parallel, plan_stage1
-from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel, sequence_parallel_degree
+from mgpu_backend.parallel.guidance_parallel import plan_stage1
 from mgpu_backend.parallel.weight_tracker import TransformerWeightTracker
-from mgpu_backend.parallel.tiled_data_parallel import DimensionTiling, TileCounts, VideoTilePlan, apply_tiled_data_parallel, balanced_tile_split
+from mgpu_backend.parallel.tiled_data_parallel import DimensionTiling, TileCounts, VideoTilePlan, balanced_tile_split
 from mgpu_backend.ltx.decode import decode_audio
 from mgpu_backend.ltx.latents import StageGeometry, job_generator
 from mgpu_backend.ltx.loading import ModelLoader
+from mgpu_backend.ltx.parallelize import Stage1Options, parallelize_stage1, parallelize_stage2, stage1_cache
 from mgpu_backend.ltx.schema import CONTEXT_MISSING, PROMPT_CACHE_ENTRIES, VIDEO_LATENT_CHANNELS, DecodeRequest, EncodeRequest, LoadRequest, ModelFileError, ModelSpec, SampleRequest, UnloadRequest, UpscaleRequest, pixel_geometry, validate_stg_blocks
 from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, guider_params, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
 from mgpu_backend.ltx.text import TextContext
@@ -408,40 +409,6 @@ def active_passes(video: MultiModalGuiderParams, audio: MultiModalGuiderParams) 
     return passes
 
 
-def sp_all_to_all(sp_comm, device: torch.device) -> str:
-    """Which all-to-all the SP exchange uses on GPUs: NCCL unless ``MGPU_ALL_TO_ALL=ipc``.
-
-    The CUDA-IPC kernel is exact, but across two H200s it moved 16 MiB at 150 GB/s against NCCL's
-    159 GB/s (docs/BENCHMARKS.md) and it synchronises the host once per exchange, so NCCL stays
-    the default until multi-GPU measurements show sizes where the kernel wins (issue 11).
-    """
-    if os.environ.get("MGPU_ALL_TO_ALL", "").strip().lower() != "ipc":
-        return "torch.distributed (NCCL; MGPU_ALL_TO_ALL=ipc selects the CUDA-IPC kernel)"
-    return install_fast_all_to_all(sp_comm, device)  # collective; falls back to torch.distributed by itself
-
-
-def stage1_parallel(ctx: JobContext, resident: ResidentModel, video_tokens: int, passes: list[str], mode: str):
-    """Plan stage 1 over the fleet, build its groups (once per layout) and put SP on the transformer."""
-    video_heads, audio_heads = resident.attention_heads()
-    with input_errors():
-        plan = plan_stage1(ctx.world_size, video_tokens, passes, mode, attention_heads=video_heads, audio_attention_heads=audio_heads)
-    layouts = ctx.state.setdefault("stage1_parallel", {})
-    layout = (plan.guidance_groups, plan.sp_degree)
-    if layout not in layouts:
-        sp_comm, runner = build_stage1_parallel(ctx.comm, plan)
-        if ctx.device.type == "cuda" and sp_comm.world_size > 1:
-            ctx.log(f"sequence-parallel all-to-all: {sp_all_to_all(sp_comm, ctx.device)}")
-        layouts[layout] = sp_comm, runner
-    sp_comm, runner = layouts[layout]
-    transformer = resident.transformer("none")
-    if sp_comm.world_size > 1:
-        apply_sequence_parallel(transformer, sp_comm)
-    elif sequence_parallel_degree(transformer) > 1:
-        remove_sequence_parallel(transformer)
-    ctx.log(plan.reason)
-    return plan, runner
-
-
 @ltx_job("sample")
 def sample(ctx: JobContext, args: dict, tensors: dict):
     """Stage 1: full-frame generation from noise, sequence/guidance parallel (faithful)."""
@@ -466,28 +433,21 @@ def sample(ctx: JobContext, args: dict, tensors: dict):
 def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: TextContext, negative: TextContext,
                image: torch.Tensor | None, mode: str, dims: TransformerDims, cuda_graphs: bool = True,
                batch_passes: str | bool = "auto", compile_blocks: bool = False):  # fmt: skip
-    """Plan, memory check and the stage-1 loop: shared by ``sample`` and the benchmark job."""
+    """Plan, memory check and the stage-1 loop under ``parallelize_stage1``: shared by ``sample`` and
+    the benchmark job."""
     passes = active_passes(params.video_guider, params.audio_guider)
-    plan, runner = stage1_parallel(ctx, resident, params.stage1.video_tokens, passes, mode)
+    video_heads, audio_heads = resident.attention_heads()
     with input_errors():
+        plan = plan_stage1(ctx.world_size, params.stage1.video_tokens, passes, mode, attention_heads=video_heads, audio_attention_heads=audio_heads)
         batched = batch_passes_wanted(batch_passes, plan, ctx.device)
-    # Two answers to launch-bound shards, measured about equal on an H200: a group's passes as one
-    # batched forward, or each pass replayed from a CUDA graph. They do not combine: ltx-core builds
-    # per-sample perturbation masks on the host, which graph capture refuses.
-    if batched:
-        runner = batching_runner(runner)
-    elif cuda_graphs and ctx.device.type == "cuda":
-        runner = CapturingPassRunner(runner)
-    with input_errors():
+        options = Stage1Options(cuda_graphs=cuda_graphs, batch_passes=batched, compile_blocks=compile_blocks)
         check_generation_fits(params, ctx.device, dims, resident.dtype, sp_degree=plan.sp_degree, weights_resident=True)
-    with compiled_blocks(resident.transformer("none"), compile_blocks):
+    transformer = resident.transformer("none")
+    with parallelize_stage1(transformer, plan, ctx.comm, ctx.device, options, stage1_cache(ctx.state), ctx.log) as stage:
         video, audio = sample_stage1(
-            resident, params, _moved(positive, resident), _moved(negative, resident), image, pass_runner=runner, on_step=_progress(ctx, "stage1")
+            resident, params, _moved(positive, resident), _moved(negative, resident), image, pass_runner=stage.runner, on_step=_progress(ctx, "stage1")
         )
-    fields = {"plan": plan.reason, "sp_degree": plan.sp_degree, "guidance_groups": plan.guidance_groups, "batch_passes": batched, "compile_blocks": compile_blocks}
-    if isinstance(runner, CapturingPassRunner):
-        fields["cuda_graphs"] = runner.summary()
-    return fields, {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
+    return stage.fields(), {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
 
 
 def upscale_tiling(ctx: JobContext, request: UpscaleRequest, video_grid: tuple[int, int, int]) -> TileCounts | None:
@@ -545,16 +505,12 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
         (positive,) = prompt_contexts(ctx, tensors, [("positive", request.positive_digest)])
     upsampled = upsample_video(resident, video_latent)
     ctx.step("upsample", 1, 1)
-    stage2_transformer = resident.transformer("distilled")  # the same working copy stage 1 used
-    if sequence_parallel_degree(stage2_transformer) > 1:
-        remove_sequence_parallel(stage2_transformer)  # stage 2 splits by tiles, not by tokens
-    wrapper = None
-    if tiling is not None:
-        wrapper = lambda model: apply_tiled_data_parallel(model, ctx.comm, tiling, stage2_grid)  # noqa: E731
-    video, audio = refine_stage2(
-        resident, params, upsampled, audio_latent.float(), _moved(positive, resident), image,
-        sigmas=sigmas, transformer_wrapper=wrapper, on_step=_progress(ctx, "stage2"),
-    )  # fmt: skip
+    stage2_transformer = resident.transformer("distilled")  # the same working copy stage 1 used, clean again
+    with parallelize_stage2(stage2_transformer, ctx.comm, tiling, stage2_grid, ctx.log) as wrapper:
+        video, audio = refine_stage2(
+            resident, params, upsampled, audio_latent.float(), _moved(positive, resident), image,
+            sigmas=sigmas, transformer_wrapper=wrapper, on_step=_progress(ctx, "stage2"),
+        )  # fmt: skip
     tiles = "untiled" if tiling is None else tiling.describe()
     return {"tiling": tiles}, {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
 

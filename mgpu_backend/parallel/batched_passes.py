@@ -1,4 +1,4 @@
-"""The guidance passes of one stage-1 step as ONE batched transformer forward (issue 12, item 2).
+"""The guidance passes of one stage-1 step as ONE batched transformer forward.
 
 What it is: a stage-1 step calls the transformer up to four times with batch 1 (conditional,
 unconditional, STG-perturbed, modality-isolated). At the shard sizes a rank sees under high SP
@@ -23,10 +23,13 @@ attention it then discards. Passes that differ in what the forward does (``enabl
 or text lengths, which masks are present) cannot share one forward: the runner batches each set
 of compatible passes and runs the rest through its ``inner`` runner, so it never refuses a step.
 
-Under guidance parallelism each group batches its own share (``GuidanceParallelRunner`` with
-``local_runner=BatchedPassRunner()``; ``batching_runner`` builds that). ``batch_passes_wanted``
-reads the job argument ("auto": batch on GPUs when a rank's shard is launch-bound). This module must never
-import ``ltx_pipelines`` nor talk to other ranks itself (SP inside the transformer does that).
+``apply_batched_passes(runner)`` wraps any ``PassRunner`` by composition; it knows nothing of the
+runner it wraps. Under guidance parallelism the stage-1 parallelize entry
+(``mgpu_backend.ltx.parallelize``) hands the wrapper to the guidance-parallel runner as the runner
+of the group's own share, so each group batches its own passes. ``batch_passes_wanted`` reads the
+job argument ("auto": batch on GPUs when a rank's shard is launch-bound). This module must never
+import ``ltx_pipelines``, another technique module, nor talk to other ranks itself (SP inside the
+transformer does that).
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ from ltx_core.guidance.perturbations import BatchedPerturbationConfig, Perturbat
 from ltx_core.model.transformer.modality import Modality
 
 from mgpu_backend.ltx.passes import GuidancePass, PassRunner, SequentialPassRunner
-from mgpu_backend.parallel.guidance_parallel import GuidanceParallelRunner, Plan
 
 log = logging.getLogger(__name__)
 
@@ -214,12 +216,12 @@ class BatchedPassRunner:
             log.info(message)
 
 
-def batching_runner(runner: PassRunner) -> PassRunner:
-    """``runner`` (what ``build_stage1_parallel`` returned) made to run each group's passes batched:
-    a guidance-parallel runner gets a batched local runner (same groups, no new collectives), a
-    single-group runner is wrapped."""
-    if isinstance(runner, GuidanceParallelRunner):
-        return GuidanceParallelRunner(runner.comm, runner.plan, local_runner=BatchedPassRunner())
+def apply_batched_passes(runner: PassRunner | None = None) -> BatchedPassRunner:
+    """``runner`` made to run the passes it is handed as batched forwards: a ``BatchedPassRunner``
+    around it (passes that cannot share a forward go through ``runner``). A runner that batches
+    already is returned as it is. Wrap the runner of one rank's (one group's) own passes; under
+    guidance parallelism that is the local runner of the guidance-parallel runner. Nothing is
+    patched on the model, so there is nothing to remove: drop the wrapper."""
     if isinstance(runner, BatchedPassRunner):
         return runner
     return BatchedPassRunner(inner=runner)
@@ -231,10 +233,11 @@ def batching_runner(runner: PassRunner) -> PassRunner:
 BATCH_PASSES_BELOW_TOKENS = 4096
 
 
-def batch_passes_wanted(value, plan: Plan, device: torch.device) -> bool:
+def batch_passes_wanted(value, plan, device: torch.device) -> bool:
     """The ``batch_passes`` job argument: true, false, or "auto" = batch on a CUDA device when a
     rank's share of the video tokens is below ``BATCH_PASSES_BELOW_TOKENS`` (where a batch-1 forward
-    leaves the GPU waiting on kernel launches).
+    leaves the GPU waiting on kernel launches). ``plan`` is the stage-1 plan: only its
+    ``video_tokens`` and ``sp_degree`` are read.
 
     "auto" leaves CPU ranks sequential: a CPU forward is compute-bound, so batching gains little
     there, and sequential passes keep a CPU fleet's results bit-identical at any rank count (a

@@ -1,14 +1,14 @@
 """torch.compile of the transformer's blocks: fused kernels for the small shards of high SP degrees.
 
 What it is
-    ``compile_transformer_blocks(model)`` replaces the ``forward`` of each of ltx-core's
+    ``apply_compiled_blocks(model)`` replaces the ``forward`` of each of ltx-core's
     ``BasicAVTransformerBlock`` instances with ``torch.compile`` of that same forward (Inductor,
     static shapes). Every block runs the same code, so they share compiled graphs: one per input
     shape and perturbation pattern. Inductor fuses the many small element-wise kernels of a block
     (RMS norms, AdaLN shift/scale/gate, RoPE, residual adds) into a few Triton kernels; the matmuls
     and attention stay cuBLAS / SDPA. It combines with CUDA-graph replay
     (``mgpu_backend.parallel.cuda_graphs``), which removes the launch overhead this leaves.
-    ``restore_eager_blocks(model)`` undoes it. The module's parameters and state dict are untouched,
+    ``remove_compiled_blocks(model)`` undoes it. The module's parameters and state dict are untouched,
     so LoRA swaps of the weight tracker (in place) are seen by the compiled code.
 
 When to use it, and what it costs
@@ -25,8 +25,10 @@ When to use it, and what it costs
     own perturbation pattern, so expect a few minutes on a first job; Inductor's cache serves the
     identical graphs).
 
-This module never edits ltx-core's source or classes (only attributes of the model instances it
-is given) and never talks to other ranks.
+The stage-1 parallelize entry (``mgpu_backend.ltx.parallelize``) applies it when a job asks and
+removes it when the stage ends. This module never edits ltx-core's source or classes (only
+attributes of the model instances it is given), never imports another technique module, and never
+talks to other ranks.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def blocks_compiled(model) -> bool:
     return bool(vars(model).get(_COMPILED_ATTRIBUTE))
 
 
-def compile_transformer_blocks(model, backend: str = "inductor") -> bool:
+def apply_compiled_blocks(model, backend: str = "inductor") -> bool:
     """Compile each block's forward in place (idempotent). Returns True when this call compiled.
 
     ``backend`` is torch.compile's: ``inductor`` (the fused kernels, GPU), or ``aot_eager`` for a
@@ -83,7 +85,7 @@ def compile_transformer_blocks(model, backend: str = "inductor") -> bool:
     return True
 
 
-def restore_eager_blocks(model) -> bool:
+def remove_compiled_blocks(model) -> bool:
     """Give every block back its eager forward. Returns True when something was compiled."""
     if not blocks_compiled(model):
         return False
@@ -140,12 +142,12 @@ def compiled_blocks(model, enabled: bool, backend: str = "inductor") -> Iterator
     Dynamo keeps compiled graphs with the block code, not with the wrapper, so compiling again in a
     later job costs nothing for shapes seen before; other jobs (stage 2's tiles, a job that asks for
     eager) never meet the compiled blocks or pay their compile time."""
-    started_here = enabled and compile_transformer_blocks(model, backend)
+    started_here = enabled and apply_compiled_blocks(model, backend)
     try:
         yield
     finally:
         if started_here:
-            restore_eager_blocks(model)
+            remove_compiled_blocks(model)
 
 
 def compile_blocks_wanted(value, device: torch.device) -> bool:

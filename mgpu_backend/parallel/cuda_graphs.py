@@ -1,32 +1,39 @@
 """CUDA-graph capture of the per-rank transformer forward: one graph per input signature, replayed.
 
 What it is: at the shard a rank sees under a high SP degree (~1000-2000 video tokens) an eager
-LTX-2 forward is bound by kernel launches and Python, not by the GPU (issue 12: 143-266 ms at 1152
-tokens on an H200, where the arithmetic takes well under 100 ms). ``CapturedForward`` wraps an
-X0Model-like callable ``(video, audio, perturbations) -> (video_out, audio_out)``. Per signature
-(shape, dtype and device of every tensor of both ``Modality`` inputs, their ``enabled`` flags, which
-optional fields are None, the perturbation content, the model's SP state) it warms the forward up
+LTX-2 forward is bound by kernel launches and Python, not by the GPU (143-266 ms at 1152 tokens on
+an H200, where the arithmetic takes well under 100 ms). ``CapturedForward`` wraps an X0Model-like
+callable ``(video, audio, perturbations) -> (video_out, audio_out)``. Per signature (shape, dtype
+and device of every tensor of both ``Modality`` inputs, their ``enabled`` flags, which optional
+fields are None, the perturbation content) and per ``variant`` (a key the caller names for what it
+changed on the model that a graph bakes in: an SP group, compiled blocks) it warms the forward up
 eagerly on a side stream, captures one ``torch.cuda.CUDAGraph`` (all graphs of one wrapper share
 one memory pool) and from then on replays it: the call's tensors are copied into static input
-buffers, the graph is replayed, and clones of the static outputs are returned. The wrapper is kept
-on the model instance (``captured_forward``), so a warm fleet captures once per signature.
+buffers, the graph is replayed, and clones of the static outputs are returned.
+
+``apply_cuda_graphs(runner, captured, variant, group)`` wraps any ``PassRunner`` so that it calls
+the captured forward instead of the model; ``remove_cuda_graphs(model)`` undoes what capturing
+changed on the model instance (its RoPE grids). This module keeps no wrapper on the model: whoever
+wants graphs to survive across jobs keeps the ``CapturedForward`` (the stage-1 parallelize entry,
+``mgpu_backend.ltx.parallelize``, keeps one per resident transformer in the job state).
 
 When it falls back to eager (logged once per reason; results are then exactly the plain call's):
 not on CUDA, switched off, autograd on, a conditioning self-attention mask (ltx-core turns it into
-a bias with a host-synchronising ``.any()`` and boolean indexing), the CUDA-IPC all-to-all
-(``MGPU_ALL_TO_ALL=ipc``: it synchronises the host in every exchange), or a capture that raised
-(that signature stays eager; in an SP group the ranks agree, so they all replay or all run eager).
-SP over NCCL is captured: its all-to-alls and all-gathers are recorded in the graph.
+a bias with a host-synchronising ``.any()`` and boolean indexing), or a capture that raised (that
+signature stays eager; the ranks of the ``group`` handed in agree, so they all replay or all run
+eager). Collectives over NCCL inside the forward (SP's all-to-alls and all-gathers) are recorded in
+the graph; an exchange that synchronises the host (the CUDA-IPC all-to-all) cannot be, and the
+caller must not ask for graphs then.
 
 What it costs: a capture is 2 warm-up forwards + 1 captured + 1 replayed, once per signature; the
 shared pool keeps the activation memory of the largest captured forward reserved for as long as
-the model lives (``release_captured_forward`` frees it). Weights changed in place (LoRA swaps of the
+the wrapper lives (``CapturedForward.release`` frees it). Weights changed in place (LoRA swaps of the
 weight tracker) are seen by the graphs; parameters replaced by new tensors are not: release first.
 
 ltx-core reads its RoPE frequency grid from a CPU tensor and copies it to the GPU in every forward,
 which a graph cannot hold; ``keep_rope_grids_on_device`` makes one model instance read a device copy
-instead (same numbers). This module never edits ltx-core, never imports ``ltx_pipelines``, and never
-talks to other ranks except through ``Comm``.
+instead (same numbers). This module never edits ltx-core, never imports ``ltx_pipelines`` or another
+technique module, and never talks to other ranks except through the ``Comm`` it is handed.
 """
 
 from __future__ import annotations
@@ -42,14 +49,12 @@ from ltx_core.guidance.perturbations import BatchedPerturbationConfig
 from ltx_core.model.transformer.modality import Modality
 from ltx_core.model.transformer.rope import generate_freq_grid_np, generate_freq_grid_pytorch, precompute_freqs_cis
 
-from mgpu_backend.parallel.compiled_blocks import blocks_compiled
-from mgpu_backend.parallel.sequence_parallel import sequence_parallel_comm
+from mgpu_backend.ltx.passes import PassRunner, SequentialPassRunner
+from mgpu_backend.parallel.comm import Comm
 
 log = logging.getLogger(__name__)
 
 WARMUP_CALLS = 2  # eager forwards on the side stream before a capture (cuBLAS/NCCL set-up, lazy init)
-_WRAPPER_ATTRIBUTE = "_mgpu_captured_forward"
-_RESIDENT_GRIDS: dict[tuple, torch.Tensor] = {}  # RoPE frequency grids already on a device
 
 
 # -- signatures ----------------------------------------------------------------------------------
@@ -125,17 +130,17 @@ def _args_preprocessors(model) -> list:
     return found
 
 
-def _resident_grid(host_grid, theta: float, max_pos_count: int, dim: int, device: torch.device) -> torch.Tensor:
+def _resident_grid(grids: dict, host_grid, theta: float, max_pos_count: int, dim: int, device: torch.device) -> torch.Tensor:
     key = (host_grid, theta, max_pos_count, dim, device)
-    grid = _RESIDENT_GRIDS.get(key)
+    grid = grids.get(key)
     if grid is None:
         # Made outside any capture (the warm-up runs first), so the grid never lives in a graph pool.
-        grid = _RESIDENT_GRIDS[key] = host_grid(theta, max_pos_count, dim).to(device)
+        grid = grids[key] = host_grid(theta, max_pos_count, dim).to(device)
     return grid
 
 
 def _positional_embeddings_from_resident_grid(
-    preprocessor, positions, inner_dim, max_pos, use_middle_indices_grid, num_attention_heads, x_dtype
+    grids, preprocessor, positions, inner_dim, max_pos, use_middle_indices_grid, num_attention_heads, x_dtype
 ):
     # ltx-core's TransformerArgsPreprocessor._prepare_positional_embeddings with one change: the
     # frequency grid comes from a copy already on the positions' device, not a CPU tensor copied over.
@@ -149,18 +154,31 @@ def _positional_embeddings_from_resident_grid(
         use_middle_indices_grid=use_middle_indices_grid,
         num_attention_heads=num_attention_heads,
         rope_type=preprocessor.rope_type,
-        freq_grid_generator=lambda theta, count, dim: _resident_grid(host_grid, theta, count, dim, positions.device),
+        freq_grid_generator=lambda theta, count, dim: _resident_grid(grids, host_grid, theta, count, dim, positions.device),
     )
 
 
-def keep_rope_grids_on_device(model) -> None:
+def keep_rope_grids_on_device(model, grids: dict | None = None) -> None:
     """Make ``model`` (LTXModel or X0Model) read its RoPE frequency grids from device-resident
-    copies (same values), removing the host-to-device copy a CUDA graph cannot capture. Idempotent."""
+    copies (same values), removing the host-to-device copy a CUDA graph cannot capture. Idempotent.
+
+    ``grids`` holds the device copies; a captured graph reads them, so they must live as long as
+    the graph (``CapturedForward`` hands in its own)."""
+    grids = {} if grids is None else grids
     for preprocessor in _args_preprocessors(model):
         if "_prepare_positional_embeddings" not in vars(preprocessor):
             preprocessor._prepare_positional_embeddings = functools.partial(
-                _positional_embeddings_from_resident_grid, preprocessor
+                _positional_embeddings_from_resident_grid, grids, preprocessor
             )
+
+
+def restore_host_rope_grids(model) -> bool:
+    """Undo ``keep_rope_grids_on_device``: ltx-core's own RoPE preparation again. Returns True when
+    something was restored. Graphs captured before keep their device grids and replay unchanged."""
+    restored = False
+    for preprocessor in _args_preprocessors(model):
+        restored = vars(preprocessor).pop("_prepare_positional_embeddings", None) is not None or restored
+    return restored
 
 
 # -- the wrapper ---------------------------------------------------------------------------------
@@ -174,10 +192,14 @@ class _Graph:
 
 
 class CapturedForward:
-    """``model(video=, audio=, perturbations=)`` through CUDA graphs, one per ``forward_signature``.
+    """``model(video=, audio=, perturbations=)`` through CUDA graphs, one per ``variant`` and
+    ``forward_signature``.
 
-    Call it like the model. Keep one per model instance (``captured_forward``): the graphs belong to
-    the model's weights and SP state.
+    Call it like the model. ``variant`` names what the caller changed on the model that a graph
+    bakes in (a graph captured under one SP group or with compiled blocks must not serve another);
+    ``group`` is the ``Comm`` whose ranks run the forward together (an SP group), so that they all
+    replay or all run eagerly. Keep one per model instance for as long as its graphs should live:
+    the graphs belong to the model's weights.
     """
 
     def __init__(self, model, enabled: bool = True, warmup_calls: int = WARMUP_CALLS) -> None:
@@ -193,18 +215,26 @@ class CapturedForward:
         self._pool = None
         self._side_stream: torch.cuda.Stream | None = None
         self._logged: set[str] = set()
+        self._rope_grids: dict[tuple, torch.Tensor] = {}  # device RoPE grids the graphs read
 
-    def __call__(self, video: Modality, audio: Modality, perturbations: BatchedPerturbationConfig | None = None):
+    def __call__(
+        self,
+        video: Modality,
+        audio: Modality,
+        perturbations: BatchedPerturbationConfig | None = None,
+        *,
+        variant: Hashable = None,
+        group: Comm | None = None,
+    ):
         reason = self._reason_for_eager(video, audio)
         if reason is not None:
             return self._eager(reason, video, audio, perturbations)
-        # Compiled blocks run other kernels: a graph captured with them must not serve an eager call.
-        key = (sequence_parallel_comm(self.model), blocks_compiled(self.model), forward_signature(video, audio, perturbations))
+        key = (variant, forward_signature(video, audio, perturbations))
         if key in self.eager_reasons:
             return self._eager(self.eager_reasons[key], video, audio, perturbations)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(key, video, audio, perturbations)
+            entry = self._capture(key, video, audio, perturbations, group)
             if entry is None:
                 return self._eager(self.eager_reasons[key], video, audio, perturbations)
         return self._replay(entry, video, audio)
@@ -225,6 +255,7 @@ class CapturedForward:
         self.graphs.clear()
         self.eager_reasons.clear()
         self.capture_seconds.clear()
+        self._rope_grids.clear()
         self._pool = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -245,12 +276,6 @@ class CapturedForward:
                 "a conditioning self-attention mask is set: ltx-core builds its bias with a host sync "
                 "(.any() and boolean indexing), which a CUDA graph cannot hold"
             )
-        sp_comm = sequence_parallel_comm(self.model)
-        if sp_comm is not None and getattr(sp_comm, "_all_to_all_exchange", None) is not None:
-            return (
-                "the SP group uses the CUDA-IPC all-to-all (MGPU_ALL_TO_ALL=ipc), which synchronises the "
-                "host in every exchange; unset MGPU_ALL_TO_ALL to capture with NCCL"
-            )
         return None
 
     def _eager(self, reason: str, video, audio, perturbations):
@@ -260,10 +285,10 @@ class CapturedForward:
         self.eager_calls += 1
         return self.model(video=video, audio=audio, perturbations=perturbations)
 
-    def _capture(self, key, video: Modality, audio: Modality, perturbations) -> _Graph | None:
+    def _capture(self, key, video: Modality, audio: Modality, perturbations, group: Comm | None) -> _Graph | None:
         started = time.perf_counter()
         device = video.latent.device if video is not None else audio.latent.device
-        keep_rope_grids_on_device(self.model)
+        keep_rope_grids_on_device(self.model, self._rope_grids)
         static_video, video_buffers = self._static_copy(video)
         static_audio, audio_buffers = self._static_copy(audio)
         call = functools.partial(self.model, video=static_video, audio=static_audio, perturbations=perturbations)
@@ -289,7 +314,7 @@ class CapturedForward:
                 outputs = call()
         except Exception as exc:  # noqa: BLE001 - any capture failure means: run this signature eagerly
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        error = self._agree_on_failure(error, device)
+        error = self._agree_on_failure(error, device, group)
         if error is not None:
             del graph
             self.eager_reasons[key] = f"capture failed ({error}); this input signature runs eagerly"
@@ -308,13 +333,13 @@ class CapturedForward:
         )
         return entry
 
-    def _agree_on_failure(self, error: str | None, device: torch.device) -> str | None:
+    @staticmethod
+    def _agree_on_failure(error: str | None, device: torch.device, group: Comm | None) -> str | None:
         """Ranks of one SP group must all replay or all run eagerly (their collectives pair up)."""
-        sp_comm = sequence_parallel_comm(self.model)
-        if sp_comm is None or sp_comm.world_size == 1:
+        if group is None or group.world_size == 1:
             return error
         failed = torch.tensor([0.0 if error is None else 1.0], device=device)
-        sp_comm.all_reduce_max(failed)
+        group.all_reduce_max(failed)
         if failed.item() and error is None:
             return "another rank of the SP group could not capture"
         return error
@@ -337,39 +362,42 @@ class CapturedForward:
         return tuple(None if out is None else out.clone() for out in entry.static_outputs)
 
 
-def captured_forward(model, enabled: bool = True) -> CapturedForward:
-    """The ``CapturedForward`` kept on ``model`` (made on first use), so its graphs live as long as
-    the model and every runner of that model shares them."""
-    wrapper = vars(model).get(_WRAPPER_ATTRIBUTE)
-    if wrapper is None:
-        wrapper = CapturedForward(model, enabled=enabled)
-        # Plain attribute, not a submodule: the state dict and .modules() stay as ltx-core made them.
-        object.__setattr__(model, _WRAPPER_ATTRIBUTE, wrapper)
-    wrapper.enabled = enabled
-    return wrapper
-
-
-def release_captured_forward(model) -> None:
-    """Free the graphs (and their pool memory) kept on ``model``; no-op when there are none."""
-    wrapper = vars(model).pop(_WRAPPER_ATTRIBUTE, None)
-    if wrapper is not None:
-        wrapper.release()
-
-
 class CapturingPassRunner:
-    """A ``PassRunner`` that runs ``inner`` with the transformer replaced by its captured forward."""
+    """A ``PassRunner`` that runs ``inner`` with the transformer replaced by ``captured`` (the
+    ``CapturedForward`` of that transformer), called with this runner's ``variant`` and ``group``."""
 
-    def __init__(self, inner, enabled: bool = True) -> None:
-        self.inner = inner
-        self.enabled = enabled
-        self.last_wrapper: CapturedForward | None = None
+    def __init__(self, inner: PassRunner | None, captured: CapturedForward, variant: Hashable = None, group: Comm | None = None) -> None:
+        self.inner = SequentialPassRunner() if inner is None else inner
+        self.captured, self.variant, self.group = captured, variant, group
 
     def run(self, transformer, passes):
-        self.last_wrapper = captured_forward(transformer, enabled=self.enabled)
-        return self.inner.run(self.last_wrapper, passes)
+        if transformer is not self.captured.model:
+            raise ValueError("this CUDA-graph runner was made for another transformer; apply CUDA graphs to this one")
+        forward = functools.partial(self.captured, variant=self.variant, group=self.group)
+        return self.inner.run(forward, passes)
 
     def summary(self) -> dict:
-        return self.last_wrapper.summary() if self.last_wrapper is not None else {}
+        return self.captured.summary()
+
+
+def apply_cuda_graphs(
+    runner: PassRunner | None, captured: CapturedForward, variant: Hashable = None, group: Comm | None = None
+) -> CapturingPassRunner:
+    """``runner`` (sequential when None) made to call ``captured`` instead of its transformer.
+
+    ``variant`` and ``group`` as for ``CapturedForward``. The model itself is changed only when a
+    graph is captured (its RoPE grids, see ``keep_rope_grids_on_device``); ``remove_cuda_graphs``
+    undoes that."""
+    if not isinstance(captured, CapturedForward):
+        raise TypeError(f"apply_cuda_graphs needs a CapturedForward of the transformer, got {type(captured).__name__}")
+    return CapturingPassRunner(runner, captured, variant, group)
+
+
+def remove_cuda_graphs(model) -> bool:
+    """Give ``model`` back what capturing changed on it (the RoPE grids read from the device); the
+    ``CapturedForward`` and its graphs stay valid for a later ``apply_cuda_graphs``. Returns True
+    when something was restored."""
+    return restore_host_rope_grids(model)
 
 
 def cuda_graphs_wanted(value, device: torch.device) -> bool:

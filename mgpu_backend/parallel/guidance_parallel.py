@@ -16,10 +16,13 @@ What it costs: one tiny all-reduce (output shapes) and one all-reduce of all out
 for part of the step. Every rank still holds the full weights.
 
 ``plan_stage1`` picks groups x SP degree from the world size, the video token count and the active
-passes; ``build_stage1_parallel`` creates the subgroups (collectively, once per plan) and returns
-the SP group to apply ``apply_sequence_parallel`` with, and the pass runner for the stage-1 loop.
-Passes are assigned to groups per step, so the set of active passes may change between steps.
-This module must never import ``ltx_pipelines`` nor talk to other ranks except through ``Comm``.
+passes; ``build_stage1_groups`` creates the subgroups (collectively, once per plan) and returns the
+SP group to apply ``apply_sequence_parallel`` with; ``apply_guidance_parallel`` gives the pass
+runner for the stage-1 loop, around any runner of the group's own passes (sequential, batched,
+replayed from CUDA graphs). Passes are assigned to groups per step, so the set of active passes may
+change between steps. The stage-1 parallelize entry (``mgpu_backend.ltx.parallelize``) composes
+these with the other techniques. This module must never import ``ltx_pipelines`` nor talk to other
+ranks except through ``Comm``, and knows nothing of the runner it is given.
 """
 
 from __future__ import annotations
@@ -190,9 +193,9 @@ class GuidanceParallelRunner:
     """Runs each pass of a step on its group and gives every rank all outputs (``PassRunner``).
 
     ``comm`` spans the whole stage-1 world; the transformer handed to ``run`` must already be
-    sequence-parallel over this rank's group (``build_stage1_parallel`` returns that group).
+    sequence-parallel over this rank's group (``build_stage1_groups`` returns that group).
     ``local_runner`` runs the group's own share of a step: one pass after another by default, or
-    as one batched forward (``batched_passes.BatchedPassRunner``).
+    any other ``PassRunner`` (batched, replayed from CUDA graphs).
     """
 
     def __init__(self, comm: Comm, plan: Plan, local_runner: PassRunner | None = None) -> None:
@@ -268,11 +271,13 @@ class GuidanceParallelRunner:
         return results
 
 
-def build_stage1_parallel(comm: Comm, plan: Plan) -> tuple[Comm, object]:
-    """Create the plan's groups (every rank of ``comm`` must call this, with the same plan).
+def build_stage1_groups(comm: Comm, plan: Plan) -> Comm:
+    """Create the plan's rank groups and return this rank's SP group (every rank of ``comm`` must call
+    this, with the same plan: creating subgroups is collective).
 
-    Returns ``(sp_comm, runner)``: apply ``apply_sequence_parallel(transformer, sp_comm)`` to the
-    stage-1 transformer, and hand ``runner`` to the stage-1 loop as its pass runner.
+    Apply ``apply_sequence_parallel(transformer, sp_comm)`` with the result. Creating process groups
+    is slow on a large fleet, so callers keep the result per layout (the stage-1 parallelize entry
+    does); the groups hold no state of a job.
     """
     if comm.world_size != plan.world_size:
         raise ValueError(f"plan is for {plan.world_size} ranks but the group has {comm.world_size}")
@@ -282,6 +287,20 @@ def build_stage1_parallel(comm: Comm, plan: Plan) -> tuple[Comm, object]:
         sp_comm = comm
     else:
         sp_comm = comm.split([[comm.global_ranks[rank] for rank in ranks] for ranks in plan.rank_groups])
-    runner = SequentialPassRunner() if plan.guidance_groups == 1 else GuidanceParallelRunner(comm, plan)
     log.info("%s; this rank: group %d, SP ranks %s", plan.reason, plan.group_of(comm.rank), sp_comm.global_ranks)
-    return sp_comm, runner
+    return sp_comm
+
+
+def apply_guidance_parallel(comm: Comm, plan: Plan, local_runner: PassRunner | None = None) -> PassRunner:
+    """The pass runner of the stage-1 loop under ``plan``: a ``GuidanceParallelRunner`` over ``comm``
+    that runs this rank's group's share of each step through ``local_runner`` (sequential by default),
+    or ``local_runner`` itself when the plan has one group (all passes are this group's).
+
+    Nothing is patched and no collective runs here; there is nothing to remove afterwards.
+    """
+    if comm.world_size != plan.world_size:
+        raise ValueError(f"plan is for {plan.world_size} ranks but the group has {comm.world_size}")
+    local_runner = SequentialPassRunner() if local_runner is None else local_runner
+    if plan.guidance_groups == 1:
+        return local_runner
+    return GuidanceParallelRunner(comm, plan, local_runner=local_runner)

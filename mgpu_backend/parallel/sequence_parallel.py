@@ -28,7 +28,8 @@ in ``guidance_parallel``). It is not a memory tool: every rank holds the full we
 How it is applied: from outside, to one model instance. The model's ``forward`` and the
 ``attention_function`` of the attention modules that need an exchange are replaced on that instance;
 parameters, their names and the state dict are untouched, and ``remove_sequence_parallel`` restores
-the instance. This module must never edit or fork ltx-core code, never import ``ltx_pipelines``, and
+the instance (the stage-1 parallelize entry, ``mgpu_backend.ltx.parallelize``, removes it when
+stage 1 ends, so the resident transformer never carries SP into stage 2). This module must never edit or fork ltx-core code, never import ``ltx_pipelines``, and
 never talk to other ranks except through ``Comm``.
 """
 

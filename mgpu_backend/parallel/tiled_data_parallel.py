@@ -27,8 +27,11 @@ What it costs
     cost per tile falls quadratically with tile size), plus one all-reduce of the full video and
     audio latents. Weights are a full replica on every rank: TDP saves time, not weight memory.
 
-This module must never edit or fork ltx-core (the model is called as is, per tile), never import
-ltx-pipelines, and never talk to other ranks except through ``Comm``.
+``apply_tiled_data_parallel`` wraps the model and changes nothing on it, so there is no remove;
+the stage-2 parallelize entry (``mgpu_backend.ltx.parallelize``) applies it to a transformer that
+carries nothing of stage 1 (never together with sequence parallel). This module must never edit or
+fork ltx-core (the model is called as is, per tile), never import ltx-pipelines, and never talk to
+other ranks except through ``Comm``.
 """
 
 from __future__ import annotations
