@@ -41,7 +41,9 @@ from mgpu_backend.parallel.weight_tracker import TransformerWeightTracker
 from mgpu_backend.parallel.tiled_data_parallel import DimensionTiling, TileCounts, VideoTilePlan, apply_tiled_data_parallel, balanced_tile_split
 from mgpu_backend.ltx.decode import decode_audio
 from mgpu_backend.ltx.latents import StageGeometry, job_generator
+from mgpu_backend.ltx.fp8 import parse_quantization
 from mgpu_backend.ltx.loading import ModelFileError, ModelLoader, ModelSpec
+from mgpu_backend.ltx.residency import component_sizes, device_memory_bytes, parse_residency, plan_residency
 from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
 from mgpu_backend.ltx.text import TextContext
 from mgpu_backend.ltx.validation import TransformerDims, validate_stg_blocks
@@ -71,20 +73,34 @@ class ResidentModel:
     component built once and kept, so warm jobs neither read the disk nor rebuild modules.
 
     It answers the calls the stage functions make of a loader (``transformer(lora_set)``,
-    ``video_encoder()``, ...), returning the kept instances.
+    ``video_encoder()``, ...), returning the kept instances. What is kept follows the residency
+    plan (``mgpu_backend.ltx.residency``, decided from the file headers before anything loads): a
+    component the plan does not keep is built from the loader's host copy at each call, for the
+    stage that asks, and released when that stage drops it.
     """
 
-    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, comm) -> None:
-        self.spec, self.device, self.dtype = spec, device, dtype
-        self.loader = ModelLoader(spec, device, dtype)
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, comm,
+                 quantization: str | None = None, residency: str = "auto") -> None:  # fmt: skip
+        self.spec, self.device, self.dtype, self.quantization = spec, device, dtype, quantization
+        lora_swap = spec.distilled_lora is not None or bool(spec.loras)
+        self.loader = ModelLoader(spec, device, dtype, quantization)  # checks the files from their headers
+        # Raises (before any weight is read) when the model cannot fit this device at all.
+        self.residency = plan_residency(
+            component_sizes(spec, dtype), device_memory_bytes(device), comm.world_size, residency, quantization, lora_swap
+        )
         self.components: dict[tuple, torch.nn.Module] = {}
         self.load_seconds = 0.0  # time spent building components from files or the registry
         # One working transformer per rank; a clean copy sharded over the ranks lets stage 1 (no
         # LoRA) and stage 2 (distilled LoRA) swap in place. Without any LoRA, no clean copy is kept.
-        self.tracker = TransformerWeightTracker(comm, no_lora_swap=spec.distilled_lora is None and not spec.loras)
+        self.tracker = TransformerWeightTracker(comm, no_lora_swap=not lora_swap, clean_on_host=self.residency.clean_shard_on_host)
 
     def _kept(self, name: str, *args):
         key = (name, *args)
+        if not self.residency.keeps(name):
+            started = time.perf_counter()
+            component = getattr(self.loader, name)(*args)
+            self.load_seconds += time.perf_counter() - started
+            return component
         if key not in self.components:
             started = time.perf_counter()
             self.components[key] = getattr(self.loader, name)(*args)
@@ -155,11 +171,16 @@ def resident_model(ctx: JobContext, args: dict) -> ResidentModel:
         if dtype_name not in DTYPES:
             raise JobInputError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
         dtype = DTYPES[dtype_name]
+        quantization = parse_quantization(args.get("quantization"))
+        residency = parse_residency(args.get("residency", "auto"))
         resident = ctx.state.get("model")
-        if resident is not None and resident.spec == spec and resident.dtype == dtype:
+        if resident is not None and (resident.spec, resident.dtype, resident.quantization, resident.residency.policy) == (
+            spec, dtype, quantization, residency
+        ):
             return resident
         unload_models(ctx)
-        resident = ResidentModel(spec, ctx.device, dtype, ctx.comm)  # validates the files from their headers
+        resident = ResidentModel(spec, ctx.device, dtype, ctx.comm, quantization, residency)  # validates the files from their headers
+        ctx.log(resident.residency.describe())
     ctx.state["model"] = resident
     return resident
 
@@ -320,7 +341,7 @@ def encode(ctx: JobContext, args: dict, tensors: dict):
     if gemma_mode not in GEMMA_MODES:
         raise JobInputError(f"gemma_mode must be one of {', '.join(GEMMA_MODES)}, got {gemma_mode!r}")
     resident = resident_model(ctx, args)
-    contexts = encode_prompts_distributed(resident.loader, prompts, ctx.comm, gemma_mode, free_after=bool(args.get("free_gemma", False)))
+    contexts = encode_prompts_distributed(resident.loader, prompts, ctx.comm, gemma_mode, free_after=bool(args.get("free_gemma", not resident.residency.keeps("gemma"))))
     stats = last_encode_stats()
     where = f", Gemma on {stats['gemma_placement']}" if stats.get("gemma_placement") else ""
     ctx.log(f"text encode ({gemma_mode}): {stats.get('encoded_here', 0)} prompt(s) on this rank in {stats.get('seconds', 0):.2f} s{where}")
