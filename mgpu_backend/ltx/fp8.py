@@ -164,15 +164,19 @@ def attach_scaled_upcast(velocity_model: torch.nn.Module, scales: dict[str, torc
 # --- LoRA fusion --------------------------------------------------------------------------------------
 
 
-def fuse_loras_into(key: str, weight: torch.Tensor, loras: list[LoraStateDictWithStrength], scale: torch.Tensor | None = None) -> torch.Tensor:
-    """``weight`` (key ``key``) with ``loras`` fused, in its own dtype, by ltx-core's ``apply_loras``:
-    bf16 and cast-only fp8 weights as ltx-core fuses them; a scaled fp8 weight is dequantized to
-    bf16, fused there, and re-quantized with its unchanged ``scale``."""
+def fuse_loras_into(
+    key: str, weight: torch.Tensor, loras: list[LoraStateDictWithStrength], dtype: torch.dtype, scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``weight`` (key ``key``) with ``loras`` fused, in ``dtype``, by ltx-core's ``apply_loras`` (bf16
+    and cast-only fp8 weights exactly as ltx-core fuses them). A scaled fp8 weight (``scale``) is
+    dequantized to bf16 first; fused into ``dtype`` fp8 it is re-quantized with its unchanged scale."""
     if scale is not None:
-        fused = fuse_loras_into(key, dequantize(weight, scale, torch.bfloat16), loras)
-        return quantize_with_scale(fused, scale)
+        dequantized = dequantize(weight, scale, torch.bfloat16)
+        if dtype == FP8_DTYPE:
+            return quantize_with_scale(fuse_loras_into(key, dequantized, loras, torch.bfloat16), scale)
+        weight = dequantized
     state_dict = StateDict(sd={key: weight}, device=weight.device, size=weight.nbytes, dtype={weight.dtype})
-    return apply_loras(state_dict, loras, dtype=weight.dtype).sd[key]
+    return apply_loras(state_dict, loras, dtype=dtype).sd[key]
 
 
 def lora_targets(keys, loras: list[LoraStateDictWithStrength]) -> set[str]:

@@ -593,9 +593,12 @@ class ModelLoader:
         if any(strength != 0 for _, strength in loras):
             targets = fp8.lora_targets(tensors, lora_state_dicts)
             for key, value in tensors.items():
-                # As ltx-core's fusion: every weight of a fused model is a new tensor, changed or not.
-                layer = key.removesuffix(".weight")
-                tensors[key] = fp8.fuse_loras_into(key, value, lora_state_dicts, scales.get(layer)) if key in targets else value.clone()
+                if key not in targets:
+                    tensors[key] = value.clone()  # as ltx-core's fusion: every weight of a fused model is new
+                    continue
+                # Fused from the loaded tensor into the module's dtype, as ltx-core's builder fuses.
+                scale = loaded.sd.get(key.removesuffix(".weight") + fp8.WEIGHT_SCALE_SUFFIX)
+                tensors[key] = fp8.fuse_loras_into(key, loaded.sd[key], lora_state_dicts, value.dtype, scale)
         module_ops = () if fp8.policy(self.quantization) is None else fp8.policy(self.quantization).module_ops
         velocity_model = builder.meta_model(builder.model_config(), module_ops)
         velocity_model.load_state_dict(tensors, strict=False, assign=True)

@@ -281,7 +281,7 @@ class TransformerWeightTracker:
             return clean
         self.stats.keys_fused += 1
         scale = self._working.get(key.removesuffix(".weight") + fp8.WEIGHT_SCALE_SUFFIX)
-        return fp8.fuse_loras_into(key, clean, loras, scale)
+        return fp8.fuse_loras_into(key, clean, loras, clean.dtype, scale)
 
     def _broadcast_final_values(self, keys: list[str], fused_keys: set[str], loras) -> None:
         """Owners send their keys' final values in buckets of at most ``bucket_bytes`` (a larger key
