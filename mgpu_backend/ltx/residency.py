@@ -16,9 +16,11 @@ What it is
     - ``"auto"`` (default): start from all and give up residency in this order until the estimated
       peak fits: Gemma, then the VAEs, then the upsampler, then the clean shard to host memory.
 
-    The peak estimate of a plan is: the resident bytes + the largest set of non-resident components
-    one stage builds at once + ``HEADROOM_BYTES`` for activations at usual sizes (each job still
-    checks its own activations against the free memory before it starts). The device memory is
+    The peak estimate of a plan is the largest, over the stages, of: the resident bytes + the
+    non-resident components that stage builds + its activations (``HEADROOM_BYTES`` for the
+    denoising and decoding stages at usual sizes, ``ENCODE_HEADROOM_BYTES`` for Gemma's). So
+    building Gemma per stage pays off once the denoising activations no longer sit beside it. Each
+    job still checks its own activations against the free memory before it starts. The device memory is
     ``MGPU_MEMORY_LIMIT_GIB`` when set, else the GPU's total memory times the process's memory
     fraction (``torch.cuda.set_per_process_memory_fraction``). CPU ranks have no limit unless the
     variable is set.
@@ -43,7 +45,9 @@ from mgpu_backend.ltx import fp8
 RESIDENCY_POLICIES = ("auto", "all", "minimal")
 GIB = 2**30
 HEADROOM_BYTES = 6 * GIB
-"""Activations of a usual job (stage 1 at 768x512x121 peaks a few GiB above the weights)."""
+"""Activations of a usual denoising or decoding stage (stage 1 at 768x512x121 peaks a few GiB above the weights)."""
+ENCODE_HEADROOM_BYTES = 2 * GIB
+"""Activations of a Gemma encode: a 1024-token prompt and every layer's hidden states."""
 MEMORY_LIMIT_ENV = "MGPU_MEMORY_LIMIT_GIB"
 
 # What gives up residency first, in order; the clean shard (to host memory) comes last.
@@ -210,11 +214,12 @@ class ResidencyPlan:
 def _peak(sizes: ComponentSizes, quantization, per_stage: set[str], shard_bytes: int, headroom: int) -> int:
     resident = sizes.transformer(quantization) + shard_bytes
     resident += sum(size for name, size in sizes.components.items() if name not in per_stage)
-    transient = max(
-        (sum(sizes.components.get(name, 0) for name in names if name in per_stage) for names in STAGE_COMPONENTS.values()),
-        default=0,
+    return max(
+        resident
+        + sum(sizes.components.get(name, 0) for name in names if name in per_stage)
+        + (min(headroom, ENCODE_HEADROOM_BYTES) if stage == "encode" else headroom)
+        for stage, names in STAGE_COMPONENTS.items()
     )
-    return resident + transient + headroom
 
 
 def plan_residency(
@@ -259,10 +264,11 @@ def plan_residency(
 
 
 def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: ResidencyPlan, headroom: int) -> str:
-    largest = max(sizes.components.values(), default=0)
+    stage_bytes = {stage: sum(sizes.components.get(name, 0) for name in names) for stage, names in STAGE_COMPONENTS.items()}
+    stage = max(stage_bytes, key=stage_bytes.get)
     needed = (
-        f"the transformer alone is {sizes.transformer(quantization) / GIB:.1f} GiB, plus {largest / GIB:.1f} GiB for the "
-        f"largest component a stage builds and {headroom / GIB:.0f} GiB for activations"
+        f"the transformer alone is {sizes.transformer(quantization) / GIB:.1f} GiB, and what one stage builds beside it "
+        f"up to {stage_bytes[stage] / GIB:.1f} GiB ({', '.join(STAGE_COMPONENTS[stage])} in the {stage} stage), plus activations"
     )
     if quantization is None:
         fp8_peak = _peak(sizes, "fp8-cast", set(minimal.per_stage), 0, headroom)
