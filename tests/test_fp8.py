@@ -100,6 +100,19 @@ def test_fp8_cast_stores_exactly_the_policy_layers_in_float8_at_half_their_bf16_
     assert (sizes.transformer_bytes, sizes.transformer_fp8_bytes) == (bf16_bytes, cast_bytes)
 
 
+def test_fp8_cast_applied_to_a_built_bf16_model_equals_the_fp8_cast_load(bundle):
+    spec = _spec(bundle["checkpoint_path"], bundle)
+    built = ModelLoader(spec, "cpu", torch.bfloat16).transformer()
+    fp8.cast_to_fp8_(built.velocity_model)
+    loaded = ModelLoader(spec, "cpu", torch.bfloat16, quantization="fp8-cast").transformer()
+    assert _differing_keys(built, loaded) == []
+    layer = next(name for name, module in loaded.velocity_model.named_modules() if isinstance(module, torch.nn.Linear)
+                 and module.weight.dtype == fp8.FP8_DTYPE)  # fmt: skip
+    linear_built, linear_loaded = built.velocity_model.get_submodule(layer), loaded.velocity_model.get_submodule(layer)
+    x = torch.randn(2, linear_loaded.in_features, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16)
+    assert torch.equal(linear_built(x), linear_loaded(x))  # both upcast per layer (ltx-core's module op)
+
+
 def test_fp8_cast_stage1_differs_from_bf16_by_a_small_measured_amount(bundle):
     torch.set_num_threads(1)
     spec = _spec(bundle["checkpoint_path"], bundle)

@@ -144,6 +144,19 @@ def apply_upcast_module_ops(velocity_model: torch.nn.Module, quantization: str |
     return velocity_model
 
 
+def cast_to_fp8_(velocity_model: torch.nn.Module) -> torch.nn.Module:
+    """Apply fp8-cast to a velocity model already built in bf16 (a random benchmark model): the
+    policy's parameters become float8_e4m3fn in place (their bf16 storage is freed) and the policy's
+    module ops run. The same tensors a load with ``quantization="fp8-cast"`` makes."""
+    for name, parameter in list(velocity_model.named_parameters()):
+        if downcast_by_policy(name, "fp8-cast"):
+            owner_name, _, attribute = name.rpartition(".")
+            owner = velocity_model.get_submodule(owner_name)
+            owner._parameters[attribute] = torch.nn.Parameter(parameter.detach().to(FP8_DTYPE), requires_grad=False)
+            del parameter
+    return apply_upcast_module_ops(velocity_model, "fp8-cast")
+
+
 def _scaled_upcast_forward(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     weight = dequantize(layer.weight, layer.weight_scale, x.dtype)
     bias = None if layer.bias is None else layer.bias.to(x.dtype)
