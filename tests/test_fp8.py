@@ -9,6 +9,10 @@ hot-swap runs on two real gloo ranks.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +28,7 @@ from mgpu_backend.ltx.text import encode_prompts
 from mgpu_backend.parallel.comm import Comm
 from tests.dist_harness import run_ranks
 
+REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["a red fox runs through fresh snow at dawn", "blurry, low quality"]
 GUIDANCE = {"cfg_scale": 3.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0, "stg_blocks": [1]}
 STAGE2_SIGMAS = [0.909375, 0.725, 0.421875, 0.0]
@@ -251,3 +256,20 @@ def test_fp8_checkpoint_converter_keeps_everything_else_and_marks_the_layers(bun
     for key, value in original.items():
         if key.removesuffix(".weight") not in layers:
             assert torch.equal(converted[key], value), key
+
+
+def test_fp8_bench_tiny_run_prints_both_modes_with_fewer_bytes_and_a_nonzero_difference(tmp_path):
+    out = tmp_path / "fp8.md"
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "fp8.py"), "--tiny", "--warmup", "0", "--repeats", "1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in completed.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    (reference_name, *reference), (quantized_name, *quantized) = [[cell.strip() for cell in row] for row in rows]
+    assert (reference_name, quantized_name) == ("float32", "fp8-cast"), rows
+    # fp32 reference on the CPU: the policy's layers go from 4 bytes to 1, the rest (about a quarter at tiny size) stays
+    assert float(quantized[0].split()[0]) < 0.6 * float(reference[0].split()[0]), rows
+    assert reference[4] == reference[5] == "0 / 0", rows
+    assert all(float(value) > 0 for cell in quantized[4:6] for value in cell.split(" / ")), rows
+    assert out.read_text().startswith("`python "), "the --out file carries the command line"
