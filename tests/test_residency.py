@@ -18,7 +18,7 @@ import torch
 
 from mgpu_backend.bundles import full_size
 from mgpu_backend.bundles.tiny import make_tiny_bundle
-from mgpu_backend.fleet.client import FleetClient
+from mgpu_backend.fleet.client import FleetClient, FleetError
 from mgpu_backend.ltx.loading import ModelSpec
 from mgpu_backend.ltx.residency import (
     GIB,
@@ -188,17 +188,19 @@ def _two_stage_job(socket_path, spec: dict, residency: str, logs: list) -> dict:
     }  # fmt: skip
 
 
-def test_a_tiny_fleet_job_under_minimal_residency_gives_bitwise_the_latents_of_all(tmp_path, spec):
-    tmp_path.chmod(0o700)
-    process = start_server(tmp_path / "fleet.sock", 2, "--idle-timeout", "0")
-    try:
-        all_logs, minimal_logs = [], []
-        everything = _two_stage_job(tmp_path / "fleet.sock", spec, "all", all_logs)
-        minimal = _two_stage_job(tmp_path / "fleet.sock", spec, "minimal", minimal_logs)
-        with FleetClient.connect(str(tmp_path / "fleet.sock"), autostart=False) as client:
-            client.run("unload", {})
-    finally:
-        stop_server(process)
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("residencyfleet")
+    directory.chmod(0o700)
+    process = start_server(directory / "fleet.sock", 2, "--idle-timeout", "0")
+    yield directory / "fleet.sock"
+    stop_server(process)
+
+
+def test_a_tiny_fleet_job_under_minimal_residency_gives_bitwise_the_latents_of_all(fleet, spec):
+    all_logs, minimal_logs = [], []
+    everything = _two_stage_job(fleet, spec, "all", all_logs)
+    minimal = _two_stage_job(fleet, spec, "minimal", minimal_logs)
     for name, value in everything.items():
         values = value.values() if isinstance(value, dict) else [value]
         others = minimal[name].values() if isinstance(value, dict) else [minimal[name]]
@@ -206,3 +208,17 @@ def test_a_tiny_fleet_job_under_minimal_residency_gives_bitwise_the_latents_of_a
             assert torch.equal(ours, theirs), f"{name} differs between residency all and minimal"
     assert any("residency all:" in line and "built per stage: none" in line for line in all_logs), all_logs
     assert any("residency minimal:" in line and "built per stage: audio_decoder" in line for line in minimal_logs), minimal_logs
+
+
+def test_jobs_reload_a_model_resident_with_another_quantization_and_refuse_an_unknown_one(fleet, spec):
+    plain = _run(fleet, "load", {"spec": spec}).fields["weights"]
+    logs = []
+    cast = _run(fleet, "load", {"spec": spec, "quantization": "fp8-cast"}, on_log=logs.append).fields["weights"]
+    assert any("residency auto:" in line and "(fp8-cast transformer)" in line for line in logs), logs
+    assert cast["working_bytes"] < 0.75 * plain["working_bytes"], (cast, plain)
+    assert cast["clean_shard_bytes"] < 0.75 * plain["clean_shard_bytes"], "the clean shard holds the fp8 bytes too"
+    with pytest.raises(FleetError, match=r"quantization must be null .* or one of 'fp8-cast', got 'int8'"):
+        _run(fleet, "load", {"spec": spec, "quantization": "int8"})
+    with pytest.raises(FleetError, match="residency must be one of auto, all, minimal"):
+        _run(fleet, "load", {"spec": spec, "residency": "most"})
+    _run(fleet, "unload", {})

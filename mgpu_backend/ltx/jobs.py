@@ -341,7 +341,7 @@ def encode(ctx: JobContext, args: dict, tensors: dict):
     if gemma_mode not in GEMMA_MODES:
         raise JobInputError(f"gemma_mode must be one of {', '.join(GEMMA_MODES)}, got {gemma_mode!r}")
     resident = resident_model(ctx, args)
-    contexts = encode_prompts_distributed(resident.loader, prompts, ctx.comm, gemma_mode, free_after=bool(args.get("free_gemma", not resident.residency.keeps("gemma"))))
+    contexts = encode_prompts_distributed(resident.loader, prompts, ctx.comm, gemma_mode, free_after=bool(args.get("free_gemma", False)) or not resident.residency.keeps("gemma"))
     stats = last_encode_stats()
     where = f", Gemma on {stats['gemma_placement']}" if stats.get("gemma_placement") else ""
     ctx.log(f"text encode ({gemma_mode}): {stats.get('encoded_here', 0)} prompt(s) on this rank in {stats.get('seconds', 0):.2f} s{where}")
