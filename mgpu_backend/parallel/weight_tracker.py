@@ -15,6 +15,11 @@ What it is
       those values in buckets (256 MB by default); every rank copies them into its working copy.
       Fusion work is thus split 1/N over the ranks and every rank ends with bitwise identical
       weights, equal to what ltx-core's loader builds for that LoRA set on the same device.
+    - fp8-cast weights (``quantization="fp8-cast"``, ``mgpu_backend.ltx.fp8``) are swapped the same
+      way: the clean shard holds the fp8 bytes, LoRAs fuse into them as ltx-core fuses into fp8
+      (a scaled fp8 layer from an fp8 checkpoint file is re-quantized with its own scale, a buffer
+      every rank's working copy holds and no swap changes), and a reset copies the clean fp8 bytes
+      back, so stage 1 after a stage-2 swap computes bitwise what the first stage 1 did.
     - An unchanged LoRA set costs nothing: no broadcast, no fusion (``stats.unchanged`` counts it).
     - LoRA state dicts are read through the loader's per-process registry, so once each file has
       been read, alternating stage 1 and stage 2 (and every later job) reads nothing from disk.
@@ -35,7 +40,9 @@ Device note
     The fusion runs where the clean weights are (the rank's device). On the CPU this is bitwise what
     ``ModelLoader.transformer(lora_set)`` builds. On a GPU it is the same ltx-core function on the
     same inputs, but ``ModelLoader`` assembles on the CPU, so the two may differ by bf16 matmul
-    rounding in the LoRA deltas (no drift: every swap starts again from the clean weights).
+    rounding in the LoRA deltas, and for fp8-cast weights by the rounding to fp8 (ltx-core rounds
+    stochastically, seed 0, on CUDA and to nearest on the CPU). No drift: every swap starts again
+    from the clean weights, and the same swap on the same device gives the same bytes.
 
 Once the working copy is built, the loader's registry drops its host copy of the transformer (up to
 ~38 GB of host memory per rank at 19B); a later ``ModelLoader.transformer`` call reads the checkpoint
