@@ -40,8 +40,8 @@ from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel, rem
 from mgpu_backend.parallel.weight_tracker import TransformerWeightTracker
 from mgpu_backend.parallel.tiled_data_parallel import DimensionTiling, TileCounts, VideoTilePlan, apply_tiled_data_parallel, balanced_tile_split
 from mgpu_backend.ltx.decode import decode_audio
-from mgpu_backend.ltx.latents import StageGeometry, job_generator
 from mgpu_backend.ltx.fp8 import parse_quantization
+from mgpu_backend.ltx.latents import StageGeometry, job_generator
 from mgpu_backend.ltx.loading import ModelFileError, ModelLoader, ModelSpec
 from mgpu_backend.ltx.residency import component_sizes, device_memory_bytes, parse_residency, plan_residency
 from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, refine_stage2, sample_stage1, transformer_layer_count, upsample_video

@@ -11,6 +11,10 @@ transformer, a Gemma kept on its GPUs), its host copy can be dropped with ``drop
 the registry would otherwise hold ~38 GB (transformer) + ~24 GB (Gemma) of host memory per rank,
 which eight ranks on one host cannot afford.
 
+The transformer can also be loaded fp8-cast (``quantization="fp8-cast"``, ltx-core's policy), and
+Lightricks' fp8 checkpoint files (fp8 weights with per-tensor scales) load in both modes: see
+``mgpu_backend.ltx.fp8``.
+
 ltx-core 1.0.0 hard-codes the Gemma-3 12B configuration in its Gemma configurator and feature
 extractor. The text encoder here is built from the Gemma folder's own ``config.json`` instead
 (ltx-core's 12B values fill whatever the file leaves out), with ltx-core's own classes, key
