@@ -85,8 +85,11 @@ def _file_tensors(path: str) -> dict[str, torch.Tensor]:
 def test_fp8_cast_stores_exactly_the_policy_layers_in_float8_at_half_their_bf16_bytes(bundle):
     spec = _spec(bundle["checkpoint_path"], bundle)
     bf16 = _velocity_state(ModelLoader(spec, "cpu", torch.bfloat16))
-    cast = _velocity_state(ModelLoader(spec, "cpu", torch.bfloat16, quantization="fp8-cast"))
+    cast_loader = ModelLoader(spec, "cpu", torch.bfloat16, quantization="fp8-cast")
+    cast = _velocity_state(cast_loader)
     assert cast.keys() == bf16.keys()
+    # The registry holds the fp8-cast state dict under the policy's key operations, and drops it.
+    assert cast_loader.drop_host_copy("transformer") > 0 and cast_loader.drop_host_copy("transformer") == 0
     fp8_keys = {key for key, value in cast.items() if value.dtype == fp8.FP8_DTYPE}
     assert fp8_keys == {key for key in bf16 if fp8.downcast_by_policy(key, "fp8-cast")}
     assert len(fp8_keys) > 100, len(fp8_keys)  # q/k/v/out of six attentions + two feed-forwards, weights and biases, per block
