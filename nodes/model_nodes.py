@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 from mgpu_backend.ltx import api
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, ModelSpec
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, QUANTIZATIONS, RESIDENCY_POLICIES, ModelSpec
 
 from .fleet_admin import format_status, status_snapshot, stop_fleet, unload_models
 from .fleet_job import FleetJob, prompt_server
@@ -23,6 +24,7 @@ log = logging.getLogger("comfyui-mgpu")
 CATEGORY = "MGPU/LTX-2"
 EMBEDDED = "(embedded tiny LTX-2, random weights)"
 NO_FILE = "(none)"
+NO_QUANTIZATION = "none"
 
 
 def _folder_paths():
@@ -88,7 +90,8 @@ def _resolve_gemma(name: str) -> str:
     )
 
 
-def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: float, spatial_upsampler: str, gemma: str) -> dict:
+def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: float, spatial_upsampler: str, gemma: str,
+               quantization: str = NO_QUANTIZATION, residency: str = RESIDENCY_POLICIES[0]) -> dict:  # fmt: skip
     """The ModelSpec JSON for the chosen files; the embedded tiny bundle is one set, never mixed, and
     named symbolically: the fleet makes (or finds) its files, nothing is written in this process."""
     if ckpt_name == EMBEDDED:
@@ -103,7 +106,7 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
             spatial_upsampler=spatial_upsampler == EMBEDDED, distilled_lora=distilled_lora == EMBEDDED,
             distilled_lora_strength=distilled_lora_strength,
         )  # fmt: skip
-        return spec.to_wire()
+        return replace(spec, quantization=None if quantization == NO_QUANTIZATION else quantization, residency=residency).to_wire()
     embedded = [name for name, value in (("distilled_lora", distilled_lora), ("spatial_upsampler", spatial_upsampler), ("gemma", gemma)) if value == EMBEDDED]
     if embedded:
         raise ValueError(
@@ -118,6 +121,8 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
         spatial_upsampler_path=None if spatial_upsampler == NO_FILE else _resolve_file("latent_upscale_models", spatial_upsampler),
         distilled_lora=None if distilled_lora == NO_FILE else _resolve_file("loras", distilled_lora),
         distilled_lora_strength=distilled_lora_strength,
+        quantization=None if quantization == NO_QUANTIZATION else quantization,
+        residency=residency,
     )
     return spec.to_wire()
 
@@ -145,13 +150,16 @@ class LoadCheckpointMGPU:
                 "gemma_mode": (list(GEMMA_MODES), {"default": GEMMA_MODES[0], "tooltip": "sharded: one Gemma copy split over the GPUs (least memory). batch_parallel: a copy per GPU, prompts encoded in parallel (faster, needs Gemma to fit on one GPU)."}),
                 "parallel": (list(PARALLEL_PLANS), {"default": PARALLEL_PLANS[0], "tooltip": "How SP Sampler spreads a step over the GPUs: sp splits the video tokens (sequence parallel), guidance runs the guidance passes on different GPUs, hybrid does both, auto lets the planner choose from GPU count and size."}),
                 "dtype": (list(DTYPES), {"default": DTYPES[0], "tooltip": "Compute precision in the fleet. bfloat16 is what LTX-2 is made for; float32 doubles the memory and is for checking results."}),
+                "quantization": ([NO_QUANTIZATION, *QUANTIZATIONS], {"default": NO_QUANTIZATION, "tooltip": "fp8-cast keeps the transformer weights in float8 on every GPU (about half its memory) and upcasts them per layer, as the official --quantization fp8-cast; outputs differ slightly from bfloat16. Lightricks' -fp8 checkpoints load either way."}),
+                "residency": (list(RESIDENCY_POLICIES), {"default": RESIDENCY_POLICIES[0], "tooltip": "What stays on each GPU between jobs. auto keeps what fits the GPU and builds the rest per stage (Gemma first); all keeps everything (fastest warm runs, most memory); minimal keeps only the transformer."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    def load(self, ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, gpus, gemma_mode, parallel, dtype, unique_id=None):
+    def load(self, ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, gpus, gemma_mode, parallel, dtype,
+             quantization=NO_QUANTIZATION, residency=RESIDENCY_POLICIES[0], unique_id=None):  # fmt: skip
         gpus = parse_gpus(gpus)
-        spec = build_spec(ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma)
+        spec = build_spec(ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, quantization, residency)
         handle = make_model_handle(spec, dtype=dtype, gemma_mode=gemma_mode, parallel=parallel, gpus=gpus)
         job = FleetJob(unique_id, "Load Checkpoint MGPU")
         # Takes effect when this process starts the fleet; 'all' leaves the choice to the server

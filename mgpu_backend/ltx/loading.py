@@ -11,6 +11,10 @@ transformer, a Gemma kept on its GPUs), its host copy can be dropped with ``drop
 the registry would otherwise hold ~38 GB (transformer) + ~24 GB (Gemma) of host memory per rank,
 which eight ranks on one host cannot afford.
 
+The transformer can also be loaded fp8-cast (``quantization="fp8-cast"``, ltx-core's policy), and
+Lightricks' fp8 checkpoint files (fp8 weights with per-tensor scales) load in both modes: see
+``mgpu_backend.ltx.fp8``.
+
 ltx-core 1.0.0 hard-codes the Gemma-3 12B configuration in its Gemma configurator and feature
 extractor. The text encoder here is built from the Gemma folder's own ``config.json`` instead
 (ltx-core's 12B values fill whatever the file leaves out), with ltx-core's own classes, key
@@ -30,7 +34,7 @@ from pathlib import Path
 
 import torch
 from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP, LoraPathStrengthAndSDOps, StateDictRegistry
-from ltx_core.loader.primitives import StateDict
+from ltx_core.loader.primitives import LoraStateDictWithStrength, StateDict
 from ltx_core.loader.sd_ops import SDOps
 from ltx_core.loader.sft_loader import SafetensorsModelStateDictLoader
 from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
@@ -42,7 +46,7 @@ from ltx_core.model.audio_vae import (
     Vocoder,
     VocoderConfigurator,
 )
-from ltx_core.model.transformer import LTXV_MODEL_COMFY_RENAMING_MAP, LTXModelConfigurator, X0Model
+from ltx_core.model.transformer import LTXModelConfigurator, X0Model
 from ltx_core.model.upsampler import LatentUpsampler, LatentUpsamplerConfigurator
 from ltx_core.model.video_vae import (
     VAE_DECODER_COMFY_KEYS_FILTER,
@@ -53,6 +57,7 @@ from ltx_core.model.video_vae import (
     VideoEncoderConfigurator,
 )
 
+from mgpu_backend.ltx import fp8
 from mgpu_backend.ltx.schema import ModelFileError, ModelSpec  # noqa: F401 - re-exported: the loader's callers name them here
 
 LORA_SETS = ("none", "distilled")
@@ -395,16 +400,20 @@ class ModelLoader:
 
     Each method returns a new model instance (built from the shared registry, so only the first
     build of a component reads the disk); callers keep the instances they want to reuse.
+    ``quantization`` (None or ``"fp8-cast"``, see ``mgpu_backend.ltx.fp8``) applies to the
+    transformer only, as ModelLedger's ``quantization`` does.
     """
 
     spec: ModelSpec
     device: torch.device | str = "cpu"
     dtype: torch.dtype = torch.bfloat16
+    quantization: str | None = None
     registry: StateDictRegistry = field(default_factory=_SizedRegistry)
     _disk: _CountingLoader = field(default_factory=_CountingLoader, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
+        self.quantization = fp8.parse_quantization(self.quantization)
         validate_model_files(self.spec)
 
     @property
@@ -457,7 +466,7 @@ class ModelLoader:
         of that component reads its files again. On the CPU the built model aliases that copy, so
         nothing is freed, but nothing else can see the model's in-place changes either."""
         if component == "transformer":
-            paths, sd_ops = [self.spec.checkpoint_path], LTXV_MODEL_COMFY_RENAMING_MAP
+            paths, sd_ops = [self.spec.checkpoint_path], fp8.transformer_sd_ops(self.quantization)
         elif component == "gemma":
             from ltx_core.text_encoders.gemma import GEMMA_LLM_KEY_OPS
 
@@ -469,11 +478,47 @@ class ModelLoader:
 
     def transformer(self, lora_set: str = "none") -> X0Model:
         """The denoiser: ``"none"`` for stage 1, ``"distilled"`` for stage 2 (user LoRAs in both)."""
-        builder = self._builder(
-            self.spec.checkpoint_path, LTXModelConfigurator, LTXV_MODEL_COMFY_RENAMING_MAP, loras=self._loras(lora_set)
-        )
-        velocity_model = builder.build(device=torch.device("cpu"), dtype=self.dtype)
+        return self.build_transformer(tuple((lora.path, lora.strength) for lora in self._loras(lora_set)))
+
+    def build_transformer(self, loras: tuple[tuple[str, float], ...] = ()) -> X0Model:
+        """The denoiser with ``loras`` (``(path, strength)`` pairs, in order) fused, in ``dtype`` and
+        ``quantization``. ltx-core's builder steps (meta model with the policy's module ops, state
+        dict through the registry, assign), with the tensors prepared by ``fp8.module_tensors`` so
+        that fp8 checkpoint files (weights with scales) load too, and LoRAs fused key by key by
+        ltx-core's ``apply_loras`` (``fp8.fuse_loras_into``): for a bf16 checkpoint without
+        quantization, bitwise what ``SingleGPUModelBuilder.build`` makes."""
+        builder = self._builder(self.spec.checkpoint_path, LTXModelConfigurator, fp8.transformer_sd_ops(self.quantization))
+        # Assembled on the CPU (the registry keeps CPU tensors), then moved, as ModelLedger with a registry.
+        loaded = builder.load_sd([self.spec.checkpoint_path], self.registry, torch.device("cpu"), builder.model_sd_ops)
+        tensors, scales = fp8.module_tensors(loaded.sd, self.dtype, self.quantization)
+        lora_state_dicts = [LoraStateDictWithStrength(self.lora_state_dict(path), strength) for path, strength in loras]
+        if any(strength != 0 for _, strength in loras):
+            targets = fp8.lora_targets(tensors, lora_state_dicts)
+            for key, value in tensors.items():
+                if key not in targets:
+                    tensors[key] = value.clone()  # as ltx-core's fusion: every weight of a fused model is new
+                    continue
+                # Fused from the loaded tensor into the module's dtype, as ltx-core's builder fuses.
+                scale = loaded.sd.get(key.removesuffix(".weight") + fp8.WEIGHT_SCALE_SUFFIX)
+                tensors[key] = fp8.fuse_loras_into(key, loaded.sd[key], lora_state_dicts, value.dtype, scale)
+        module_ops = () if fp8.policy(self.quantization) is None else fp8.policy(self.quantization).module_ops
+        velocity_model = builder.meta_model(builder.model_config(), module_ops)
+        velocity_model.load_state_dict(tensors, strict=False, assign=True)
+        fp8.attach_scaled_upcast(velocity_model, scales)
+        missing = [name for name, tensor in (*velocity_model.named_parameters(), *velocity_model.named_buffers()) if tensor.is_meta]
+        if missing:
+            raise ModelFileError(
+                f"checkpoint {self.spec.checkpoint_path} lacks {len(missing)} transformer weights (e.g. {missing[:3]}); "
+                "use a complete LTX-2 checkpoint"
+            )
         return X0Model(velocity_model).to(self.device).eval()
+
+    def lora_state_dict(self, path: str) -> StateDict:
+        """One LoRA file's state dict, read through the registry (once per process)."""
+        builder = self._builder(path, LTXModelConfigurator)
+        return builder.load_sd(
+            [path], registry=self.registry, device=builder.lora_load_device, sd_ops=LTXV_LORA_COMFY_RENAMING_MAP
+        )
 
     def video_encoder(self) -> VideoEncoder:
         return self._build(

@@ -37,6 +37,11 @@ PIPELINES = ("two-stage", "distilled")
 DTYPES = ("bfloat16", "float32", "float16")
 GEMMA_MODES = ("sharded", "batch_parallel")
 PARALLEL_PLANS = ("auto", "sp", "guidance", "hybrid")
+QUANTIZATIONS = ("fp8-cast",)
+"""How the transformer's weights may be held besides the load dtype (``None``): ``fp8-cast`` keeps them
+in float8 and upcasts per layer, as the official ``--quantization fp8-cast``."""
+RESIDENCY_POLICIES = ("auto", "all", "minimal")
+"""Which components stay on the GPU between jobs: what fits, everything, or the transformer only."""
 AFTER_STAGES = (0, 1, 2)  # stages that drew noise from the job's generator before the decoder
 
 DISTILLED_LORA_STRENGTH = 1.0  # ltx_pipelines.utils.constants.DEFAULT_LORA_STRENGTH
@@ -65,6 +70,27 @@ class RequestError(ValueError):
 
 class ModelFileError(ValueError):
     """A model file or folder that cannot be used; the message names it and says what to do."""
+
+
+def parse_quantization(value) -> str | None:
+    """The ``quantization`` option, checked: None or one of ``QUANTIZATIONS``."""
+    if value is None or value in QUANTIZATIONS:
+        return value
+    allowed = ", ".join(repr(name) for name in QUANTIZATIONS)
+    raise ModelFileError(
+        f"quantization must be null (weights in the load dtype) or one of {allowed}, got {value!r}; "
+        "'fp8-cast' keeps the transformer in float8 (about half the memory), as the official --quantization fp8-cast"
+    )
+
+
+def parse_residency(value) -> str:
+    """The ``residency`` option, checked: one of ``RESIDENCY_POLICIES``."""
+    if value in RESIDENCY_POLICIES:
+        return value
+    raise ModelFileError(
+        f"residency must be one of {', '.join(RESIDENCY_POLICIES)}, got {value!r}: 'auto' keeps what fits, "
+        "'all' keeps every component on the GPU, 'minimal' keeps only the transformer"
+    )
 
 
 # --- Field readers: one message style for every request -------------------------------------------
@@ -234,7 +260,8 @@ def pixel_geometry(latent_frames: int, latent_height: int, latent_width: int) ->
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The files of one LTX-2 model. Small and JSON-able: it travels in the MGPU model handle.
+    """The files of one LTX-2 model and how each GPU holds them (``quantization``, ``residency``).
+    Small and JSON-able: it travels in the MGPU model handle, so every job names the same model.
 
     A path may be ``EMBEDDED_TINY``: the embedded tiny bundle's file of that role, resolved on the
     ranks (``resolve_embedded``)."""
@@ -245,6 +272,8 @@ class ModelSpec:
     distilled_lora: str | None = None
     distilled_lora_strength: float = DISTILLED_LORA_STRENGTH
     loras: tuple[tuple[str, float], ...] = ()
+    quantization: str | None = None
+    residency: str = "auto"
 
     @classmethod
     def embedded_tiny(cls, spatial_upsampler: bool = True, distilled_lora: bool = True, distilled_lora_strength: float = DISTILLED_LORA_STRENGTH) -> ModelSpec:
@@ -300,6 +329,8 @@ class ModelSpec:
             "distilled_lora": self.distilled_lora,
             "distilled_lora_strength": self.distilled_lora_strength,
             "loras": [[path, strength] for path, strength in self.loras],
+            "quantization": self.quantization,
+            "residency": self.residency,
         }
 
     to_json = to_wire
@@ -342,6 +373,8 @@ class ModelSpec:
             distilled_lora=data.get("distilled_lora"),
             distilled_lora_strength=float(strength),
             loras=tuple(parsed_loras),
+            quantization=parse_quantization(data.get("quantization")),
+            residency=parse_residency(data.get("residency", "auto")),
         )
 
     @classmethod

@@ -13,10 +13,11 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MODEL_VERSIONS, OFFICIAL, STAGE_2_SIGMAS, TDP_UPSCALE_SIGMAS, ModelSpec, defaults_for
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MODEL_VERSIONS, OFFICIAL, QUANTIZATIONS, RESIDENCY_POLICIES, STAGE_2_SIGMAS, TDP_UPSCALE_SIGMAS, ModelSpec, defaults_for
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -57,6 +58,8 @@ def add_generate_parser(commands) -> None:
     model.add_argument("--spatial-upsampler-path", help="spatial 2x latent upsampler (.safetensors)")
     model.add_argument("--lora", nargs="+", action="append", metavar=("PATH", "STRENGTH"), help="a user LoRA (repeatable)")
     model.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype (default bfloat16, as the official pipeline)")
+    model.add_argument("--quantization", choices=QUANTIZATIONS, help="fp8-cast: transformer weights in float8, upcast per layer (about half its memory; as the official --quantization fp8-cast). Default: none")
+    model.add_argument("--residency", choices=RESIDENCY_POLICIES, default=RESIDENCY_POLICIES[0], help="what stays on each GPU between jobs: auto (what fits), all, minimal (the transformer only) (default auto)")
     model.add_argument("--model-version", choices=MODEL_VERSIONS, default="2.0", help="LTX-2 version whose official defaults apply (default 2.0)")
 
     job = parser.add_argument_group("generation")
@@ -146,8 +149,9 @@ def _load_image(path: str) -> torch.Tensor:
 def build_spec(args) -> tuple[dict, bool]:
     """The model spec JSON, and whether it is the embedded tiny bundle (named, not written here)."""
     given = [args.checkpoint_path, args.gemma_root, args.spatial_upsampler_path, args.distilled_lora]
+    held = {"quantization": args.quantization, "residency": args.residency}
     if not any(given):
-        return ModelSpec.embedded_tiny().to_wire(), True
+        return replace(ModelSpec.embedded_tiny(), **held).to_wire(), True
     missing = [flag for flag, value in zip(("--checkpoint-path", "--gemma-root", "--spatial-upsampler-path", "--distilled-lora"), given) if not value]
     if missing:
         raise SystemExit(f"error: a real model needs {', '.join(missing)} too (or omit all model flags for the tiny bundle)")
@@ -160,6 +164,7 @@ def build_spec(args) -> tuple[dict, bool]:
         distilled_lora=args.distilled_lora[0],
         distilled_lora_strength=strength,
         loras=tuple(loras),
+        **held,
     )
     return spec.to_wire(), False
 
