@@ -185,6 +185,12 @@ def _gemma_module(gemma: dict) -> torch.nn.Module:
     from transformers import Gemma3Config
     from transformers.models.gemma3 import Gemma3ForConditionalGeneration
 
+    # Without the dtypes: given one, transformers switches torch's process-wide default dtype while it
+    # builds the sub-models, which races with any other thread (several callers may make bundles at
+    # once). The shapes do not depend on it and every tensor is written in bf16 anyway.
+    gemma = {key: value for key, value in gemma.items() if key != "torch_dtype"}
+    for section in ("text_config", "vision_config"):
+        gemma[section] = {key: value for key, value in gemma[section].items() if key != "torch_dtype"}
     return Gemma3ForConditionalGeneration(Gemma3Config.from_dict(gemma))
 
 
