@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -99,6 +101,19 @@ def test_manifest_names_every_file_by_role_relative_to_the_bundle(version, bundl
         key = "model.diffusion_model.transformer_blocks.0.attn1.to_q.weight"
         assert dev.get_tensor(key).shape == distilled.get_tensor(key).shape
         assert (dev.get_tensor(key).float() - distilled.get_tensor(key).float()).abs().max() > 0.1
+
+
+def test_make_tiny_command_writes_the_2_3_bundle_the_library_writes(bundle_2_3, tmp_path):
+    completed = subprocess.run(
+        [sys.executable, "-m", "mgpu_backend", "make-tiny", str(tmp_path / "cli"), "--version", "2.3"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "tiny LTX-2.3 bundle" in completed.stdout and "ltx-2.3-tiny-distilled.safetensors" in completed.stdout
+    assert _hashes(str(tmp_path / "cli")) == _hashes(bundle_2_3.root)
 
 
 def test_an_unknown_version_is_refused_with_the_versions_there_are(tmp_path):
