@@ -154,74 +154,85 @@ TRANSFORMER_CONFIG = {
     **LTX2_TRANSFORMER_ARCHITECTURE,
 }
 
-VIDEO_VAE_CONFIG = {
-    "_class_name": "CausalVideoAutoencoder",
-    "dims": 3,
-    "in_channels": 3,
-    "out_channels": 3,
-    "latent_channels": 128,
+def _video_vae(encoder_blocks: list, decoder_blocks: list, decoder_base_channels: int, **padding: str) -> dict:
+    """A ``vae`` section: 3-channel video <-> 128 latent channels, patch 4 (block lists encoder-side first,
+    as the real configs list them; ltx-core builds the decoder's reversed)."""
+    return {
+        "_class_name": "CausalVideoAutoencoder",
+        "dims": 3,
+        "in_channels": 3,
+        "out_channels": 3,
+        "latent_channels": 128,
+        "encoder_blocks": encoder_blocks,
+        "decoder_blocks": decoder_blocks,
+        "patch_size": 4,
+        "norm_layer": "pixel_norm",
+        "latent_log_var": "uniform",
+        "use_quant_conv": False,
+        **padding,
+        "causal_decoder": False,
+        "timestep_conditioning": True,
+        "decoder_base_channels": decoder_base_channels,
+    }
+
+
+def _audio_vae(ch_mult: list[int], num_res_blocks: int, mid_block_add_attention: bool) -> dict:
+    """An ``audio_vae`` section: 16 kHz stereo mel spectrograms (64 bins, hop 160) <-> 8 latent channels x 16
+    mel bins; ``ch`` is also the width of the latent statistics: 8 channels x 16 mel bins = 128."""
+    ddconfig = {
+        "ch": 128,
+        "out_ch": 2,
+        "ch_mult": ch_mult,
+        "num_res_blocks": num_res_blocks,
+        "attn_resolutions": [],
+        "resolution": 256,
+        "z_channels": 8,
+        "double_z": True,
+        "dropout": 0.0,
+        "in_channels": 2,
+        "mid_block_add_attention": mid_block_add_attention,
+        "norm_type": "pixel",
+        "causality_axis": "height",
+        "attn_type": "vanilla",
+        "resamp_with_conv": True,
+        "mel_bins": 64,
+    }
+    return {
+        "model": {"params": {"ddconfig": ddconfig, "sampling_rate": 16000}},
+        "preprocessing": {
+            "stft": {"filter_length": 1024, "hop_length": 160, "causal": True},
+            "mel": {"n_mel_channels": 64},
+        },
+        "variables": {"mel_bins": 64},
+    }
+
+
+VIDEO_VAE_CONFIG = _video_vae(
     # patch 4 x (space, time, all, all) = 32x spatial, 8x temporal, as in the real encoder; the
     # multiplier 1 keeps every stage at the 128 latent channels.
-    "encoder_blocks": [
+    encoder_blocks=[
         ["compress_space_res", {"multiplier": 1}],
         ["compress_time_res", {"multiplier": 1}],
         ["compress_all_res", {"multiplier": 1}],
         ["compress_all_res", {"multiplier": 1}],
         ["res_x", {"num_layers": 1}],
     ],
-    # Listed encoder-side first, as the real config does; ltx-core builds them reversed.
     # 3 x compress_all (8x time, 8x space) and the 4x unpatchify give the 32x / 8x expansion.
-    "decoder_blocks": [
+    decoder_blocks=[
         ["res_x", {"num_layers": 1, "inject_noise": False}],
         ["compress_all", {"residual": True, "multiplier": 2}],
         ["compress_all", {"residual": True, "multiplier": 2}],
         ["compress_all", {"residual": True, "multiplier": 2}],
         ["res_x", {"num_layers": 1, "inject_noise": False}],
     ],
-    "patch_size": 4,
-    "norm_layer": "pixel_norm",
-    "latent_log_var": "uniform",
-    "use_quant_conv": False,
-    "encoder_spatial_padding_mode": "zeros",
-    "decoder_spatial_padding_mode": "reflect",
-    "causal_decoder": False,
-    "timestep_conditioning": True,
     # 8 x 8 = 64 channels after the decoder's conv_in (1024 in the real model).
-    "decoder_base_channels": 8,
-}
+    decoder_base_channels=8,
+    encoder_spatial_padding_mode="zeros",
+    decoder_spatial_padding_mode="reflect",
+)
 
-AUDIO_VAE_CONFIG = {
-    "model": {
-        "params": {
-            "ddconfig": {
-                # ch is also the width of the latent statistics: 8 channels x 16 mel bins = 128.
-                "ch": 128,
-                "out_ch": 2,
-                # Three resolutions = two 2x steps: 16 latent mel bins <-> 64 mel bins.
-                "ch_mult": [1, 1, 1],
-                "num_res_blocks": 1,
-                "attn_resolutions": [],
-                "resolution": 256,
-                "z_channels": 8,
-                "double_z": True,
-                "dropout": 0.0,
-                "in_channels": 2,
-                "mid_block_add_attention": True,
-                "norm_type": "pixel",
-                "causality_axis": "height",
-                "attn_type": "vanilla",
-                "resamp_with_conv": True,
-                "mel_bins": 64,
-            },
-            "sampling_rate": 16000,
-        }
-    },
-    "preprocessing": {
-        "stft": {"filter_length": 1024, "hop_length": 160, "causal": True},
-        "mel": {"n_mel_channels": 64},
-    },
-    "variables": {"mel_bins": 64},
-}
+# Three resolutions = two 2x steps: 16 latent mel bins <-> 64 mel bins.
+AUDIO_VAE_CONFIG = _audio_vae(ch_mult=[1, 1, 1], num_res_blocks=1, mid_block_add_attention=True)
 
 VOCODER_CONFIG = {
     "resblock": "1",
@@ -279,41 +290,21 @@ TRANSFORMER_CONFIG_2_3 = {
     "cross_attention_adaln": True,
 }
 
-VOCODER_CONFIG_2_3 = {
-    # BigVGAN v2 (AMP1 blocks, snakebeta) makes 16 kHz from the mel frames: 5 * 4 * 2 * 2 * 2 = 160
-    # samples per 16 kHz / hop 160 frame; the bandwidth extension re-analyses that waveform (hop 80)
-    # and a second generator adds the band up to 48 kHz: 6 * 5 * 2 * 2 * 2 = 240 = 80 * 48 / 16.
-    "vocoder": {
-        "resblock": "AMP1",
-        "activation": "snakebeta",
-        "stereo": True,
-        "resblock_kernel_sizes": [3],
-        "resblock_dilation_sizes": [[1, 3, 5]],
-        "upsample_rates": [5, 4, 2, 2, 2],
-        "upsample_kernel_sizes": [11, 8, 4, 4, 4],
-        "upsample_initial_channel": 64,
-        "use_tanh_at_final": False,
-        "use_bias_at_final": False,
-    },
-    "bwe": {
-        "resblock": "AMP1",
-        "activation": "snakebeta",
-        "stereo": True,
-        "resblock_kernel_sizes": [3],
-        "resblock_dilation_sizes": [[1, 3, 5]],
-        "upsample_rates": [6, 5, 2, 2, 2],
-        "upsample_kernel_sizes": [12, 11, 4, 4, 4],
-        "upsample_initial_channel": 32,
-        "use_tanh_at_final": False,
-        "use_bias_at_final": False,
-        "apply_final_activation": False,
-        "input_sampling_rate": 16000,
-        "output_sampling_rate": 48000,
-        "hop_length": 80,
-        "n_fft": 512,
-        "num_mels": 64,
-    },
-}
+def _vocoder_with_bandwidth_extension(vocoder: dict, bwe: dict) -> dict:
+    """A 2.3 ``vocoder`` section at the given generator sizes: BigVGAN v2 (AMP1 blocks, snakebeta, no final
+    tanh or bias) makes 16 kHz stereo from the 16 kHz / hop 160 mel frames; the bandwidth extension
+    re-analyses that waveform (hop 80, 512-point STFT, 64 mel bins) and a second generator adds the
+    band up to 48 kHz, so its upsampling must multiply to 80 x 48 / 16 = 240."""
+    bigvgan = {"resblock": "AMP1", "activation": "snakebeta", "stereo": True, "use_tanh_at_final": False, "use_bias_at_final": False}
+    resampling = {"input_sampling_rate": 16000, "output_sampling_rate": 48000, "hop_length": 80, "n_fft": 512, "num_mels": 64}
+    return {"vocoder": {**bigvgan, **vocoder}, "bwe": {**bigvgan, **bwe, "apply_final_activation": False, **resampling}}
+
+
+VOCODER_CONFIG_2_3 = _vocoder_with_bandwidth_extension(
+    # 5 * 4 * 2 * 2 * 2 = 160 samples per mel frame; 6 * 5 * 2 * 2 * 2 = 240.
+    {"resblock_kernel_sizes": [3], "resblock_dilation_sizes": [[1, 3, 5]], "upsample_rates": [5, 4, 2, 2, 2], "upsample_kernel_sizes": [11, 8, 4, 4, 4], "upsample_initial_channel": 64},
+    {"resblock_kernel_sizes": [3], "resblock_dilation_sizes": [[1, 3, 5]], "upsample_rates": [6, 5, 2, 2, 2], "upsample_kernel_sizes": [12, 11, 4, 4, 4], "upsample_initial_channel": 32},
+)  # fmt: skip
 
 # The 2.3 decoder is not timestep-conditioned (it adds no noise before decoding).
 VIDEO_VAE_CONFIG_2_3 = {**VIDEO_VAE_CONFIG, "timestep_conditioning": False}
@@ -327,15 +318,10 @@ CHECKPOINT_CONFIG_2_3 = {
 
 # --- Full-size configuration (docs/full-size-config.md says where each number comes from) ---------
 
-FULL_SIZE_VIDEO_VAE_CONFIG = {
-    "_class_name": "CausalVideoAutoencoder",
-    "dims": 3,
-    "in_channels": 3,
-    "out_channels": 3,
-    "latent_channels": 128,
+FULL_SIZE_VIDEO_VAE_CONFIG = _video_vae(
     # ComfyUI's VideoVAE.guess_config(version=2) (comfy/ldm/lightricks/vae/causal_video_autoencoder.py),
     # the encoder of the 1024-channel decoder family below; ltx-core has no default block list.
-    "encoder_blocks": [
+    encoder_blocks=[
         ["res_x", {"num_layers": 4}],
         ["compress_space_res", {"multiplier": 2}],
         ["res_x", {"num_layers": 6}],
@@ -346,8 +332,8 @@ FULL_SIZE_VIDEO_VAE_CONFIG = {
         ["compress_all_res", {"multiplier": 2}],
         ["res_x", {"num_layers": 2}],
     ],
-    # Listed encoder-side first; the decoder runs them reversed. Same source.
-    "decoder_blocks": [
+    # Same source.
+    decoder_blocks=[
         ["res_x", {"num_layers": 5, "inject_noise": False}],
         ["compress_all", {"residual": True, "multiplier": 2}],
         ["res_x", {"num_layers": 5, "inject_noise": False}],
@@ -356,45 +342,10 @@ FULL_SIZE_VIDEO_VAE_CONFIG = {
         ["compress_all", {"residual": True, "multiplier": 2}],
         ["res_x", {"num_layers": 5, "inject_noise": False}],
     ],
-    "patch_size": 4,
-    "norm_layer": "pixel_norm",
-    "latent_log_var": "uniform",
-    "use_quant_conv": False,
-    "causal_decoder": False,
-    "timestep_conditioning": True,
-    "decoder_base_channels": 128,
-}
+    decoder_base_channels=128,
+)
 
-FULL_SIZE_AUDIO_VAE_CONFIG = {
-    "model": {
-        "params": {
-            "ddconfig": {
-                "ch": 128,
-                "out_ch": 2,
-                "ch_mult": [1, 2, 4],
-                "num_res_blocks": 2,
-                "attn_resolutions": [],
-                "resolution": 256,
-                "z_channels": 8,
-                "double_z": True,
-                "dropout": 0.0,
-                "in_channels": 2,
-                "mid_block_add_attention": False,
-                "norm_type": "pixel",
-                "causality_axis": "height",
-                "attn_type": "vanilla",
-                "resamp_with_conv": True,
-                "mel_bins": 64,
-            },
-            "sampling_rate": 16000,
-        }
-    },
-    "preprocessing": {
-        "stft": {"filter_length": 1024, "hop_length": 160, "causal": True},
-        "mel": {"n_mel_channels": 64},
-    },
-    "variables": {"mel_bins": 64},
-}
+FULL_SIZE_AUDIO_VAE_CONFIG = _audio_vae(ch_mult=[1, 2, 4], num_res_blocks=2, mid_block_add_attention=False)
 
 FULL_SIZE_VOCODER_CONFIG = {
     "resblock": "1",
@@ -421,73 +372,29 @@ FULL_SIZE_SPATIAL_UPSAMPLER_CONFIG = {
 
 # LTX-2.3's video VAE and vocoder (the audio VAE and the upsampler's shapes are 2.0's): the checkpoint
 # metadata as reported by third-party readers of ltx-2.3-22b-dev (docs/full-size-config.md).
-FULL_SIZE_VIDEO_VAE_CONFIG_2_3 = {
-    "_class_name": "CausalVideoAutoencoder",
-    "dims": 3,
-    "in_channels": 3,
-    "out_channels": 3,
-    "latent_channels": 128,
-    "encoder_blocks": [
-        ["res_x", {"num_layers": 4}],
-        ["compress_space_res", {"multiplier": 2}],
-        ["res_x", {"num_layers": 6}],
-        ["compress_time_res", {"multiplier": 2}],
-        ["res_x", {"num_layers": 4}],
-        ["compress_all_res", {"multiplier": 2}],
-        ["res_x", {"num_layers": 2}],
-        ["compress_all_res", {"multiplier": 1}],
-        ["res_x", {"num_layers": 2}],
-    ],
-    # Listed encoder-side first; the decoder runs them reversed.
-    "decoder_blocks": [
-        ["res_x", {"num_layers": 4}],
-        ["compress_space", {"multiplier": 2}],
-        ["res_x", {"num_layers": 6}],
-        ["compress_time", {"multiplier": 2}],
-        ["res_x", {"num_layers": 4}],
-        ["compress_all", {"multiplier": 1}],
-        ["res_x", {"num_layers": 2}],
-        ["compress_all", {"multiplier": 2}],
-        ["res_x", {"num_layers": 2}],
-    ],
-    "patch_size": 4,
-    "norm_layer": "pixel_norm",
-    "spatial_padding_mode": "zeros",
-    "timestep_conditioning": False,
-}
+def _interleaved(res_layers: list[int], compressions: list[tuple[str, int]]) -> list:
+    """A VAE block list: res_x stages of ``res_layers`` layers with the (block, multiplier) compressions between."""
+    blocks: list = [["res_x", {"num_layers": res_layers[0]}]]
+    for layers, (block, multiplier) in zip(res_layers[1:], compressions, strict=True):
+        blocks += [[block, {"multiplier": multiplier}], ["res_x", {"num_layers": layers}]]
+    return blocks
 
-FULL_SIZE_VOCODER_CONFIG_2_3 = {
-    "vocoder": {
-        "resblock": "AMP1",
-        "activation": "snakebeta",
-        "stereo": True,
-        "resblock_kernel_sizes": [3, 7, 11],
-        "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
-        "upsample_rates": [5, 2, 2, 2, 2, 2],
-        "upsample_kernel_sizes": [11, 4, 4, 4, 4, 4],
-        "upsample_initial_channel": 1536,
-        "use_tanh_at_final": False,
-        "use_bias_at_final": False,
-    },
-    "bwe": {
-        "resblock": "AMP1",
-        "activation": "snakebeta",
-        "stereo": True,
-        "resblock_kernel_sizes": [3, 7, 11],
-        "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
-        "upsample_rates": [6, 5, 2, 2, 2],
-        "upsample_kernel_sizes": [12, 11, 4, 4, 4],
-        "upsample_initial_channel": 512,
-        "use_tanh_at_final": False,
-        "use_bias_at_final": False,
-        "apply_final_activation": False,
-        "input_sampling_rate": 16000,
-        "output_sampling_rate": 48000,
-        "hop_length": 80,
-        "n_fft": 512,
-        "num_mels": 64,
-    },
-}
+
+FULL_SIZE_VIDEO_VAE_CONFIG_2_3 = {
+    **_video_vae(
+        _interleaved([4, 6, 4, 2, 2], [("compress_space_res", 2), ("compress_time_res", 2), ("compress_all_res", 2), ("compress_all_res", 1)]),
+        _interleaved([4, 6, 4, 2, 2], [("compress_space", 2), ("compress_time", 2), ("compress_all", 1), ("compress_all", 2)]),
+        decoder_base_channels=128,
+        spatial_padding_mode="zeros",
+    ),
+    "timestep_conditioning": False,
+}  # fmt: skip
+
+_BIGVGAN_BLOCKS = {"resblock_kernel_sizes": [3, 7, 11], "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5], [1, 3, 5]]}
+FULL_SIZE_VOCODER_CONFIG_2_3 = _vocoder_with_bandwidth_extension(
+    {**_BIGVGAN_BLOCKS, "upsample_rates": [5, 2, 2, 2, 2, 2], "upsample_kernel_sizes": [11, 4, 4, 4, 4, 4], "upsample_initial_channel": 1536},
+    {**_BIGVGAN_BLOCKS, "upsample_rates": [6, 5, 2, 2, 2], "upsample_kernel_sizes": [12, 11, 4, 4, 4], "upsample_initial_channel": 512},
+)  # fmt: skip
 
 FULL_SIZE_LORA_RANK = 384
 """The rank of the official distilled LoRAs (ltx-2-19b-distilled-lora-384, ltx-2.3-22b-distilled-lora-384-1.1)."""
