@@ -170,7 +170,7 @@ def write_bundle(
     (root / _MANIFEST).unlink(missing_ok=True)
     if log:
         log(f"writing a random bundle into {root}, weights drawn on {device} ...")
-    sizes = layout.write_files(root, config, _STYLE, lambda _: layout.DeviceSeeded(device, seed), log)
+    sizes = layout.write_files(root, config, _STYLE, layout.DeviceSeeded(device, seed), log)
     layout.write_atomic(root / _MANIFEST, gemma_folder.json_bytes({**identity, "files": dict(sorted(sizes.items()))}))
     return _bundle_at(root)
 

@@ -274,11 +274,8 @@ def _header_bytes(entries: list[_Entry], metadata: dict[str, str]) -> bytes:
 
 
 class NameSeeded:
-    """Host recipe: each tensor drawn from a generator seeded by its own file key (and ``salt``), data in
-    key order. Adding a tensor never changes another; nothing but one tensor is ever in memory."""
-
-    def __init__(self, salt: str = "") -> None:
-        self.salt = salt
+    """Host recipe: each tensor drawn from a generator seeded by its own file key (in its part's seed
+    namespace), data in key order. Adding a tensor never changes another; one tensor is in memory at a time."""
 
     def order(self, planned: list[_Planned]) -> list[_Planned]:
         return sorted(planned, key=lambda p: p.entry.key)
@@ -286,7 +283,7 @@ class NameSeeded:
     def tensors(self, parts: list[_Part], modules: list[torch.nn.Module], ordered: list[_Planned]) -> Iterator[torch.Tensor]:
         for item in ordered:
             entry = item.entry
-            name = self.salt + parts[item.part].seed_prefix + entry.key
+            name = parts[item.part].seed_prefix + entry.key
             yield random_weights.named_random_tensor(name, entry.shape, random_weights.weight_rule(entry.key, entry.shape), DTYPE)
 
 
@@ -366,17 +363,15 @@ def write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-def write_files(
-    root: Path, config: BundleConfig, style: Style, recipe_for: Callable[[str], Recipe], log: Callable[[str], None] | None = None
-) -> dict[str, int]:
-    """Write every file of a bundle into ``root``: the weight files (each with the recipe
-    ``recipe_for(relative path)``), then the Gemma folder's other files. Returns relative path -> size."""
+def write_files(root: Path, config: BundleConfig, style: Style, recipe: Recipe, log: Callable[[str], None] | None = None) -> dict[str, int]:
+    """Write every file of a bundle into ``root``: the weight files, their tensors drawn by ``recipe``,
+    then the Gemma folder's other files. Returns relative path -> size."""
     sizes: dict[str, int] = {}
     gemma_tensors: dict[str, int] = {}
     for name, (parts, metadata) in weight_files(config, style).items():
         if log:
             log(f"writing {name} ({', '.join(part.name for part in parts)}) ...")
-        tensors = write_weight_file(root / name, parts, metadata, recipe_for(name))
+        tensors = write_weight_file(root / name, parts, metadata, recipe)
         if name == style.names.gemma_weights:
             gemma_tensors = tensors
         sizes[name] = (root / name).stat().st_size

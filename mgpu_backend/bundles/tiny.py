@@ -175,11 +175,7 @@ def make_tiny_bundle(directory: str | os.PathLike, version: str = "2.0") -> Tiny
     if _is_complete(root, version):
         return _bundle_at(root, version)
     style = layout.Style(names, {"mgpu_tiny_bundle": str(BUNDLE_VERSION)}, tag_gemma_weights=False)
-
-    def recipe_for(name: str) -> layout.NameSeeded:
-        return layout.NameSeeded("distilled:" if name == names.distilled_checkpoint else "")
-
-    written = layout.write_files(root, tiny_config(version), style, recipe_for)
+    written = layout.write_files(root, tiny_config(version), style, layout.NameSeeded())
     manifest = {
         "version": BUNDLE_VERSION,
         "model_version": version,
