@@ -394,3 +394,18 @@ def test_2_3_transformer_forward_takes_stream_width_contexts_and_distilled_weigh
     assert torch.isfinite(dev_video).all() and torch.isfinite(dev_audio).all()
     assert dev_video.std() > 0.01
     assert (dev_video - distilled_video).abs().max() > 1e-3
+
+
+def test_weights_follow_the_recipe_gemma_gains_near_0_layer_norm_gains_near_1_lora_b_small(bundle):
+    """Gemma's RMSNorm applies (1 + weight), SigLIP's LayerNorm the weight itself: both then scale by about 1."""
+    gemma_weights = str(Path(bundle.gemma_root) / tiny.GEMMA_WEIGHTS_NAME)
+    rms_gain = _file_tensor(gemma_weights, "language_model.model.layers.0.input_layernorm.weight").float()
+    layer_norm_gain = _file_tensor(gemma_weights, "vision_tower.vision_model.encoder.layers.0.layer_norm1.weight").float()
+    assert rms_gain.abs().max() < 0.1 and 0.005 < rms_gain.std() < 0.04, (rms_gain.abs().max(), rms_gain.std())
+    assert (layer_norm_gain - 1).abs().max() < 0.1 and 0.005 < layer_norm_gain.std() < 0.04
+    lora_b = _file_tensor(bundle.distilled_lora_path, "diffusion_model.transformer_blocks.0.ff.net.2.lora_B.weight").float()
+    assert 0.03 < lora_b.std() < 0.07, lora_b.std()
+    scale = _file_tensor(bundle.checkpoint_path, "vae.decoder.timestep_scale_multiplier").float()
+    assert scale.item() == 1000.0
+    registers = _file_tensor(bundle.checkpoint_path, "model.diffusion_model.video_embeddings_connector.learnable_registers").float()
+    assert -1 <= registers.min() < -0.9 and 0.9 < registers.max() <= 1
