@@ -69,8 +69,8 @@ __all__ = [
 
 BUNDLE_VERSION = 1
 """Written into every model file's metadata: bump whenever any byte of a file already in the bundle
-changes (caches are kept per version). A file added to the bundle needs no bump: a bundle whose
-manifest lacks it is incomplete and is rewritten."""
+changes (caches are kept per version). A file added under a new role needs no bump: a bundle whose
+manifest does not name every role of ``ROLES`` is incomplete and is rewritten."""
 
 ROLES = ("checkpoint", "distilled_checkpoint", "distilled_lora", "spatial_upsampler", "gemma_root")
 """The keys under which ``tiny-bundle.json`` names the bundle's files."""
