@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,10 @@ from safetensors import safe_open
 
 from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx import fp8
-from mgpu_backend.ltx.jobs import ResidentModel, _guider
+from mgpu_backend.ltx.jobs import ResidentModel, stage1_params
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.ltx.residency import component_sizes
+from mgpu_backend.ltx.schema import SampleRequest
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import encode_prompts
 from mgpu_backend.parallel.comm import Comm
@@ -49,13 +51,11 @@ def _spec(checkpoint: str, bundle: dict) -> ModelSpec:
 
 
 def _params(**overrides) -> GenerationParams:
-    guidance = {"video_guidance": GUIDANCE, "audio_guidance": GUIDANCE}
-    values = dict(
-        height=64, width=96, num_frames=9, seed=7, num_inference_steps=3, two_stage=False,
-        video_guider=_guider(guidance, "video_guidance", 2), audio_guider=_guider(guidance, "audio_guidance", 2),
-    )  # fmt: skip
-    values.update(overrides)
-    return GenerationParams(**values)
+    request = SampleRequest.from_wire({
+        "spec": {"checkpoint_path": "unused", "gemma_root": "unused"}, "height": 64, "width": 96, "num_frames": 9, "seed": 7,
+        "steps": 3, "video_guidance": GUIDANCE, "audio_guidance": GUIDANCE,
+    })  # fmt: skip
+    return replace(stage1_params(request, layer_count=2), **overrides)
 
 
 def _stage1(loader, contexts) -> tuple[torch.Tensor, torch.Tensor]:
