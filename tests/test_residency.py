@@ -45,11 +45,7 @@ EVERYTHING_BUT_THE_TRANSFORMER = {
 def sizes_19b():
     transformer = json.loads((REPO / "configs" / "ltx2-19b-transformer.json").read_text())["transformer"]
     config = full_size.full_size_config(transformer, gemma_layers=full_size.GEMMA_FULL_LAYERS)
-    headers = {}
-    for name, (parts, _) in full_size._weight_files(config).items():
-        with torch.device("meta"):
-            entries = [entry for part in parts for _, entry in full_size._file_entries(part.build(), part)]
-        headers[name] = {entry.key: ("BF16", entry.shape) for entry in entries}
+    headers = {name: {key: ("BF16", shape) for key, shape in shapes.items()} for name, shapes in full_size.planned_shapes(config).items()}
     gemma = next(tensors for name, tensors in headers.items() if name.startswith(full_size.GEMMA_DIR_NAME))
     return sizes_from_headers(headers[full_size.CHECKPOINT_NAME], headers[full_size.SPATIAL_UPSAMPLER_NAME], gemma)
 

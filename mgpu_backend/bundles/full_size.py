@@ -57,6 +57,7 @@ __all__ = [
     "is_complete",
     "ltx_core_gemma_config",
     "planned_bytes",
+    "planned_shapes",
     "tiny_config",
     "write_bundle",
 ]
@@ -106,6 +107,11 @@ def _bundle_at(root: Path) -> RandomBundle:
         spatial_upsampler_path=str(root / SPATIAL_UPSAMPLER_NAME),
         gemma_root=str(root / GEMMA_DIR_NAME),
     )
+
+
+def planned_shapes(config: BundleConfig) -> dict[str, dict[str, tuple[int, ...]]]:
+    """Each weight file's tensors (key -> shape, bf16) of a bundle at ``config``, from meta shapes."""
+    return layout.planned_shapes(config, _STYLE)
 
 
 def planned_bytes(config: BundleConfig) -> dict[str, int]:

@@ -350,6 +350,12 @@ def write_weight_file(path: Path, parts: list[_Part], metadata: dict[str, str], 
     return {item.entry.key: item.entry.nbytes for item in ordered}
 
 
+def planned_shapes(config: BundleConfig, style: Style) -> dict[str, dict[str, tuple[int, ...]]]:
+    """The tensors each weight file of a bundle will hold (file name -> key -> shape, all in ``DTYPE``),
+    from meta shapes: nothing is allocated or written."""
+    return {name: {item.entry.key: item.entry.shape for item in _plan(parts)[1]} for name, (parts, _) in weight_files(config, style).items()}
+
+
 def planned_bytes(config: BundleConfig, style: Style) -> dict[str, int]:
     """Tensor bytes of each weight file of a bundle (from meta shapes: nothing is allocated), so a caller
     can check the disk before writing tens of gigabytes."""
