@@ -33,9 +33,21 @@ Never edits ltx-core or transformers; never downloads anything.
 from __future__ import annotations
 
 import torch
+from ltx_core.loader.sd_ops import SDOps
 
 GEMMA_MAX_TOKENS = 1024
 """Every prompt is padded (left) or truncated to this many tokens, as in ltx-core."""
+
+GEMMA_FOLDER_KEY_OPS = (
+    SDOps("GEMMA_FOLDER_TEXT_KEY_OPS")
+    # Google's release (and ltx-core) name the text stack language_model.model.*; transformers 4.52+
+    # saves it as model.language_model.*. Vision tower, projector and the tied lm_head stay out.
+    .with_matching(prefix="language_model.model.")
+    .with_replacement("language_model.model.", "model.")
+    .with_matching(prefix="model.language_model.")
+    .with_replacement("model.language_model.", "model.")
+)
+"""A Gemma folder's text-stack keys -> ``GemmaEncoder``'s (``model.layers.0.self_attn.q_proj.weight``)."""
 
 ATTENTION_IMPLEMENTATION = "sdpa"
 """Fixed so that a transformers upgrade that changes the default cannot change the encodings."""
