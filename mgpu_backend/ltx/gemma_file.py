@@ -107,8 +107,11 @@ def inspect_gemma_file(path: str) -> GemmaFile:
             "point gemma_root at the folder that holds it (with its config.json and tokenizer)"
         )
     if "model.embed_tokens.weight" not in tensors or not any(k.startswith("model.layers.") for k in tensors):
-        what = "an LTX-2 checkpoint" if any(k.startswith("model.diffusion_model.") for k in tensors) else "not a text encoder"
-        raise _model_file_error(f"{path} is {what} in ComfyUI's Gemma layout (no model.embed_tokens / model.layers weights). {_REMEDY}")
+        what = "an LTX-2 checkpoint" if any(k.startswith("model.diffusion_model.") for k in tensors) else "another model"
+        raise _model_file_error(
+            f"{path} is {what}, not a Gemma-3 text encoder in ComfyUI's layout (no model.embed_tokens / model.layers "
+            f"weights). {_REMEDY}"
+        )
     if not any(k.startswith("model.layers.") and k.endswith(".self_attn.q_norm.weight") for k in tensors):
         raise _model_file_error(
             f"{path} is not a Gemma-3 text encoder (its attention has no q_norm, as Gemma-2 and other models do). {_REMEDY}"
