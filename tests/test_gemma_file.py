@@ -228,3 +228,22 @@ def test_generate_with_a_checkpoint_as_gemma_stops_before_starting_the_fleet(bun
     assert completed.returncode != 0
     assert f"{bundle.checkpoint_path} is an LTX-2 checkpoint, not a Gemma-3 text encoder" in completed.stderr, completed.stderr
     assert not (tmp_path / "o.mp4").exists()
+
+
+def test_load_checkpoint_lists_and_resolves_gemma_files_and_folders(tmp_path, monkeypatch):
+    import types
+
+    from nodes import model_nodes
+
+    text_encoders = tmp_path / "text_encoders"
+    (text_encoders / "gemma-3-12b-it-qat-q4_0-unquantized").mkdir(parents=True)
+    (text_encoders / "gemma-3-12b-it-qat-q4_0-unquantized" / "config.json").write_text("{}")
+    (text_encoders / "not-a-model").mkdir()
+    (text_encoders / COMFY_GEMMA_FILE).write_bytes(b"")
+    (text_encoders / "notes.txt").write_text("")
+    folder_paths = types.SimpleNamespace(get_folder_paths=lambda name: [str(text_encoders)] if name == "text_encoders" else [])
+    monkeypatch.setitem(__import__("sys").modules, "folder_paths", folder_paths)
+    assert model_nodes.gemma_folder_choices() == ["gemma-3-12b-it-qat-q4_0-unquantized", COMFY_GEMMA_FILE]
+    assert model_nodes._resolve_gemma(COMFY_GEMMA_FILE) == str(text_encoders / COMFY_GEMMA_FILE)
+    with pytest.raises(ValueError, match="put ComfyUI's gemma_3_12B_it.safetensors or the Hugging Face folder"):
+        model_nodes._resolve_gemma("notes.txt")
