@@ -162,3 +162,19 @@ def test_second_encode_reuses_the_cached_gemma_and_free_after_releases_it(fleet,
 def test_unknown_mode_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="'sharded'.*'batch_parallel'"):
         encode_prompts_distributed(None, ["a prompt"], Comm(None), "tensor_parallel")
+
+
+def _file_scenario(bundle: dict, mode: str) -> list[list[torch.Tensor]]:
+    torch.set_num_threads(1)
+    loader = ModelLoader(_spec(bundle), "cpu", torch.bfloat16)
+    return _as_lists(encode_prompts_distributed(loader, PROMPTS, Comm.world(), mode))
+
+
+def test_comfyui_single_file_gemma_on_the_fleet_gives_the_folder_contexts(bundle, reference, tmp_path):
+    from mgpu_backend.ltx.gemma_file import gemma_folder_to_comfy_file
+
+    comfy_file = gemma_folder_to_comfy_file(bundle.gemma_root, str(tmp_path / "gemma_3_tiny.safetensors"))
+    paths = {"checkpoint_path": bundle.checkpoint_path, "gemma_root": comfy_file}
+    for rank, contexts in enumerate(run_ranks(WORLD_SIZE, _file_scenario, paths, "batch_parallel")):
+        diff = _max_abs_diff(contexts, reference["prompts"])
+        assert diff == 0, f"rank {rank}: max abs diff {diff} from the folder's encode_prompts"
