@@ -123,21 +123,34 @@ def test_converted_file_has_comfyui_key_names_and_the_tokenizer_bytes(bundle, co
     assert inspect_gemma_file(comfy_file).text_config == tiny.GEMMA_TEXT_CONFIG
 
 
-def test_fp8_scaled_file_is_dequantized_on_load(bundle, fp8_file, folder_contexts, tmp_path):
+def _as_legacy_scaled_fp8(tensors: dict, metadata: dict) -> None:
+    """ComfyUI's older fp8 scaled layout: ``scale_weight`` per layer and a ``scaled_fp8`` marker, no comfy_quant."""
+    for key in [key for key in tensors if key.endswith((".weight_scale", ".comfy_quant"))]:
+        value = tensors.pop(key)
+        if key.endswith(".weight_scale"):
+            tensors[key.replace(".weight_scale", ".scale_weight")] = value
+    tensors["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("layout", ["comfy_quant", "legacy"])
+def test_fp8_scaled_file_is_dequantized_on_load(bundle, fp8_file, folder_contexts, tmp_path, layout):
+    if layout == "legacy":
+        fp8_file = _rewrite(fp8_file, tmp_path / "gemma_3_12B_it_fp8_e4m3fn_scaled.safetensors", _as_legacy_scaled_fp8)
     with safe_open(fp8_file, framework="pt") as f:
         raw = {key: f.get_tensor(key) for key in f.keys()}
-    fp8_weights = [key for key, value in raw.items() if value.dtype == torch.float8_e4m3fn]
+    fp8_weights = [key for key, value in raw.items() if value.dtype == torch.float8_e4m3fn and key.endswith(".weight")]
     # Every linear weight of the two layers: q, k, v, o, gate, up, down.
     assert len(fp8_weights) == 7 * tiny.GEMMA_TEXT_CONFIG["num_hidden_layers"] == inspect_gemma_file(fp8_file).fp8_layers
     loaded = GemmaFileWeights(torch.bfloat16).load(fp8_file, COMFY_GEMMA_KEY_OPS).sd
     assert sorted(loaded) == sorted(key for key in raw if key.startswith("model.") and key.endswith(".weight"))
+    scale_suffix = ".scale_weight" if layout == "legacy" else ".weight_scale"
     for key in fp8_weights:
-        scale = raw[key.removesuffix(".weight") + ".weight_scale"]
+        scale = raw[key.removesuffix(".weight") + scale_suffix]
         assert scale.dtype == torch.float32 and scale.numel() == 1 and scale.item() > 0
         assert torch.equal(loaded[key], (raw[key].float() * scale).to(torch.bfloat16)), key
 
     # The same dequantized values stored plainly give bitwise the fp8 file's encodings ...
-    plain = {key: value for key, value in raw.items() if not key.endswith((".weight_scale", ".comfy_quant"))}
+    plain = {key: value for key, value in raw.items() if not key.endswith((scale_suffix, ".comfy_quant", "scaled_fp8"))}
     plain.update(loaded)
     plain_path = tmp_path / "dequantized.safetensors"
     with safe_open(fp8_file, framework="pt") as f:

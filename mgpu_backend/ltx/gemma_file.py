@@ -125,7 +125,7 @@ def inspect_gemma_file(path: str) -> GemmaFile:
     text_config = _text_config(path, header.metadata)
     _check_shapes(path, tensors, text_config)
     fp8_layers = sum(
-        1 for name, (dtype, _) in tensors.items() if name.startswith("model.") and dtype in _FP8_DTYPES
+        1 for name, (dtype, _) in tensors.items() if name.startswith("model.") and name.endswith(".weight") and dtype in _FP8_DTYPES
     )
     return GemmaFile(path=path, text_config=text_config, fp8_layers=fp8_layers)
 
