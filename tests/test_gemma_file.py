@@ -196,7 +196,11 @@ def _without_q_norm(tensors: dict, metadata: dict) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (_as_nvfp4, f"stores its weights as NVFP4 (fp4), a format only ComfyUI's own kernels run; the fleet can load the bf16 file {COMFY_GEMMA_FILE}"),
+        (
+            _as_nvfp4,
+            f"stores its weights as NVFP4 (fp4), a format only ComfyUI's own kernels run; the fleet can load the bf16 file "
+            f"{COMFY_GEMMA_FILE}",
+        ),
         (_without_tokenizer, "has no embedded SentencePiece tokenizer (uint8 tensor 'spiece_model')"),
         (_without_config, "(hidden size 64, 2 layers) is not the Gemma-3 model LTX-2 conditions on (hidden size 3840, 48 layers)"),
         (_without_q_norm, "is not a Gemma-3 text encoder (its attention has no q_norm"),

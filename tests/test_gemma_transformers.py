@@ -96,6 +96,7 @@ def test_encodings_are_bitwise_equal_under_transformers_4_and_5(tmp_path):
     for key in sorted(encodings_4):
         a, b = encodings_4[key], encodings_5[key]
         assert a.dtype == b.dtype and a.shape == b.shape, key
-        assert torch.equal(a, b), f"{key}: transformers {version_4} vs {version_5}, max abs diff {(a.float() - b.float()).abs().max()}"
+        diff = (a.float() - b.float()).abs().max()
+        assert torch.equal(a, b), f"{key}: transformers {version_4} vs {version_5}, max abs diff {diff}"
     for index in range(len(PROMPTS)):  # and ComfyUI's file still encodes as its folder does, under both
         assert torch.equal(encodings_5[f"source0.prompt{index}.video"], encodings_5[f"source1.prompt{index}.video"])

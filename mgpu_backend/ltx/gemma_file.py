@@ -125,7 +125,9 @@ def inspect_gemma_file(path: str) -> GemmaFile:
     text_config = _text_config(path, header.metadata)
     _check_shapes(path, tensors, text_config)
     fp8_layers = sum(
-        1 for name, (dtype, _) in tensors.items() if name.startswith("model.") and name.endswith(".weight") and dtype in _FP8_DTYPES
+        1
+        for name, (dtype, _) in tensors.items()
+        if name.startswith("model.") and name.endswith(".weight") and dtype in _FP8_DTYPES
     )
     return GemmaFile(path=path, text_config=text_config, fp8_layers=fp8_layers)
 
@@ -172,7 +174,9 @@ def _declared_formats(path: str, header) -> dict[str, str]:
                 try:
                     conf = json.loads(f.get_tensor(name).numpy().tobytes())
                 except ValueError as error:
-                    raise _model_file_error(f"{path}: {name} is not ComfyUI's JSON quantization entry ({error}). {_REMEDY}") from error
+                    raise _model_file_error(
+                        f"{path}: {name} is not ComfyUI's JSON quantization entry ({error}). {_REMEDY}"
+                    ) from error
                 formats[name.removesuffix(".comfy_quant")] = str(conf.get("format"))
     return formats
 
@@ -217,7 +221,8 @@ def _check_shapes(path: str, tensors: dict, config: dict) -> None:
         shown = "; ".join(wrong[:3]) + (f"; and {len(wrong) - 3} more" if len(wrong) > 3 else "")
         raise _model_file_error(
             f"Gemma text encoder {path} (hidden size {found_hidden}, {layers} layers) is not the Gemma-3 model LTX-2 "
-            f"conditions on (hidden size {hidden}, {config['num_hidden_layers']} layers){': ' + shown if shown else ''}. {_REMEDY}"
+            f"conditions on (hidden size {hidden}, {config['num_hidden_layers']} layers)"
+            f"{': ' + shown if shown else ''}. {_REMEDY}"
         )
 
 
@@ -341,7 +346,9 @@ def gemma_folder_to_comfy_file(gemma_root: str, out_path: str, weights: str = "b
                     continue
                 prefix = next((p for p, _ in _FOLDER_TO_COMFY_PREFIXES if name.startswith(p)), None)
                 if prefix is None:
-                    raise _model_file_error(f"{weight_path}: tensor {name} is not part of a Gemma-3 checkpoint; is this a Gemma folder?")
+                    raise _model_file_error(
+                        f"{weight_path}: tensor {name} is not part of a Gemma-3 checkpoint; is {gemma_root} a Gemma folder?"
+                    )
                 tensors[dict(_FOLDER_TO_COMFY_PREFIXES)[prefix] + name[len(prefix) :]] = f.get_tensor(name)
     if weights == "fp8_scaled":
         for name in [n for n in tensors if n.startswith("model.layers.") and n.endswith("_proj.weight")]:
@@ -349,7 +356,8 @@ def gemma_folder_to_comfy_file(gemma_root: str, out_path: str, weights: str = "b
     tokenizer_path = next(Path(gemma_root).rglob("tokenizer.model"))
     tensors[TOKENIZER_KEY] = torch.frombuffer(bytearray(tokenizer_path.read_bytes()), dtype=torch.uint8)
     partial = f"{out_path}.partial"
-    save_file({name: t.contiguous() for name, t in tensors.items()}, partial, metadata={CONFIG_METADATA_KEY: json.dumps(text_config)})
+    metadata = {CONFIG_METADATA_KEY: json.dumps(text_config)}
+    save_file({name: t.contiguous() for name, t in tensors.items()}, partial, metadata=metadata)
     os.replace(partial, out_path)
     return out_path
 
