@@ -180,6 +180,14 @@ def _as_nvfp4(tensors: dict, metadata: dict) -> None:
     tensors[weight.replace(".weight", ".comfy_quant")] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
 
 
+def _as_gemma_lora(tensors: dict, metadata: dict) -> None:
+    for key in list(tensors):
+        value = tensors.pop(key)
+        if key.endswith("_proj.weight") and key.startswith("model.layers."):
+            tensors[key.replace(".weight", ".lora_A.weight")] = value[:4].contiguous()
+            tensors[key.replace(".weight", ".lora_B.weight")] = value[:, :4].contiguous()
+
+
 def _without_tokenizer(tensors: dict, metadata: dict) -> None:
     del tensors["spiece_model"]
 
@@ -201,6 +209,7 @@ def _without_q_norm(tensors: dict, metadata: dict) -> None:
             f"stores its weights as NVFP4 (fp4), a format only ComfyUI's own kernels run; the fleet can load the bf16 file "
             f"{COMFY_GEMMA_FILE}",
         ),
+        (_as_gemma_lora, "is a LoRA (e.g. ComfyUI's gemma-3-12b-it-abliterated LoRA), not a Gemma-3 text encoder"),
         (_without_tokenizer, "has no embedded SentencePiece tokenizer (uint8 tensor 'spiece_model')"),
         (_without_config, "(hidden size 64, 2 layers) is not the Gemma-3 model LTX-2 conditions on (hidden size 3840, 48 layers)"),
         (_without_q_norm, "is not a Gemma-3 text encoder (its attention has no q_norm"),

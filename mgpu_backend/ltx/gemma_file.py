@@ -106,6 +106,11 @@ def inspect_gemma_file(path: str) -> GemmaFile:
             f"Gemma text encoder {path} is one shard of a Hugging Face Gemma folder, not ComfyUI's single file; "
             "point gemma_root at the folder that holds it (with its config.json and tokenizer)"
         )
+    if any(".lora_" in name or name.endswith((".lora_down.weight", ".lora_up.weight")) for name in tensors):
+        raise _model_file_error(
+            f"{path} is a LoRA (e.g. ComfyUI's gemma-3-12b-it-abliterated LoRA), not a Gemma-3 text encoder; the fleet "
+            f"applies no LoRA to Gemma, so choose the Gemma file itself. {_REMEDY}"
+        )
     if "model.embed_tokens.weight" not in tensors or not any(k.startswith("model.layers.") for k in tensors):
         what = "an LTX-2 checkpoint" if any(k.startswith("model.diffusion_model.") for k in tensors) else "another model"
         raise _model_file_error(
