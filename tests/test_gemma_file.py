@@ -3,7 +3,8 @@
 The tiny bundle's Gemma folder is written in ComfyUI's single-file layout by the project's own
 converter (``gemma_folder_to_comfy_file``); the file's key names, embedded tokenizer and config are
 checked, and the contexts LTX-2 conditions on are compared with the folder's bit for bit. fp8
-scaled files are dequantized on load; files the fleet cannot run are refused from their header with
+scaled and NVFP4 files are dequantized on load (NVFP4 checked against ComfyUI's own kernel library,
+comfy-kitchen, where it is installed); files the fleet cannot run are refused from their header with
 a message that names the file to use.
 """
 
@@ -25,6 +26,7 @@ from mgpu_backend.ltx.gemma_file import (
     CONFIG_METADATA_KEY,
     GemmaFileWeights,
     SentencePieceGemmaTokenizer,
+    dequantize_nvfp4,
     gemma_folder_to_comfy_file,
     inspect_gemma_file,
 )
@@ -140,7 +142,8 @@ def test_fp8_scaled_file_is_dequantized_on_load(bundle, fp8_file, folder_context
         raw = {key: f.get_tensor(key) for key in f.keys()}
     fp8_weights = [key for key, value in raw.items() if value.dtype == torch.float8_e4m3fn and key.endswith(".weight")]
     # Every linear weight of the two layers: q, k, v, o, gate, up, down.
-    assert len(fp8_weights) == 7 * tiny.GEMMA_TEXT_CONFIG["num_hidden_layers"] == inspect_gemma_file(fp8_file).fp8_layers
+    assert len(fp8_weights) == 7 * tiny.GEMMA_TEXT_CONFIG["num_hidden_layers"]
+    assert inspect_gemma_file(fp8_file).quantized_layers == {"float8_e4m3fn": len(fp8_weights)}
     loaded = GemmaFileWeights(torch.bfloat16).load(fp8_file, COMFY_GEMMA_KEY_OPS).sd
     assert sorted(loaded) == sorted(key for key in raw if key.startswith("model.") and key.endswith(".weight"))
     scale_suffix = ".scale_weight" if layout == "legacy" else ".weight_scale"
@@ -163,6 +166,71 @@ def test_fp8_scaled_file_is_dequantized_on_load(bundle, fp8_file, folder_context
     assert (video - reference).abs().mean() < 0.2 * reference.abs().mean()
 
 
+def _as_nvfp4_mixed(tensors: dict, metadata: dict) -> None:
+    """ComfyUI's NVFP4 "mixed" layout, quantized by ComfyUI's own kernel library: every linear weight of the
+    text stack but one in NVFP4 (packed codes, tiled fp8 block scales, float32 tensor scale), that one in bf16."""
+    from comfy_kitchen.tensor.nvfp4 import TensorCoreNVFP4Layout
+
+    for key in [key for key in tensors if key.startswith("model.layers.") and key.endswith("_proj.weight")]:
+        if key == "model.layers.1.mlp.down_proj.weight":
+            continue
+        packed, params = TensorCoreNVFP4Layout.quantize(tensors[key])
+        layer = key.removesuffix(".weight")
+        tensors[key] = packed
+        tensors[f"{layer}.weight_scale"] = params.block_scale
+        tensors[f"{layer}.weight_scale_2"] = params.scale.reshape(())
+        tensors[f"{layer}.comfy_quant"] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
+
+
+def test_nvfp4_dequantization_equals_comfyui_kernel_library_across_scale_tiles():
+    pytest.importorskip("comfy_kitchen", reason="ComfyUI's kernel library (pip install comfy-kitchen) is the reference")
+    from comfy_kitchen.tensor.nvfp4 import TensorCoreNVFP4Layout
+
+    # 304 rows: three 128-row tiles of block scales, the last one padded; 96 columns: 6 blocks, two 4-wide tiles.
+    weight = torch.randn(304, 96, generator=torch.Generator().manual_seed(3)).mul(0.05).to(torch.bfloat16)
+    packed, params = TensorCoreNVFP4Layout.quantize(weight)
+    assert packed.shape == (304, 48) and params.block_scale.numel() == 3 * 2 * 512
+    ours = dequantize_nvfp4(packed, params.block_scale, params.scale, torch.float32)
+    reference = TensorCoreNVFP4Layout.dequantize(packed, TensorCoreNVFP4Layout.Params(
+        scale=params.scale, orig_dtype=torch.float32, orig_shape=(304, 96), block_scale=params.block_scale))  # fmt: skip
+    assert torch.equal(ours, reference)
+    assert (ours - weight.float()).abs().max() < 0.25 * weight.float().abs().max()  # and it is the weight, roughly
+
+
+def test_nvfp4_mixed_file_is_dequantized_as_comfyui_dequantizes_it(bundle, comfy_file, folder_contexts, tmp_path):
+    pytest.importorskip("comfy_kitchen", reason="ComfyUI's kernel library (pip install comfy-kitchen) makes the NVFP4 file")
+    from comfy_kitchen.tensor.nvfp4 import TensorCoreNVFP4Layout
+
+    fp4_file = _rewrite(comfy_file, tmp_path / "gemma_3_12B_it_fp4_mixed.safetensors", _as_nvfp4_mixed)
+    assert inspect_gemma_file(fp4_file).quantized_layers == {"nvfp4": 7 * tiny.GEMMA_TEXT_CONFIG["num_hidden_layers"] - 1}
+    with safe_open(fp4_file, framework="pt") as f:
+        raw = {key: f.get_tensor(key) for key in f.keys()}
+    loaded = {dtype: GemmaFileWeights(dtype).load(fp4_file, COMFY_GEMMA_KEY_OPS).sd for dtype in (torch.float32, torch.bfloat16)}
+    nvfp4_weights = [key for key, value in raw.items() if value.dtype == torch.uint8 and key.endswith(".weight")]
+    for key in nvfp4_weights:
+        layer = key.removesuffix(".weight")
+        rows, half_columns = raw[key].shape
+        params = TensorCoreNVFP4Layout.Params(
+            scale=raw[f"{layer}.weight_scale_2"], orig_dtype=torch.float32, orig_shape=(rows, 2 * half_columns),
+            block_scale=raw[f"{layer}.weight_scale"],
+        )  # fmt: skip
+        reference = TensorCoreNVFP4Layout.dequantize(raw[key], params)
+        assert torch.equal(loaded[torch.float32][key], reference), key
+        assert torch.equal(loaded[torch.bfloat16][key], reference.to(torch.bfloat16)), key
+    assert torch.equal(loaded[torch.bfloat16]["model.layers.1.mlp.down_proj.weight"], raw["model.layers.1.mlp.down_proj.weight"])
+
+    plain = {key: value for key, value in raw.items() if not key.endswith((".weight_scale", ".weight_scale_2", ".comfy_quant"))}
+    plain.update(loaded[torch.bfloat16])
+    plain_path = tmp_path / "dequantized.safetensors"
+    with safe_open(fp4_file, framework="pt") as f:
+        save_file(plain, str(plain_path), metadata=f.metadata())
+    fp4_contexts = _contexts(bundle, fp4_file)
+    _assert_bitwise_equal(fp4_contexts, _contexts(bundle, str(plain_path)))
+    video, reference = fp4_contexts[0][0].float(), folder_contexts[0][0].float()
+    assert not torch.equal(video, reference)
+    assert (video - reference).abs().mean() < 0.5 * reference.abs().mean()
+
+
 def _rewrite(source: str, out: Path, change) -> str:
     with safe_open(source, framework="pt") as f:
         tensors, metadata = {key: f.get_tensor(key) for key in f.keys()}, f.metadata()
@@ -171,13 +239,11 @@ def _rewrite(source: str, out: Path, change) -> str:
     return str(out)
 
 
-def _as_nvfp4(tensors: dict, metadata: dict) -> None:
+def _as_int8(tensors: dict, metadata: dict) -> None:
     weight = "model.layers.0.mlp.gate_proj.weight"
-    rows, columns = tensors[weight].shape
-    tensors[weight] = torch.zeros(rows, columns // 2, dtype=torch.uint8)  # two e2m1 values per byte
-    tensors[weight.replace(".weight", ".weight_scale")] = torch.ones(rows, columns // 16).to(torch.float8_e4m3fn)
-    tensors[weight.replace(".weight", ".weight_scale_2")] = torch.tensor(1.0)
-    tensors[weight.replace(".weight", ".comfy_quant")] = torch.tensor(list(b'{"format": "nvfp4"}'), dtype=torch.uint8)
+    tensors[weight] = tensors[weight].float().mul(100).round().clamp(-127, 127).to(torch.int8)
+    tensors[weight.replace(".weight", ".weight_scale")] = torch.tensor(0.01)
+    tensors[weight.replace(".weight", ".comfy_quant")] = torch.tensor(list(b'{"format": "int8_tensorwise"}'), dtype=torch.uint8)
 
 
 def _as_gemma_lora(tensors: dict, metadata: dict) -> None:
@@ -205,9 +271,9 @@ def _without_q_norm(tensors: dict, metadata: dict) -> None:
     ("change", "message"),
     [
         (
-            _as_nvfp4,
-            f"stores its weights as NVFP4 (fp4), a format only ComfyUI's own kernels run; the fleet can load the bf16 file "
-            f"{COMFY_GEMMA_FILE}",
+            _as_int8,
+            "stores its weights as int8_tensorwise, a format the fleet cannot dequantize; it loads the bf16 file "
+            f"{COMFY_GEMMA_FILE}, fp8 scaled and NVFP4 files",
         ),
         (_as_gemma_lora, "is a LoRA (e.g. ComfyUI's gemma-3-12b-it-abliterated LoRA), not a Gemma-3 text encoder"),
         (_without_tokenizer, "has no embedded SentencePiece tokenizer (uint8 tensor 'spiece_model')"),

@@ -10,7 +10,7 @@ What it is
     This module reads such a file for the fleet: ``inspect_gemma_file`` checks it from its header
     (and a few bytes) before any heavy work and says what is wrong in words a user can act on;
     ``GemmaFileWeights`` reads the text stack under the names ``GemmaEncoder`` expects (they are
-    ComfyUI's, unchanged), dequantizing fp8 scaled weights; ``SentencePieceGemmaTokenizer``
+    ComfyUI's, unchanged), dequantizing fp8 scaled and NVFP4 weights; ``SentencePieceGemmaTokenizer``
     tokenizes exactly as the Gemma folder's tokenizer does. ``gemma_folder_to_comfy_file`` writes
     the layout from a Hugging Face Gemma folder (tests, bundles, users who want one file); run it
     as ``python -m mgpu_backend.ltx.gemma_file GEMMA_FOLDER OUT.safetensors``.
@@ -21,12 +21,16 @@ Config
     in the ``gemma_text_config`` metadata entry (a smaller test Gemma, say); then that config is
     used, and the shapes are checked against it.
 
-Quantized files
-    fp8 scaled (weights ``float8_e4m3fn``/``float8_e5m2`` with a per-tensor ``weight_scale``, or
-    the older ``scale_weight`` + ``scaled_fp8`` marker): dequantized on load (``fp8 x scale`` in
-    float32, then the loader's dtype), so Gemma runs at bf16 with the fp8 file's values. Formats
-    that need ComfyUI's own kernels (NVFP4 ``*_fp4_mixed``, int8 and others) are refused before any
-    work, naming the file to use instead.
+Quantized files (dequantized on load, in float32, rounded once to the loader's dtype: Gemma then
+runs at bf16 with the file's values; the file saves disk, not GPU memory)
+    fp8 scaled: weights ``float8_e4m3fn``/``float8_e5m2`` with a per-tensor ``weight_scale`` (or the
+    older ``scale_weight`` + ``scaled_fp8`` marker); value = fp8 x scale.
+    NVFP4 (``gemma_3_12B_it_fp4_mixed.safetensors``, the file most LTX-2 templates name): layers
+    whose ``comfy_quant`` says ``nvfp4`` hold two E2M1 codes per byte (high nibble first), one
+    fp8 E4M3 scale per 16 values along a row, stored in cuBLAS's tiled block-scale layout
+    (128 x 4 tiles), and a per-tensor float32 ``weight_scale_2``; value = E2M1 x block scale x
+    tensor scale. The other layers of a "mixed" file are plain bf16.
+    Any other format (int8, ...) is refused before any work, naming the file to use instead.
 
 Never imports ComfyUI, never downloads anything, never writes outside the path it is given.
 """
@@ -57,11 +61,15 @@ keep them, and leave the vision tower, the projector and the tokenizer tensor ou
 
 _FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 _FLOAT_DTYPES = {"F32", "F16", "BF16"}
+_LOADABLE_FORMATS = ("float8_e4m3fn", "float8_e5m2", "nvfp4")
+# E2M1 (fp4) codes 0-7 and, with the sign bit 8 set, their negatives.
+_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_NVFP4_BLOCK = 16
 # Tensors of ComfyUI's quantized layouts that are not weights of their own.
 _QUANT_SUFFIXES = (".weight_scale", ".scale_weight", ".weight_scale_2", ".input_scale", ".scale_input", ".comfy_quant")
 
 _REMEDY = (
-    f"Use Gemma-3 12B as ComfyUI ships it for LTX-2 ({COMFY_GEMMA_FILE}, or its fp8 scaled version, in "
+    f"Use Gemma-3 12B as ComfyUI ships it for LTX-2 ({COMFY_GEMMA_FILE}, or its fp8 scaled or fp4_mixed version, in "
     "models/text_encoders) or a Gemma-3 Hugging Face folder (e.g. gemma-3-12b-it-qat-q4_0-unquantized)."
 )
 
@@ -81,7 +89,7 @@ class GemmaFile:
 
     path: str
     text_config: dict
-    fp8_layers: int  # text-stack weights stored as fp8 (dequantized on load)
+    quantized_layers: dict[str, int]  # format -> text-stack weights stored so (dequantized on load)
 
 
 def known_gemma_text_config() -> dict:
@@ -126,38 +134,56 @@ def inspect_gemma_file(path: str) -> GemmaFile:
             f"Gemma text encoder {path} has no embedded SentencePiece tokenizer (uint8 tensor {TOKENIZER_KEY!r}), which "
             f"ComfyUI's Gemma files carry. {_REMEDY}"
         )
-    _refuse_unrunnable_formats(path, header)
+    formats = _weight_formats(path, header)
     text_config = _text_config(path, header.metadata)
-    _check_shapes(path, tensors, text_config)
-    fp8_layers = sum(
-        1
-        for name, (dtype, _) in tensors.items()
-        if name.startswith("model.") and name.endswith(".weight") and dtype in _FP8_DTYPES
-    )
-    return GemmaFile(path=path, text_config=text_config, fp8_layers=fp8_layers)
+    _check_shapes(path, _logical_shapes(tensors, formats), text_config)
+    quantized: dict[str, int] = {}
+    for fmt in formats.values():
+        if fmt != "plain":
+            quantized[fmt] = quantized.get(fmt, 0) + 1
+    return GemmaFile(path=path, text_config=text_config, quantized_layers=quantized)
 
 
-def _refuse_unrunnable_formats(path: str, header) -> None:
-    formats = _declared_formats(path, header)
-    unrunnable = sorted({fmt for fmt in formats.values() if fmt not in ("float8_e4m3fn", "float8_e5m2")})
-    stored = sorted(
-        {
-            dtype
-            for name, (dtype, _) in header.tensors.items()
-            if name.startswith("model.")
-            and not name.endswith(_QUANT_SUFFIXES)
-            and dtype not in _FLOAT_DTYPES
-            and dtype not in _FP8_DTYPES
-        }
-    )
-    if unrunnable or stored:
-        what = ", ".join(unrunnable) if unrunnable else f"{', '.join(stored)} tensors"
-        kind = "NVFP4 (fp4)" if "nvfp4" in unrunnable else what
+def _weight_formats(path: str, header) -> dict[str, str]:
+    """Text-stack weight -> how it is stored ("plain", "float8_e4m3fn", "float8_e5m2", "nvfp4"); anything
+    the fleet cannot dequantize is refused here, naming the file to use instead."""
+    declared = _declared_formats(path, header)
+    formats: dict[str, str] = {}
+    unloadable = sorted({fmt for fmt in declared.values() if fmt not in _LOADABLE_FORMATS})
+    for name, (dtype, _) in header.tensors.items():
+        if not name.startswith("model.") or name.endswith(_QUANT_SUFFIXES) or name.endswith(".scaled_fp8"):
+            continue
+        layer = name.removesuffix(".weight")
+        if dtype in _FLOAT_DTYPES:
+            formats[name] = "plain"
+        elif dtype in _FP8_DTYPES:
+            formats[name] = "float8_e4m3fn" if dtype == "F8_E4M3" else "float8_e5m2"
+        elif (
+            dtype == "U8"
+            and declared.get(layer) == "nvfp4"
+            and f"{layer}.weight_scale" in header.tensors
+            and f"{layer}.weight_scale_2" in header.tensors
+        ):
+            formats[name] = "nvfp4"
+        else:
+            unloadable.append(declared.get(layer) or f"{dtype} tensors")
+    if unloadable:
         raise _model_file_error(
-            f"Gemma text encoder {path} stores its weights as {kind}, a format only ComfyUI's own kernels run; the fleet "
-            f"can load the bf16 file {COMFY_GEMMA_FILE} (or an fp8 scaled one): download it from Comfy-Org/ltx-2 "
-            "(split_files/text_encoders) into models/text_encoders and choose it instead"
+            f"Gemma text encoder {path} stores its weights as {', '.join(sorted(set(unloadable)))}, a format the fleet "
+            f"cannot dequantize; it loads the bf16 file {COMFY_GEMMA_FILE}, fp8 scaled and NVFP4 files: download "
+            f"{COMFY_GEMMA_FILE} from Comfy-Org/ltx-2 (split_files/text_encoders) into models/text_encoders and choose it"
         )
+    return formats
+
+
+def _logical_shapes(tensors: dict, formats: dict[str, str]) -> dict:
+    """The header's tensors with an NVFP4 weight's packed shape (rows, columns / 2) as the layer's (rows, columns)."""
+    shapes = dict(tensors)
+    for name, fmt in formats.items():
+        if fmt == "nvfp4":
+            dtype, (rows, half_columns) = tensors[name]
+            shapes[name] = (dtype, (rows, 2 * half_columns))
+    return shapes
 
 
 def _declared_formats(path: str, header) -> dict[str, str]:
@@ -235,7 +261,7 @@ def _check_shapes(path: str, tensors: dict, config: dict) -> None:
 
 
 class GemmaFileWeights:
-    """Reads the text stack of ComfyUI's Gemma file as ltx-core's weight loaders do, fp8 dequantized.
+    """Reads the text stack of ComfyUI's Gemma file as ltx-core's weight loaders do, fp8 and NVFP4 dequantized.
 
     ``load(path, sd_ops, device)`` is the protocol of ltx-core's ``SafetensorsStateDictLoader``.
     An fp8 weight becomes ``fp8.float() * weight_scale`` rounded once to ``dtype``: the value
@@ -261,12 +287,16 @@ class GemmaFileWeights:
                         continue
                     value = f.get_tensor(name)
                     if value.dtype in _FP8_DTYPES.values():
-                        value = _dequantize(f, names, name, value, self.dtype)
+                        value = _dequantize_fp8(f, names, name, value, self.dtype)
+                    elif value.dtype == torch.uint8 and f"{name}_scale_2" in names:
+                        layer = name.removesuffix(".weight")
+                        block_scales = f.get_tensor(f"{layer}.weight_scale")
+                        value = dequantize_nvfp4(value, block_scales, f.get_tensor(f"{layer}.weight_scale_2"), self.dtype)
                     sd[key] = value.to(device=device)
         return StateDict(sd=sd, device=device, size=sum(t.nbytes for t in sd.values()), dtype={t.dtype for t in sd.values()})
 
 
-def _dequantize(f, names: set[str], name: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _dequantize_fp8(f, names: set[str], name: str, value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     layer = name.removesuffix(".weight")
     scale_name = next((s for s in (f"{layer}.weight_scale", f"{layer}.scale_weight") if s in names), None)
     dequantized = value.to(torch.float32)
@@ -279,6 +309,34 @@ def _dequantize(f, names: set[str], name: str, value: torch.Tensor, dtype: torch
             )
         dequantized = dequantized * scale.reshape(())
     return dequantized.to(dtype)
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor, block_scales: torch.Tensor, tensor_scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """An NVFP4 weight as ComfyUI stores it -> ``[rows, 2 x packed columns]`` in ``dtype`` (see the module docstring).
+
+    Computed in float32 and rounded once; in float32 it equals comfy-kitchen's own dequantization bitwise."""
+    rows, columns = packed.shape[0], 2 * packed.shape[1]
+    codes = torch.stack((packed >> 4, packed & 0x0F), dim=-1).reshape(rows, columns)
+    values = torch.tensor(_E2M1_VALUES, dtype=torch.float32)[codes.long()]
+    scales = _untile_block_scales(block_scales, rows, columns // _NVFP4_BLOCK).to(torch.float32)
+    scales = scales * tensor_scale.to(torch.float32).reshape(())
+    blocks = values.reshape(rows, columns // _NVFP4_BLOCK, _NVFP4_BLOCK) * scales.unsqueeze(-1)
+    return blocks.reshape(rows, columns).to(dtype)
+
+
+def _untile_block_scales(tiled: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+    """cuBLAS's block-scale layout -> ``[rows, columns]``: the padded matrix is cut into 128 x 4 tiles, stored
+    tile row by tile row; inside a tile, row 32 * i + j, column c sits at byte 16 * j + 4 * i + c."""
+    row_tiles, column_tiles = -(-rows // 128), -(-columns // 4)
+    if tiled.numel() != row_tiles * column_tiles * 512:
+        raise _model_file_error(
+            f"an NVFP4 block-scale tensor holds {tiled.numel()} scales, not the {row_tiles * column_tiles * 512} of "
+            f"cuBLAS's tiled layout for a {rows} x {columns * _NVFP4_BLOCK} weight. {_REMEDY}"
+        )
+    tiles = tiled.reshape(row_tiles, column_tiles, 32, 4, 4)  # [tile row, tile column, j, i, c]
+    return tiles.permute(0, 3, 2, 1, 4).reshape(row_tiles * 128, column_tiles * 4)[:rows, :columns]
 
 
 class SentencePieceGemmaTokenizer:
