@@ -47,10 +47,10 @@ def model_file_choices(folder: str) -> list[str]:
 
 
 def gemma_folder_choices() -> list[str]:
-    """Hugging Face model folders (with a config.json) inside the text_encoders folders.
+    """Gemma choices inside the text_encoders folders: Hugging Face model folders (with a config.json)
+    and single .safetensors files in ComfyUI's own layout (e.g. gemma_3_12B_it.safetensors).
 
-    ltx-core reads Gemma from its folder (config, tokenizer, safetensors shards), so folders are
-    listed here, not the single files ComfyUI's own text encoder loaders take.
+    A file that is not a Gemma-3 text encoder is refused with a clear message when the model loads.
     """
     folder_paths = _folder_paths()
     if folder_paths is None:
@@ -60,7 +60,7 @@ def gemma_folder_choices() -> list[str]:
         if not os.path.isdir(base):
             continue
         for entry in os.listdir(base):
-            if os.path.isfile(os.path.join(base, entry, "config.json")):
+            if os.path.isfile(os.path.join(base, entry, "config.json")) or entry.endswith(".safetensors"):
                 names.add(entry)
     return sorted(names)
 
@@ -82,11 +82,12 @@ def _resolve_gemma(name: str) -> str:
     bases = folder_paths.get_folder_paths("text_encoders") if folder_paths is not None else [""]
     for base in bases:
         path = os.path.join(base, name)
-        if os.path.isfile(os.path.join(path, "config.json")):
+        if os.path.isfile(os.path.join(path, "config.json")) or (name.endswith(".safetensors") and os.path.isfile(path)):
             return os.path.abspath(path)
     raise ValueError(
-        f"Gemma folder {name!r} has no config.json in any text_encoders folder; put the Hugging Face folder "
-        "(e.g. gemma-3-12b-it-qat-q4_0-unquantized) in models/text_encoders"
+        f"Gemma {name!r} is neither a folder with a config.json nor a .safetensors file in any text_encoders folder; "
+        "put ComfyUI's gemma_3_12B_it.safetensors or the Hugging Face folder (e.g. gemma-3-12b-it-qat-q4_0-unquantized) "
+        "in models/text_encoders"
     )
 
 
@@ -145,7 +146,7 @@ class LoadCheckpointMGPU:
                 "distilled_lora": ([EMBEDDED, NO_FILE, *model_file_choices("loras")], {"default": EMBEDDED, "tooltip": "The distilled LoRA TDP Upscale refines with, from models/loras, e.g. ltx-2-19b-distilled-lora-384.safetensors. (none) if you only run SP Sampler."}),
                 "distilled_lora_strength": ("FLOAT", {"default": DISTILLED_LORA_STRENGTH, "min": 0.0, "max": 2.0, "step": 0.05, "tooltip": f"Strength of the distilled LoRA in stage 2. The official pipeline uses {DISTILLED_LORA_STRENGTH}."}),
                 "spatial_upsampler": ([EMBEDDED, NO_FILE, *model_file_choices("latent_upscale_models")], {"default": EMBEDDED, "tooltip": "The 2x latent upsampler TDP Upscale needs, from models/latent_upscale_models, e.g. ltx-2-spatial-upscaler-x2-1.0.safetensors. (none) if you only run SP Sampler."}),
-                "gemma": ([EMBEDDED, *gemma_folder_choices()], {"default": EMBEDDED, "tooltip": "The Gemma 3 text encoder FOLDER (Hugging Face layout: config.json, tokenizer, safetensors shards) inside models/text_encoders, e.g. gemma-3-12b-it-qat-q4_0-unquantized."}),
+                "gemma": ([EMBEDDED, *gemma_folder_choices()], {"default": EMBEDDED, "tooltip": "The Gemma 3 12B text encoder in models/text_encoders: ComfyUI's single file (gemma_3_12B_it.safetensors, or its fp8 scaled or fp4_mixed version, dequantized to bf16 on load) or a Hugging Face folder (config.json, tokenizer, safetensors shards), e.g. gemma-3-12b-it-qat-q4_0-unquantized."}),
                 "gpus": ("STRING", {"default": "all", "tooltip": "GPUs the fleet runs on: 'all' or a list like 0,1. Applies when the fleet starts; after changing it press Restart in the MGPU panel."}),
                 "gemma_mode": (list(GEMMA_MODES), {"default": GEMMA_MODES[0], "tooltip": "sharded: one Gemma copy split over the GPUs (least memory). batch_parallel: a copy per GPU, prompts encoded in parallel (faster, needs Gemma to fit on one GPU)."}),
                 "parallel": (list(PARALLEL_PLANS), {"default": PARALLEL_PLANS[0], "tooltip": "How SP Sampler spreads a step over the GPUs: sp splits the video tokens (sequence parallel), guidance runs the guidance passes on different GPUs, hybrid does both, auto lets the planner choose from GPU count and size."}),

@@ -15,11 +15,12 @@ The transformer can also be loaded fp8-cast (``quantization="fp8-cast"``, ltx-co
 Lightricks' fp8 checkpoint files (fp8 weights with per-tensor scales) load in both modes: see
 ``mgpu_backend.ltx.fp8``.
 
-ltx-core 1.0.0 hard-codes the Gemma-3 12B configuration in its Gemma configurator and feature
-extractor. The text encoder here is built from the Gemma folder's own ``config.json`` instead
-(ltx-core's 12B values fill whatever the file leaves out), with ltx-core's own classes, key
-mapping and module ops, so the same code serves the real 12B folder and the tiny test folder.
-ltx-core's Gemma code needs transformers 4.x (4.52 or newer).
+Gemma comes from a Hugging Face folder or from ComfyUI's single file (``gemma_file``), and is
+built as ``gemma_encoder.GemmaEncoder``: transformers' own Gemma-3 text model, which runs on
+transformers 4.52+ and 5.x, where ltx-core 1.0.0's Gemma wrapper needs 4.x. ltx-core 1.0.0
+hard-codes the Gemma-3 12B configuration in its Gemma configurator and feature extractor; here the
+configuration is the folder's own ``config.json`` (ltx-core's 12B values fill whatever the file
+leaves out) or the file's, so the same code serves the real 12B model and the tiny test one.
 
 Never edits ltx-core, never downloads anything.
 """
@@ -120,12 +121,12 @@ def _gemma_files(gemma_root: str) -> tuple[Path, list[str]]:
     """The Gemma config.json and weight files, found the way ltx-core finds them."""
     root = Path(gemma_root)
     weights = sorted(root.rglob("model*.safetensors"))
-    missing = [name for name in ("tokenizer.model", "preprocessor_config.json") if not any(root.rglob(name))]
+    missing = [name for name in ("tokenizer.model",) if not any(root.rglob(name))]
     if not weights or missing:
         what = ", ".join((["model*.safetensors"] if not weights else []) + missing)
         raise ModelFileError(
             f"Gemma folder {gemma_root} has no {what}; it must hold the whole Gemma-3 text encoder as "
-            "published (config, weights, tokenizer and preprocessor files)"
+            "published (config, weights and tokenizer files)"
         )
     model_folder = weights[0].parent
     config_path = model_folder / "config.json"
@@ -154,6 +155,48 @@ def _gemma_config(gemma_root: str) -> dict:
         else:
             config[key] = value
     return config
+
+
+def is_gemma_file(gemma_root: str) -> bool:
+    """Whether ``gemma_root`` names ComfyUI's single Gemma file rather than a Hugging Face folder."""
+    return Path(gemma_root).is_file()
+
+
+def gemma_text_config(gemma_root: str) -> dict:
+    """The Gemma text config of a folder or of ComfyUI's single file (checked against its weights)."""
+    return _gemma_weights(gemma_root).text_config
+
+
+@dataclass(frozen=True)
+class _GemmaWeights:
+    """Where Gemma's text-stack weights are and how their keys map to ``GemmaEncoder``'s."""
+
+    gemma_root: str
+    paths: tuple[str, ...]
+    sd_ops: SDOps
+    text_config: dict
+    from_comfy_file: bool
+
+    def tokenizer(self):
+        from mgpu_backend.ltx.gemma_encoder import folder_tokenizer
+        from mgpu_backend.ltx.gemma_file import SentencePieceGemmaTokenizer
+
+        if self.from_comfy_file:
+            return SentencePieceGemmaTokenizer.from_file(self.paths[0])
+        return folder_tokenizer(self.gemma_root)
+
+
+def _gemma_weights(gemma_root: str) -> _GemmaWeights:
+    if is_gemma_file(gemma_root):
+        from mgpu_backend.ltx.gemma_file import COMFY_GEMMA_KEY_OPS, inspect_gemma_file
+
+        text_config = inspect_gemma_file(gemma_root).text_config
+        return _GemmaWeights(gemma_root, (str(gemma_root),), COMFY_GEMMA_KEY_OPS, text_config, from_comfy_file=True)
+    from mgpu_backend.ltx.gemma_encoder import GEMMA_FOLDER_KEY_OPS
+
+    _, weight_paths = _gemma_files(gemma_root)
+    text_config = _gemma_config(gemma_root)["text_config"]
+    return _GemmaWeights(gemma_root, tuple(weight_paths), GEMMA_FOLDER_KEY_OPS, text_config, from_comfy_file=False)
 
 
 def validate_model_files(spec: ModelSpec) -> None:
@@ -197,7 +240,7 @@ def _validate_checkpoint(path: str) -> _SafetensorsHeader:
 
 
 def _validate_gemma(gemma_root: str, checkpoint_path: str, checkpoint: _SafetensorsHeader) -> None:
-    text_config = _gemma_config(gemma_root)["text_config"]
+    text_config = gemma_text_config(gemma_root)
     hidden, layers = text_config["hidden_size"], text_config["num_hidden_layers"]
     projection_inputs = {
         shape[1]
@@ -206,7 +249,7 @@ def _validate_gemma(gemma_root: str, checkpoint_path: str, checkpoint: _Safetens
     }
     if projection_inputs and projection_inputs != {hidden * (layers + 1)}:
         raise ModelFileError(
-            f"Gemma folder {gemma_root} (hidden size {hidden}, {layers} layers) does not fit checkpoint "
+            f"Gemma text encoder {gemma_root} (hidden size {hidden}, {layers} layers) does not fit checkpoint "
             f"{checkpoint_path}, whose text projection reads {sorted(projection_inputs)} features "
             f"(hidden size x (layers + 1)); use the Gemma-3 text encoder released with this checkpoint"
         )
@@ -275,8 +318,8 @@ def _validate_lora(role: str, path: str, checkpoint_path: str, checkpoint: _Safe
 class _CountingLoader(SafetensorsModelStateDictLoader):
     """ltx-core's safetensors loader, counting the tensor bytes it reads from disk."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, weight_loader=None) -> None:
+        super().__init__(weight_loader)
         self.bytes_read = 0
 
     def load(self, path: str | list[str], sd_ops: SDOps | None = None, device: torch.device | None = None) -> StateDict:
@@ -285,22 +328,6 @@ class _CountingLoader(SafetensorsModelStateDictLoader):
         unique = {tensor.data_ptr(): tensor.nbytes for tensor in state_dict.sd.values()}
         self.bytes_read += sum(unique.values())
         return state_dict
-
-
-def _gemma_configurator(gemma_config: dict) -> type:
-    """ltx-core's GemmaTextEncoderConfigurator, with the given configuration instead of the 12B one."""
-    from ltx_core.text_encoders.gemma import GemmaTextEncoder
-    from transformers import Gemma3Config
-    from transformers.models.gemma3 import Gemma3ForConditionalGeneration
-
-    class GemmaFromFolderConfigurator:
-        @classmethod
-        def from_config(cls, config: dict) -> GemmaTextEncoder:  # noqa: ARG003 - the weights carry no config
-            with torch.device("meta"):
-                model = Gemma3ForConditionalGeneration(Gemma3Config.from_dict(gemma_config))
-            return GemmaTextEncoder(model=model)
-
-    return GemmaFromFolderConfigurator
 
 
 def _embeddings_processor_configurator(gemma_text_config: dict) -> type:
@@ -331,17 +358,6 @@ def _embeddings_processor_configurator(gemma_text_config: dict) -> type:
             return processor
 
     return SizedEmbeddingsProcessorConfigurator
-
-
-def _require_transformers_4() -> None:
-    import transformers
-
-    major = int(transformers.__version__.split(".")[0])
-    if major >= 5:
-        raise RuntimeError(
-            f"ltx-core 1.0.0's Gemma text encoder needs transformers 4.x, but {transformers.__version__} is "
-            "installed; run: pip install 'transformers>=4.52,<5'"
-        )
 
 
 class PromptEncoder(torch.nn.Module):
@@ -410,25 +426,29 @@ class ModelLoader:
     quantization: str | None = None
     registry: StateDictRegistry = field(default_factory=_SizedRegistry)
     _disk: _CountingLoader = field(default_factory=_CountingLoader, init=False, repr=False)
+    _gemma_file_disk: _CountingLoader = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        from mgpu_backend.ltx.gemma_file import GemmaFileWeights
+
         self.device = torch.device(self.device)
         self.quantization = fp8.parse_quantization(self.quantization)
         validate_model_files(self.spec)
+        self._gemma_file_disk = _CountingLoader(GemmaFileWeights(self.dtype))
 
     @property
     def bytes_read_from_disk(self) -> int:
-        """Tensor bytes read from model files by this loader so far."""
-        return self._disk.bytes_read
+        """Tensor bytes read from model files by this loader so far (fp8 weights: as dequantized)."""
+        return self._disk.bytes_read + self._gemma_file_disk.bytes_read
 
-    def _builder(self, path, configurator, sd_ops=None, loras=(), module_ops=()) -> SingleGPUModelBuilder:
+    def _builder(self, path, configurator, sd_ops=None, loras=(), module_ops=(), disk=None) -> SingleGPUModelBuilder:
         return SingleGPUModelBuilder(
             model_path=path,
             model_class_configurator=configurator,
             model_sd_ops=sd_ops,
             module_ops=tuple(module_ops),
             loras=tuple(loras),
-            model_loader=self._disk,
+            model_loader=disk or self._disk,
             registry=self.registry,
         )
 
@@ -468,9 +488,8 @@ class ModelLoader:
         if component == "transformer":
             paths, sd_ops = [self.spec.checkpoint_path], fp8.transformer_sd_ops(self.quantization)
         elif component == "gemma":
-            from ltx_core.text_encoders.gemma import GEMMA_LLM_KEY_OPS
-
-            paths, sd_ops = list(_gemma_files(self.spec.gemma_root)[1]), GEMMA_LLM_KEY_OPS
+            weights = _gemma_weights(self.spec.gemma_root)
+            paths, sd_ops = list(weights.paths), weights.sd_ops
         else:
             raise ValueError(f"component must be 'transformer' or 'gemma', got {component!r}")
         state_dict = self.registry.pop(paths, sd_ops)
@@ -544,17 +563,16 @@ class ModelLoader:
         return self._build(self._builder(self.spec.spatial_upsampler_path, LatentUpsamplerConfigurator))
 
     def gemma(self):
-        """ltx-core's GemmaTextEncoder (tokenizer + Gemma-3), built from the folder's config."""
-        _require_transformers_4()
-        from ltx_core.text_encoders.gemma import GEMMA_LLM_KEY_OPS, GEMMA_MODEL_OPS, module_ops_from_gemma_root
+        """Gemma's text stack and tokenizer (``gemma_encoder.GemmaEncoder``), from a folder or ComfyUI's file."""
+        from mgpu_backend.ltx.gemma_encoder import encoder_configurator, encoder_module_ops
 
-        gemma_config = _gemma_config(self.spec.gemma_root)
-        _, weight_paths = _gemma_files(self.spec.gemma_root)
+        weights = _gemma_weights(self.spec.gemma_root)
         builder = self._builder(
-            tuple(weight_paths),
-            _gemma_configurator(gemma_config),
-            GEMMA_LLM_KEY_OPS,
-            module_ops=(GEMMA_MODEL_OPS, *module_ops_from_gemma_root(self.spec.gemma_root)),
+            weights.paths,
+            encoder_configurator(weights.text_config),
+            weights.sd_ops,
+            module_ops=encoder_module_ops(weights.tokenizer),
+            disk=self._gemma_file_disk if weights.from_comfy_file else None,
         )
         return self._build(builder)
 
@@ -562,7 +580,7 @@ class ModelLoader:
         """ltx-core's EmbeddingsProcessor (feature extractor + video/audio connectors)."""
         from ltx_core.text_encoders.gemma import EMBEDDINGS_PROCESSOR_KEY_OPS
 
-        configurator = _embeddings_processor_configurator(_gemma_config(self.spec.gemma_root)["text_config"])
+        configurator = _embeddings_processor_configurator(gemma_text_config(self.spec.gemma_root))
         return self._build(self._builder(self.spec.checkpoint_path, configurator, EMBEDDINGS_PROCESSOR_KEY_OPS))
 
     def text_encoder(self) -> PromptEncoder:

@@ -395,10 +395,11 @@ class ModelSpec:
         for role, path in files:
             if path != EMBEDDED_TINY and not Path(path).is_file():
                 raise ModelFileError(f"{role} file {path} does not exist; check the path (or download the file there)")
-        if self.gemma_root != EMBEDDED_TINY and not Path(self.gemma_root).is_dir():
+        if self.gemma_root != EMBEDDED_TINY and not Path(self.gemma_root).is_dir() and not Path(self.gemma_root).is_file():
             raise ModelFileError(
-                f"Gemma folder {self.gemma_root} does not exist; point gemma_root at the folder holding the "
-                "Gemma-3 text encoder (config.json, model*.safetensors, tokenizer.model)"
+                f"Gemma folder {self.gemma_root} does not exist (nor a file of that name); point gemma_root at the "
+                "Gemma-3 Hugging Face folder (config.json, model*.safetensors, tokenizer.model) or at ComfyUI's single "
+                "file (models/text_encoders/gemma_3_12B_it.safetensors)"
             )
 
 

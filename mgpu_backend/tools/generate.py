@@ -53,7 +53,7 @@ def add_generate_parser(commands) -> None:
     parser = commands.add_parser("generate", help="run the two-stage LTX-2 job headless and write an mp4")
     model = parser.add_argument_group("model (omit all to use the embedded tiny bundle with random weights)")
     model.add_argument("--checkpoint-path", help="LTX-2 checkpoint (.safetensors)")
-    model.add_argument("--gemma-root", help="Gemma-3 text encoder folder")
+    model.add_argument("--gemma-root", help="Gemma-3 text encoder: a Hugging Face folder or ComfyUI's single file (gemma_3_12B_it.safetensors)")
     model.add_argument("--distilled-lora", nargs="+", metavar=("PATH", "STRENGTH"), help="distilled LoRA for stage 2, optional strength (default 1.0)")
     model.add_argument("--spatial-upsampler-path", help="spatial 2x latent upsampler (.safetensors)")
     model.add_argument("--lora", nargs="+", action="append", metavar=("PATH", "STRENGTH"), help="a user LoRA (repeatable)")
@@ -148,6 +148,8 @@ def _load_image(path: str) -> torch.Tensor:
 
 def build_spec(args) -> tuple[dict, bool]:
     """The model spec JSON, and whether it is the embedded tiny bundle (named, not written here)."""
+    from mgpu_backend.ltx.loading import ModelFileError, validate_model_files
+
     given = [args.checkpoint_path, args.gemma_root, args.spatial_upsampler_path, args.distilled_lora]
     held = {"quantization": args.quantization, "residency": args.residency}
     if not any(given):
@@ -166,6 +168,10 @@ def build_spec(args) -> tuple[dict, bool]:
         loras=tuple(loras),
         **held,
     )
+    try:  # from the files' headers: a wrong file stops here, before a fleet starts
+        validate_model_files(spec)
+    except ModelFileError as error:
+        raise SystemExit(f"error: {error}") from None
     return spec.to_wire(), False
 
 
