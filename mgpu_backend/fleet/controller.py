@@ -319,7 +319,7 @@ class Fleet:
         """
         if self.closing:
             raise JobFailed("the fleet server is shutting down", kind="cancelled")
-        log.warning("rebuilding the fleet: %s", reason)
+        log.warning("rebuilding the fleet's process groups%s: %s", f", replacing {ranks_label(sorted(kill))}" if kill else "", reason)
         kill = set(kill)
         for rank in sorted(kill):
             self._kill(self.ranks[rank])
@@ -351,7 +351,7 @@ class Fleet:
         if not kill:
             return "the ranks kept their weights"
         self.restarts += 1
-        return f"{ranks_label(sorted(kill))} replaced; {ranks_label(survivors)} kept their weights"
+        return f"replaced {ranks_label(sorted(kill))}; {ranks_label(survivors)} kept {'its' if len(survivors) == 1 else 'their'} weights"
 
     def _order(self, rank: int, kind: str, fields: dict | None = None) -> None:
         try:

@@ -6,10 +6,12 @@ knobs to make one rank fail, hang, compute a long step without stepping, or stop
 so tests and ``doctor`` can check fault handling. ``remember``/``recall`` keep a value in the rank's
 state across jobs, and ``hold_file`` keeps a safetensors file resident the way a model is kept,
 logging what it read from disk, so tests can see which ranks kept their state after a fault.
+``say`` logs through the standard ``logging`` module, as techniques do, to test the fleet's one log.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -18,6 +20,8 @@ import torch
 from safetensors.torch import load_file
 
 from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
+
+log = logging.getLogger(__name__)
 
 
 @job("echo")
@@ -70,6 +74,8 @@ def fill(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
     started = time.perf_counter()
     values = ctx.shared_output("values", (numel,)) if ctx.rank == 0 else torch.empty(numel)
     values.fill_(float(ctx.rank + 1))
+    if ctx.rank == fields.get("hang_rank"):  # holds its segment until killed
+        time.sleep(10**6)
     return {"fill_seconds": time.perf_counter() - started}, {"values": values}
 
 
@@ -77,6 +83,15 @@ def _compute_for(seconds: float) -> None:
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline:
         sum(range(10_000))
+
+
+@job("say")
+def say(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
+    """Log ``text`` on every rank through the module's logger, and a line naming the rank."""
+    text = str(fields.get("text", ""))
+    log.info("%s", text)
+    log.info("%s from rank %d", text, ctx.rank)
+    return {}, {}
 
 
 @job("remember")
