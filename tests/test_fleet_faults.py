@@ -79,7 +79,7 @@ def test_a_stopped_rank_is_named_in_every_trial_and_only_it_is_replaced(fleet):
             assert info.value.rank == stopped_rank, message
             assert f"rank {stopped_rank} (pid {pids[stopped_rank]}) sent no heartbeat" in message
             assert "its process is stopped" in message
-            assert f"replaced rank {stopped_rank}; rank {1 - stopped_rank} kept its weights" in message
+            assert f"replaced rank {stopped_rank}; rank {1 - stopped_rank} kept its process" in message
             after = rank_pids(client)
             assert after[1 - stopped_rank] == pids[1 - stopped_rank] and after[stopped_rank] != pids[stopped_rank]
             assert wait_gone([pids[stopped_rank]]) == []
@@ -153,7 +153,7 @@ def test_a_rank_killed_mid_job_is_named_and_the_survivor_keeps_its_state(fleet):
             if len(events) == 2:
                 os.kill(pids[0], signal.SIGKILL)
 
-        with pytest.raises(FleetError, match=rf"rank 0 \(pid {pids[0]}\) died \(killed by signal 9\); replaced rank 0; rank 1 kept its weights") as info:
+        with pytest.raises(FleetError, match=rf"rank 0 \(pid {pids[0]}\) died \(killed by signal 9\); replaced rank 0; rank 1 kept its process") as info:
             client.run("count", {"steps": 100, "seconds_per_step": 0.05}, on_progress=kill_when_running)
         assert info.value.rank == 0
         assert client.run("recall").fields["remembered"] == [-1.0, 9.0]

@@ -11,8 +11,8 @@ when all ranks report ``done``. What can go wrong, and what it costs:
   new ones on a fresh rendezvous store. No process is restarted and no weights are reloaded.
 - A rank dies, is stopped (no heartbeat: SIGSTOP) or is hung (no rank progresses or computes for
   ``rank_timeout`` seconds and it is not waiting in a collective): that rank is killed and replaced;
-  the surviving ranks keep their processes and their state (the resident model) and form new groups
-  with the replacement, which loads its own weights on the next job.
+  the surviving ranks keep their processes (and the state their jobs declared safe to keep) and
+  form new groups with the replacement, which loads its own on the next job.
 - A rank that computes (its main thread's CPU time advances) is never declared hung for a long
   step; a cancel still stops it at its next step boundary.
 
@@ -120,6 +120,7 @@ class RankProcess:
     send_lock: threading.Lock = field(default_factory=threading.Lock)
     last_heartbeat: float = field(default_factory=time.monotonic)
     last_busy: float = 0.0  # when a heartbeat last showed the main thread computing outside a collective
+    closed: bool = False  # its connection ended: the process is dead or dying
 
     def send(self, message: Message) -> None:
         with self.send_lock:
@@ -341,7 +342,7 @@ class Fleet:
         for rank in sorted(kill):
             self.ranks[rank] = self._spawn(rank, store_path)
         for rank in survivors:
-            self._order(rank, "regroup", {"store": store_path})
+            self._order(rank, "regroup", {"store": store_path, "replaced": sorted(kill)})
         expected = {rank: "ready" if rank in kill else "regrouped" for rank in range(len(self.ranks))}
         late = self._collect(expected, READY_TIMEOUT_SECONDS)
         if late:
@@ -351,7 +352,7 @@ class Fleet:
         if not kill:
             return "the ranks kept their weights"
         self.restarts += 1
-        return f"replaced {ranks_label(sorted(kill))}; {ranks_label(survivors)} kept {'its' if len(survivors) == 1 else 'their'} weights"
+        return f"replaced {ranks_label(sorted(kill))}; {ranks_label(survivors)} kept {'its' if len(survivors) == 1 else 'their'} process"
 
     def _order(self, rank: int, kind: str, fields: dict | None = None) -> None:
         try:
@@ -387,6 +388,7 @@ class Fleet:
                     continue
                 self.events.put((rank, message))
         except (protocol.ConnectionClosed, protocol.ProtocolError, OSError):
+            rank.closed = True
             self.events.put((rank, None))
 
     @staticmethod
@@ -419,7 +421,7 @@ class Fleet:
         """
         if self.closing:
             raise JobFailed("the fleet server is shutting down", kind="cancelled")
-        gone = [rank.rank for rank in self.ranks if rank.process.poll() is not None]
+        gone = [rank.rank for rank in self.ranks if rank.closed or rank.process.poll() is not None]
         if gone or not self.ranks:
             self.rebuild(set(gone), f"{ranks_label(gone)} gone before job {job_id}") if self.ranks else self.start()
         before = shm.segments_of(self.owner_pid)

@@ -11,7 +11,8 @@ cost the weights. A rank whose job failed waits for the controller's verdict: ``
 finished: the groups are intact) or ``break``. On ``break`` it destroys its process groups, which
 makes any collective a peer waits in fail, reports ``broken``, and waits for ``regroup`` with a new
 rendezvous store, where the survivors and any replacement rank form new groups. The process, and
-with it ``state`` (the resident model), survives all of this.
+with it ``state`` (the resident model), survives all of this; when ranks were replaced, a survivor
+keeps only the entries the job modules declared safe to keep (``jobs.keep_across_replacement``).
 
 A rank exits when the server's end of its socket closes (from the first moment, before it joins any
 group), so a rank never outlives its server. Its log records reach the server and the submitting
@@ -36,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from mgpu_backend.fleet import protocol, shm
-from mgpu_backend.fleet.jobs import JOBS, JobCancelled, JobContext, JobInputError, load_job_modules
+from mgpu_backend.fleet.jobs import JOBS, KEPT_ACROSS_REPLACEMENT, JobCancelled, JobContext, JobInputError, load_job_modules
 from mgpu_backend.fleet.protocol import Message
 from mgpu_backend.parallel.comm import Comm
 
@@ -183,6 +184,18 @@ class Rank:
             if order.type == "regroup":
                 break
             # A 'break' or 'resume' sent before this rank noticed the broken group on its own.
+        if order.fields.get("replaced"):
+            dropped = sorted(key for key in self.state if key not in KEPT_ACROSS_REPLACEMENT)
+            for key in dropped:
+                del self.state[key]
+            if dropped:
+                logging.getLogger(__name__).warning(
+                    "%s replaced: dropped %s from rank %d's state, to be rebuilt with the new ranks",
+                    ", ".join(f"rank {rank}" for rank in order.fields["replaced"]), ", ".join(dropped), self.rank,
+                )
+                gc.collect()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
         self.join_groups(order.fields["store"])
         self.emit("regrouped", {"pid": os.getpid()}, job="")
 

@@ -19,7 +19,7 @@ import time
 import torch
 from safetensors.torch import load_file
 
-from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
+from mgpu_backend.fleet.jobs import JobContext, JobInputError, job, keep_across_replacement
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,10 @@ def say(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
     log.info("%s", text)
     log.info("%s from rank %d", text, ctx.rank)
     return {}, {}
+
+
+# Both run the same collectives whether a rank holds the entry or not: a survivor may keep them.
+keep_across_replacement("remembered", "held_file")
 
 
 @job("remember")
