@@ -421,7 +421,7 @@ class Fleet:
         """
         if self.closing:
             raise JobFailed("the fleet server is shutting down", kind="cancelled")
-        gone = [rank.rank for rank in self.ranks if rank.closed or rank.process.poll() is not None]
+        gone = [rank.rank for rank in self.ranks if rank.closed or rank.process.poll() is not None or rank.process_state() in ("Z", "X", "")]
         if gone or not self.ranks:
             self.rebuild(set(gone), f"{ranks_label(gone)} gone before job {job_id}") if self.ranks else self.start()
         before = shm.segments_of(self.owner_pid)

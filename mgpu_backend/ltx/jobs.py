@@ -29,7 +29,7 @@ from ltx_core.model.video_vae import SpatialTilingConfig, TemporalTilingConfig, 
 
 from mgpu_kernels import install_fast_all_to_all
 
-from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
+from mgpu_backend.fleet.jobs import JobContext, JobInputError, job, keep_across_replacement
 from mgpu_backend.parallel.batched_passes import batch_passes_wanted, batching_runner
 from mgpu_backend.parallel.compiled_blocks import compile_blocks_wanted, compiled_blocks
 from mgpu_backend.parallel.cuda_graphs import CapturingPassRunner, cuda_graphs_wanted
@@ -143,6 +143,11 @@ class ResidentModel:
         velocity_model = self.transformer("none").velocity_model
         block = velocity_model.transformer_blocks[0]
         return block.attn1.heads, block.audio_attn1.heads
+
+
+# A survivor of a rank replacement keeps its model: the weight tracker brings a rebuilt rank in
+# (``TransformerWeightTracker.transformer``), and the other components are built with no collective.
+keep_across_replacement("model")
 
 
 def resident_model(ctx: JobContext, args: dict) -> ResidentModel:
