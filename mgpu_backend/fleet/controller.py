@@ -238,7 +238,6 @@ class Fleet:
         late = self._collect({rank: "ready" for rank in range(len(self.ranks))}, READY_TIMEOUT_SECONDS)
         if late:
             self.stop_ranks(self.ranks)
-            self.closing = False
             raise JobFailed(f"{ranks_label(late)} did not start within {READY_TIMEOUT_SECONDS:.0f} s; see the server log", rank=late[0])
         log.info("fleet up: %s, %d rank(s)", self.devices.describe(), len(self.ranks))
 
@@ -475,7 +474,11 @@ class Fleet:
                 if message is None:
                     if self.closing:
                         raise JobFailed("the fleet server is shutting down; the job was stopped", kind="cancelled")
-                    code = self.ranks[rank].process.wait(timeout=10)
+                    try:
+                        code = self.ranks[rank].process.wait(timeout=10)
+                    except subprocess.TimeoutExpired:  # its connection broke, yet it runs: end it
+                        self.ranks[rank].process.kill()
+                        code = self.ranks[rank].process.wait()
                     how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                     failure = JobFailed(f"rank {rank} (pid {self.ranks[rank].process.pid}) died ({how})", rank=rank)
                     dead = {rank, *(other.rank for other in self.ranks if other.process.poll() is not None)}
