@@ -74,8 +74,8 @@ def main() -> None:
 
     size_mb = latent.numel() * 4 / 1e6
     nbytes = numel * 4
-    print(f"| measurement | size | median | best | target |")
-    print(f"|---|---|---|---|---|")
+    print("| measurement | size | median | best | target |")
+    print("|---|---|---|---|---|")
     for kind, label in (("handed back", "the input handed back"), ("new tensor", "a new result tensor")):
         seconds = round_trips[kind]
         print(f"| round trip client -> rank 0 -> client, {label} | {size_mb:.1f} MB | {statistics.median(seconds) * 1e3:.1f} ms | {min(seconds) * 1e3:.1f} ms | <= 20 ms |")
