@@ -103,8 +103,14 @@ def test_a_cancel_during_a_long_step_stops_every_rank_at_the_next_step_boundary(
         pids = rank_pids(client)
         events = []
         args = {"steps": 5, "busy_rank": 1, "busy_step": 1, "busy_seconds": 2 * RANK_TIMEOUT}
+
+        def inside_the_long_step() -> bool:
+            # Step 1's cancel point passed on rank 0 right after it reported the step; a cancel
+            # sent a while later finds rank 1 computing step 2.
+            return bool(events) and time.monotonic() - events[0]["received"] > 2.0
+
         with pytest.raises(FleetCancelled, match="cancelled at count step 2/5"):
-            client.run("count", args, on_progress=events.append, should_cancel=lambda: len(events) >= 1)
+            client.run("count", args, on_progress=lambda event: events.append({**event, "received": time.monotonic()}), should_cancel=inside_the_long_step)
         assert rank_pids(client) == pids
         assert client.run("count", {"steps": 2}).fields["total"] == 6
 
