@@ -58,6 +58,17 @@ def test_a_failure_on_one_rank_before_a_collective_is_a_job_error_and_every_rank
         assert client.run("count", {"steps": 3}).fields["total"] == 9
 
 
+def test_an_input_error_found_on_rank_0_only_is_an_input_error_of_the_job_and_the_state_is_kept(fleet):
+    with connect(fleet) as client:
+        client.run("remember", {"value": 11})
+        pids = rank_pids(client)
+        with pytest.raises(FleetError, match="^requested input error on rank 0 at step 1$") as info:
+            client.run("count", {"steps": 4, "fail_rank": 0, "fail_step": 1, "fail_as_input_error": True})
+        assert info.value.kind == "input_error" and info.value.rank == 0
+        assert client.run("recall").fields["remembered"] == [11.0, 11.0]
+        assert rank_pids(client) == pids
+
+
 def test_a_failure_on_one_rank_after_its_last_collective_keeps_the_groups_and_the_state(fleet):
     with connect(fleet) as client:
         pids = rank_pids(client)

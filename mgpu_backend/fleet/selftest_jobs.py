@@ -51,6 +51,8 @@ def count(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
     total = torch.zeros(1, dtype=torch.float64)
     for step in range(steps):
         if ctx.rank == fail_rank and step == fail_step:
+            if fields.get("fail_as_input_error"):  # what a rank-local check ("Gemma does not fit") raises
+                raise JobInputError(f"requested input error on rank {ctx.rank} at step {step}")
             raise RuntimeError(f"requested failure on rank {ctx.rank} at step {step}")
         if ctx.rank == hang_rank and step == hang_step:
             time.sleep(10**6)
