@@ -420,9 +420,11 @@ class Fleet:
         """
         if self.closing:
             raise JobFailed("the fleet server is shutting down", kind="cancelled")
+        if not self.ranks:
+            self.start()
         gone = [rank.rank for rank in self.ranks if rank.closed or rank.process.poll() is not None or rank.process_state() in ("Z", "X", "")]
-        if gone or not self.ranks:
-            self.rebuild(set(gone), f"{ranks_label(gone)} gone before job {job_id}") if self.ranks else self.start()
+        if gone:
+            self.rebuild(set(gone), f"{ranks_label(gone)} gone before job {job_id}")
         before = shm.segments_of(self.owner_pid)
         try:
             return self._run_job(job_id, op, args, tensors, input_segments, on_event)
@@ -433,7 +435,10 @@ class Fleet:
             raise
 
     def _run_job(self, job_id, op, args, tensors, input_segments, on_event) -> Message:
-        self.ranks[0].send(Message("job", {"op": op, "args": args}, tensors, job=job_id, shm=input_segments))
+        try:
+            self.ranks[0].send(Message("job", {"op": op, "args": args}, tensors, job=job_id, shm=input_segments))
+        except OSError:
+            pass  # rank 0 just died: its closed connection below is the job's error
         world_size = len(self.ranks)
         job_log = JobLog(world_size, job_id, op, on_event)
         done: dict[int, dict] = {}
