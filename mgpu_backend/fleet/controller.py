@@ -471,10 +471,10 @@ class Fleet:
                     for rank in range(world_size):
                         self._order(rank, "break")
                     told_to_break = set(range(world_size))
+                job_log.flush()
                 try:
                     rank, message = self._next_event(0.25)
                 except queue.Empty:
-                    job_log.flush()
                     continue
                 if message is None:
                     if self.closing:
