@@ -8,6 +8,9 @@ the server, the protocol and the rank loop never change for it.
 A job reports progress with ``ctx.step(stage, step, total)``, which is also the cancel point: every
 rank calls it at the same places, the ranks agree on a cancel flag there, and all of them raise
 ``JobCancelled`` at the same step. Jobs must never talk to the socket themselves.
+
+``ctx.state`` outlives jobs, failed jobs included, and a surviving rank keeps it when another rank
+is replaced, as far as the job module declared with ``keep_across_replacement`` that it may.
 """
 
 from __future__ import annotations
