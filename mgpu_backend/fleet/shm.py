@@ -128,6 +128,14 @@ def unlink_segment(segment: str) -> None:
         pass
 
 
+def segments_of(owner_pid: int) -> set[str]:
+    """The names of this user's segments named after ``owner_pid`` (a server names the segments its
+    ranks create after itself, so that they outlive the rank that made them)."""
+    if not SHM_DIR.is_dir():
+        return set()
+    return {path.name for path in SHM_DIR.glob(f"mgpu-{os.getuid()}-{owner_pid}-*") if _NAME.match(path.name)}
+
+
 def sweep_orphans() -> list[str]:
     """Unlink this user's segments whose creating process is gone. Returns the names removed."""
     removed = []

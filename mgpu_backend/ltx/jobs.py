@@ -40,7 +40,7 @@ import torch
 from ltx_core.components.guiders import MultiModalGuiderParams
 from ltx_core.model.video_vae import SpatialTilingConfig, TemporalTilingConfig, TilingConfig
 
-from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
+from mgpu_backend.fleet.jobs import JobContext, JobInputError, job, keep_across_replacement
 from mgpu_backend.parallel.batched_passes import batch_passes_wanted
 from mgpu_backend.parallel.compiled_blocks import compile_blocks_wanted
 from mgpu_backend.parallel.cuda_graphs import cuda_graphs_wanted
