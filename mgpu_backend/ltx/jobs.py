@@ -169,6 +169,11 @@ class ResidentModel:
         return block.attn1.heads, block.audio_attn1.heads
 
 
+# A rank that survives the replacement of a dead peer keeps the resident model: the next job reads
+# only what the replacement must load.
+keep_across_replacement("model")
+
+
 def resident_model(ctx: JobContext, request) -> ResidentModel:
     """The model the request names, loading it (and dropping another) when it is not resident yet."""
     with input_errors():

@@ -274,8 +274,8 @@ class TransformerWeightTracker:
                 self._check_same_model_on_every_rank(self._working, loader.device)
             return
         if fresh:
-            loras = [LoraStateDictWithStrength(_lora_state_dict(self._loader, path), strength) for path, strength in kept_set]
-            self._applied, self._touched = kept_set, frozenset(self._keys_touched_by(loras))
+            loras = [LoraStateDictWithStrength(self._loader.lora_state_dict(path), strength) for path, strength in kept_set]
+            self._applied, self._touched = kept_set, frozenset(fp8.lora_targets(self._working, loras))
         self.apply(())
 
     def apply(self, lora_set) -> X0Model:
