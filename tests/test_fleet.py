@@ -19,6 +19,7 @@ import torch
 from mgpu_backend.fleet import protocol
 from mgpu_backend.fleet.client import FleetCancelled, FleetClient, FleetError
 
+from . import fleet_harness
 from .fleet_harness import REPO, start_server, stop_server, wait_for_server, wait_gone
 
 
@@ -142,9 +143,7 @@ def _raw_connection(socket_path):
 
 
 def _handshake(sock, socket_path, token=None):
-    token = token if token is not None else (socket_path.parent / (socket_path.name + ".token")).read_text()
-    protocol.send_message(sock, protocol.Message("hello", {"version": protocol.PROTOCOL_VERSION, "token": token}))
-    return protocol.recv_message(sock)
+    return fleet_harness.raw_handshake(sock, token if token is not None else fleet_harness.token_of(socket_path))
 
 
 def test_malformed_oversized_and_unauthenticated_frames_are_rejected_while_others_are_served(fleet):
@@ -329,8 +328,7 @@ def test_tcp_loopback_fallback_serves_with_the_token_and_refuses_without(tmp_pat
         token_file = runtime / "comfyui-mgpu" / f"tcp-{port}.token"
         assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600
         sock = socket.create_connection(("127.0.0.1", port), timeout=10)
-        protocol.send_message(sock, protocol.Message("hello", {"version": protocol.PROTOCOL_VERSION, "token": "wrong"}))
-        assert protocol.recv_message(sock).fields["message"] == "authentication failed: wrong token"
+        assert fleet_harness.raw_handshake(sock, "wrong").fields["message"] == "authentication failed: wrong token"
         sock.close()
     finally:
         stop_server(process)
