@@ -126,8 +126,7 @@ def create_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, owner_p
     descriptor = {"name": name, "dtype": DTYPE_NAMES[dtype], "shape": list(shape), "nbytes": nbytes, "segment": segment}
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
-        _reserve(fd, path, nbytes)
+        _reserve(fd, path, nbytes)  # also sets the size: never a sparse file that SIGBUSes when full
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype), descriptor
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
