@@ -158,6 +158,12 @@ class FleetClient:
         except (FileNotFoundError, ConnectionRefusedError):
             sock.close()
             raise
+        except TimeoutError:
+            sock.close()
+            raise FleetUnavailable(
+                f"the fleet server at {addr} did not complete the handshake within {HANDSHAKE_SECONDS:.0f} s "
+                "(still starting its ranks, or stuck: see its log); retry in a moment"
+            ) from None
         except (OSError, addresses.AddressError, protocol.ConnectionClosed, protocol.ProtocolError) as exc:
             sock.close()
             raise FleetUnavailable(f"could not attach to the fleet server at {addr}: {_reason(exc)}") from None

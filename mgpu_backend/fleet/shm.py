@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from mgpu_backend.fleet.protocol import DTYPE_NAMES, ProtocolError, bytes_to_tensor, tensor_bytes, tensor_descriptor, validate_descriptor
+from mgpu_backend.fleet import protocol
+from mgpu_backend.fleet.protocol import DTYPE_NAMES, ProtocolError, bytes_to_tensor
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^mgpu-(\d+)-(\d+)-[0-9a-f]{16}$")
@@ -103,7 +104,7 @@ def write_tensor(name: str, tensor: torch.Tensor, owner_pid: int | None = None) 
     """Copy ``tensor`` into a new segment; return its descriptor (with the segment name)."""
     segment = _new_segment_name(owner_pid)
     path = SHM_DIR / segment
-    data = tensor_bytes(tensor)
+    data = protocol.tensor_bytes(tensor)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         with os.fdopen(fd, "wb", closefd=True) as file:
@@ -112,7 +113,7 @@ def write_tensor(name: str, tensor: torch.Tensor, owner_pid: int | None = None) 
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-    descriptor = tensor_descriptor(name, tensor)
+    descriptor = protocol.tensor_descriptor(name, tensor)
     descriptor["segment"] = segment
     return descriptor
 
@@ -145,7 +146,7 @@ def read_tensor(descriptor: dict, unlink: bool = True, shared: bool = False) -> 
     ``shared`` maps it MAP_SHARED, so writes to the tensor land in the segment (a rank can then
     hand an input back as a result by name); otherwise writes stay private to this process.
     """
-    name, dtype, shape, nbytes = validate_descriptor(descriptor)
+    name, dtype, shape, nbytes = protocol.validate_descriptor(descriptor)
     path = segment_path(descriptor["segment"])
     fd = os.open(path, (os.O_RDWR if shared else os.O_RDONLY) | os.O_NOFOLLOW)
     try:
