@@ -88,6 +88,21 @@ def next_of(sock, *types: str) -> Message:
     return message
 
 
+def ranks_of(server_pid: int) -> list[int]:
+    """Live rank processes started by server ``server_pid``, whoever their parent is now."""
+    marker = b"rank\0--rank", f"--owner-pid\0{server_pid}\0".encode()
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                text = cmdline.read()
+        except OSError:
+            continue
+        if all(part in text for part in marker) and fleet_harness.pid_alive(int(entry)):
+            pids.append(int(entry))
+    return pids
+
+
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         for line in status:
@@ -279,6 +294,8 @@ def test_a_clean_shutdown_unlinks_queued_inputs_and_unread_results(tmp_path):
             client.shutdown()
         assert process.wait(timeout=60) == 0
         assert segments_of(os.getpid(), server_pid) == set()
+        # The running job was stopped before its ranks: no rank was started anew while exiting.
+        wait_until(lambda: ranks_of(server_pid) == [], what="every rank gone")
         sock.close()
     finally:
         fleet_harness.stop_server(process)

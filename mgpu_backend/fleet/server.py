@@ -47,6 +47,7 @@ MAX_QUEUED_INLINE_BYTES = 4 << 30  # inline tensor bytes held by waiting jobs, a
 # the outbox is empty (an inline result of up to protocol.MAX_PAYLOAD_BYTES).
 MAX_OUTBOX_BYTES = int(os.environ.get("MGPU_OUTBOX_BYTES", 64 << 20))
 FLUSH_SECONDS = 5.0  # how long a closing connection may take to deliver its last error reply
+SHUTDOWN_GRACE_SECONDS = 10.0  # how long a running job gets to stop at its next step when the server exits
 ACCEPT_RETRY_SECONDS = 0.2  # pause after a failed accept (out of file descriptors) before the next
 
 
@@ -167,6 +168,8 @@ class Server:
         self.queued: list[Job] = []
         self.queued_inline_bytes = 0
         self.current: Job | None = None
+        self.no_job_running = threading.Event()
+        self.no_job_running.set()
         self.connections: set[ClientConnection] = set()
         self.segment_owners: dict[str, ClientConnection] = {}  # every segment a job or a client holds
         self.job_ids = itertools.count(1)
@@ -246,8 +249,16 @@ class Server:
         self.address.token_path.unlink(missing_ok=True)
         with self.lock:
             connections = list(self.connections)
+            for job in self.queued:
+                job.cancelled = True
+            running = self.current
         for client in connections:
             client.drop()
+        if running is not None:
+            # Let the job stop at its next step first: ranks killed under a running job would look
+            # like a rank death, and the fleet would start new ranks while the server exits.
+            self.fleet.cancel(running.id)
+            self.no_job_running.wait(SHUTDOWN_GRACE_SECONDS)
         self.fleet.stop()
         with self.lock:  # inputs of waiting and running jobs, unacknowledged results, the ranks' segments
             segments = list(self.segment_owners)
@@ -492,8 +503,10 @@ class Server:
                 with self.lock:
                     self.queued.remove(job)
                     self.queued_inline_bytes -= job.inline_bytes
+                    job.cancelled = job.cancelled or self.stopping.is_set()
                     if not job.cancelled:
                         self.current = job
+                        self.no_job_running.clear()
                 if job.cancelled:
                     self._release_inputs(job.client, job.input_segments)
                     job.client.send(Message("error", {"message": "cancelled before it started", "kind": "cancelled"}, job=job.id))
@@ -506,6 +519,7 @@ class Server:
                     if self.current is job:
                         self.current = None
                         self.completed += 1
+                        self.no_job_running.set()
                 job.tensors = {}  # its inline payload is not held once it is done
             self.last_activity = time.monotonic()
 
