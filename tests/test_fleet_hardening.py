@@ -537,8 +537,10 @@ def test_a_server_that_dies_mid_job_is_a_readable_fleet_unavailable(tmp_path):
                 if event["step"] == 2:
                     process.kill()
 
+            before = segments_of(os.getpid())
             with pytest.raises(FleetUnavailable, match=r"lost the connection to the fleet server at .*: it stopped or was restarted"):
-                client.run("count", {"steps": 1000, "seconds_per_step": 0.02}, on_progress=kill_server)
+                client.run("count", {"steps": 1000, "seconds_per_step": 0.02}, {"big": torch.ones(2**20)}, on_progress=kill_server)
+            assert segments_of(os.getpid()) == before, "the input segment a dead server cannot unlink is the client's to remove"
             with pytest.raises(FleetUnavailable, match="lost the connection"):
                 client.status()
         assert fleet_harness.wait_gone(ranks) == []

@@ -318,6 +318,9 @@ class FleetClient:
         except BaseException:
             if not finished:
                 self._abandon(job_id)
+            # The server unlinks a job's inputs when it ends; one that went away cannot.
+            for descriptor in shared:
+                shm.unlink_segment(descriptor["segment"])
             raise
 
     def _result_tensors(self, message: Message) -> dict[str, torch.Tensor]:

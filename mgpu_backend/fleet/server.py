@@ -43,8 +43,8 @@ MAX_CONNECTIONS = 64  # open connections, authenticated or not; one more is refu
 MAX_QUEUED_JOBS = 64  # waiting in the queue, all clients together
 MAX_JOBS_PER_CLIENT = 8  # queued plus running, per connection
 MAX_QUEUED_INLINE_BYTES = 4 << 30  # inline tensor bytes held by waiting jobs, all clients together
-# Frames waiting to be written to one client. A single frame larger than this is still taken when
-# the outbox is empty (an inline result of up to protocol.MAX_PAYLOAD_BYTES).
+# Bytes waiting to be written to one client: a frame queued while more than this already waits
+# drops the client. So a large inline result (up to protocol.MAX_PAYLOAD_BYTES) always gets in.
 MAX_OUTBOX_BYTES = int(os.environ.get("MGPU_OUTBOX_BYTES", 64 << 20))
 FLUSH_SECONDS = 5.0  # how long a closing connection may take to deliver its last error reply
 SHUTDOWN_GRACE_SECONDS = 10.0  # how long a running job gets to stop at its next step when the server exits
@@ -98,7 +98,7 @@ class ClientConnection:
         with self.lock:
             if self.closed or self.finishing:
                 return False
-            overflow = bool(self.outbox) and self.outbox_bytes + size > MAX_OUTBOX_BYTES
+            overflow = self.outbox_bytes > MAX_OUTBOX_BYTES
             if not overflow:
                 self.outbox.append((frame, size))
                 self.outbox_bytes += size
