@@ -5,7 +5,9 @@ and, if none answers and ``autostart`` is on, starts one with ``python -m mgpu_b
 new session, tied to this process: when this process dies, that server exits with its ranks.
 ``run()`` submits a job and streams its events to callbacks; ``should_cancel`` is polled while the
 job runs (ComfyUI's interrupt) and turns into a cancel that stops every rank at the same step.
-Nothing here imports ComfyUI or unpickles anything.
+The handshake is mutual: the server proves it holds the token before the client does, so a program
+squatting on the address never receives a job. Socket failures reach callers as one readable
+``FleetUnavailable``. Nothing here imports ComfyUI or unpickles anything.
 """
 
 from __future__ import annotations

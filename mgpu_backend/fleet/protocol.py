@@ -3,7 +3,10 @@
 A frame is ``PREFIX`` (magic, protocol version, header length, payload length) followed by a UTF-8
 JSON header and then the payload: the bytes of every tensor the header describes, in order. Tensors
 larger than the socket should carry travel as shared-memory segments named in the header instead
-(see ``shm``). Every header is validated before anything is allocated for the payload.
+(see ``shm``). Every header is validated before anything is allocated for the payload; frames from
+an untrusted peer (``recv_untrusted``: the server's clients) are read into a buffer that grows only
+as bytes arrive, under a deadline, so a declared size or a stalled sender pins nothing. The
+handshake's proofs (``handshake_proof``) let each side show it holds the token without sending it.
 
 This module must never unpickle anything, and never trust a size or dtype it has not checked.
 """

@@ -151,7 +151,6 @@ class ClientConnection:
             pass
 
 
-
 class Server:
     def __init__(
         self,
