@@ -54,6 +54,12 @@ def frame(header: bytes, payload: bytes = b"") -> bytes:
     return protocol.PREFIX.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, len(header), len(payload)) + header + payload
 
 
+def submit_header(nbytes: int) -> bytes:
+    """The header of an echo submit with one inline uint8 tensor of ``nbytes``."""
+    tensor = {"name": "x", "dtype": "uint8", "shape": [nbytes], "nbytes": nbytes}
+    return json.dumps({"type": "submit", "fields": {"op": "echo"}, "tensors": [tensor]}).encode()
+
+
 def reply_then_closed(sock) -> Message:
     """The server's error reply, after which it closed this connection."""
     reply = protocol.recv_message(sock)
@@ -103,6 +109,18 @@ def ranks_of(server_pid: int) -> list[int]:
     return pids
 
 
+def start_limited_server(tmp_path, limit: str):
+    """A server with one CPU rank under a ``prlimit`` resource limit (inherited by its rank)."""
+    tmp_path.chmod(0o700)
+    socket_path = tmp_path / "limited.sock"
+    serve = [sys.executable, "-m", "mgpu_backend", "serve", "--socket", str(socket_path), "--cpu-ranks", "1", "--idle-timeout", "0"]
+    log = open(tmp_path / "server.log", "ab")  # noqa: SIM115 - handed to the server
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(["prlimit", limit, *serve], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    fleet_harness.wait_for_server(socket_path, process)
+    return socket_path, process
+
+
 def rss_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         for line in status:
@@ -126,14 +144,9 @@ def test_a_submit_naming_an_invalid_segment_is_refused_and_later_jobs_still_run(
 
 
 def test_the_accept_loop_waits_out_running_out_of_file_descriptors(tmp_path):
-    tmp_path.chmod(0o700)
-    socket_path = tmp_path / "fd.sock"
-    command = ["prlimit", "--nofile=64", sys.executable, "-m", "mgpu_backend", "serve", "--socket", str(socket_path), "--cpu-ranks", "1", "--idle-timeout", "0"]
-    log = open(tmp_path / "server.log", "ab")  # noqa: SIM115
-    process = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    socket_path, process = start_limited_server(tmp_path, "--nofile=64")
     sockets = []
     try:
-        fleet_harness.wait_for_server(socket_path, process)
         def accept_failed() -> bool:
             return "accept failed" in (tmp_path / "server.log").read_text()
 
@@ -240,13 +253,8 @@ def test_a_full_dev_shm_is_a_clear_error_and_leaves_no_segment(monkeypatch, flee
 def test_a_result_segment_beyond_the_space_left_fails_the_job_and_the_fleet_serves_on(tmp_path):
     # A 2 MiB file-size limit stands in for a nearly full /dev/shm: the rank's reservation of a
     # 4 MiB result fails up front, where writing it through the mapping would have killed the rank.
-    tmp_path.chmod(0o700)
-    socket_path = tmp_path / "fsize.sock"
-    command = ["prlimit", f"--fsize={2 << 20}", sys.executable, "-m", "mgpu_backend", "serve", "--socket", str(socket_path), "--cpu-ranks", "1", "--idle-timeout", "0"]
-    log = open(tmp_path / "server.log", "ab")  # noqa: SIM115
-    process = subprocess.Popen(command, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    socket_path, process = start_limited_server(tmp_path, f"--fsize={2 << 20}")
     try:
-        fleet_harness.wait_for_server(socket_path, process)
         with connect(socket_path) as client:
             rank_pid = client.status()["ranks"][0]["pid"]
             with pytest.raises(FleetError, match=r"/dev/shm has no room for a 4\.0 MiB shared-memory segment"):
@@ -304,7 +312,7 @@ def test_a_clean_shutdown_unlinks_queued_inputs_and_unread_results(tmp_path):
 # -- bounds -------------------------------------------------------------------------------------------
 def test_a_hello_trickled_byte_by_byte_is_cut_off_at_the_handshake_deadline(fleet):
     sock = raw(fleet, authenticate=False)
-    hello = b"".join(bytes(part) for part in protocol.encode(Message("hello", {"version": protocol.PROTOCOL_VERSION, "nonce": "0" * 64})))
+    hello = frame(json.dumps({"type": "hello", "fields": {"version": protocol.PROTOCOL_VERSION, "nonce": "0" * 64}}).encode())
     sent = 0
     try:
         while sent < len(hello):
@@ -330,7 +338,8 @@ def test_connections_are_capped_with_a_reply_and_served_again_below_the_cap(flee
             sockets.append(sock)
             if answer.type != "welcome":
                 reply = answer
-        assert reply.fields == {"message": f"the fleet server already has {server.MAX_CONNECTIONS} connections open; close unused clients and retry", "kind": "busy"}
+        text = f"the fleet server already has {server.MAX_CONNECTIONS} connections open; close unused clients and retry"
+        assert reply.fields == {"message": text, "kind": "busy"}
         # This test's connections, plus any an earlier test closed that the server has not yet seen go.
         assert server.MAX_CONNECTIONS - 3 <= len(sockets) - 1 <= server.MAX_CONNECTIONS
     finally:
@@ -370,7 +379,7 @@ def test_a_declared_gigabyte_reserves_nothing_until_it_arrives(fleet):
         server_pid = client.status()["server_pid"]
     sock = raw(fleet)
     before = rss_bytes(server_pid)
-    header = json.dumps({"type": "submit", "fields": {"op": "echo"}, "tensors": [{"name": "x", "dtype": "uint8", "shape": [1 << 30], "nbytes": 1 << 30}]}).encode()
+    header = submit_header(1 << 30)
     sock.sendall(protocol.PREFIX.pack(protocol.MAGIC, protocol.PROTOCOL_VERSION, len(header), 1 << 30) + header)
     # 64 MiB sent: more than the socket buffers hold, so the server has read most of it by now.
     sock.sendall(b"\0" * (64 << 20))
@@ -382,7 +391,7 @@ def test_a_declared_gigabyte_reserves_nothing_until_it_arrives(fleet):
 
 def test_a_frame_stalled_half_way_gets_an_error_at_its_deadline(fleet):
     sock = raw(fleet)
-    header = json.dumps({"type": "submit", "fields": {"op": "echo"}, "tensors": [{"name": "x", "dtype": "uint8", "shape": [4096], "nbytes": 4096}]}).encode()
+    header = submit_header(4096)
     sock.sendall(frame(header, b"\0" * 4096)[:-2048])
     reply = reply_then_closed(sock)
     assert reply.type == "error" and "a frame did not arrive whole in time" in reply.fields["message"]

@@ -188,7 +188,9 @@ class FleetClient:
         if (
             challenge.type != "challenge"
             or not protocol.is_nonce(server_nonce)
-            or not protocol.proof_matches(challenge.fields.get("proof"), protocol.handshake_proof(token, "server", client_nonce, server_nonce))
+            or not protocol.proof_matches(
+                challenge.fields.get("proof"), protocol.handshake_proof(token, "server", client_nonce, server_nonce)
+            )
         ):
             raise FleetUnavailable(
                 f"the process listening at {addr} cannot prove it holds this fleet's token, so it is not your fleet server "
@@ -313,7 +315,8 @@ class FleetClient:
                     finished = True
                     kind = message.fields.get("kind", "error")
                     error_type = FleetCancelled if kind == "cancelled" else FleetError
-                    raise error_type(message.fields.get("message", "job failed"), kind, message.fields.get("rank"), message.fields.get("traceback"))
+                    fields = message.fields
+                    raise error_type(fields.get("message", "job failed"), kind, fields.get("rank"), fields.get("traceback"))
                 elif message.type == "result":
                     finished = True
                     return JobResult(message.job or "", message.fields.get("result", {}), self._result_tensors(message))

@@ -31,6 +31,7 @@ MAGIC = b"MGPU"
 PREFIX = struct.Struct(">4sHxxIQ")  # magic, version, 2 pad bytes, header length, payload length
 
 MAX_HEADER_BYTES = 1 << 20  # 1 MiB of JSON is far more than any real message needs
+HANDSHAKE_HEADER_BYTES = 4096  # before a peer has proved itself, its frames are tiny
 MAX_PAYLOAD_BYTES = 1 << 30  # 1 GiB inline; larger tensors must go through shared memory
 MAX_TENSORS = 256
 MAX_DIMS = 8
@@ -273,7 +274,7 @@ class _UntrustedReader:
         return buffer
 
 
-def read_frame(read_exact, max_payload: int = MAX_PAYLOAD_BYTES, on_sizes=None) -> Message:
+def read_frame(read_exact, max_payload: int = MAX_PAYLOAD_BYTES, on_sizes=None, max_header: int = MAX_HEADER_BYTES) -> Message:
     """Read and validate one frame through ``read_exact(nbytes) -> bytes-like``; ``on_sizes`` hears
     the payload length once the prefix is checked."""
     magic, version, header_len, payload_len = PREFIX.unpack(read_exact(PREFIX.size))
@@ -281,8 +282,8 @@ def read_frame(read_exact, max_payload: int = MAX_PAYLOAD_BYTES, on_sizes=None) 
         raise ProtocolError("bad magic: not an MGPU frame")
     if version != PROTOCOL_VERSION:
         raise ProtocolError(f"protocol version {version} is not {PROTOCOL_VERSION}; update both sides")
-    if header_len > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {header_len} bytes exceeds {MAX_HEADER_BYTES}")
+    if header_len > max_header:
+        raise ProtocolError(f"header of {header_len} bytes exceeds {max_header}")
     if payload_len > max_payload:
         raise ProtocolError(f"payload of {payload_len} bytes exceeds {max_payload}")
     if on_sizes is not None:
@@ -305,12 +306,14 @@ def recv_message(sock: socket.socket, max_payload: int = MAX_PAYLOAD_BYTES) -> M
     return read_frame(lambda nbytes: _recv_exact(sock, nbytes), max_payload)
 
 
-def recv_untrusted(sock: socket.socket, max_payload: int = MAX_PAYLOAD_BYTES, deadline: float | None = None) -> Message:
+def recv_untrusted(
+    sock: socket.socket, max_payload: int = MAX_PAYLOAD_BYTES, deadline: float | None = None, max_header: int = MAX_HEADER_BYTES
+) -> Message:
     """Read one frame from a peer that may be hostile (the server's clients): memory is reserved
     only as bytes arrive, and the frame must be whole by ``deadline`` (``time.monotonic()``), or by
     its own deadline counted from its first byte. The socket must be blocking (no timeout)."""
     reader = _UntrustedReader(sock, deadline)
-    return read_frame(reader, max_payload, on_sizes=reader.allow)
+    return read_frame(reader, max_payload, on_sizes=reader.allow, max_header=max_header)
 
 
 def decode(frame: bytes | bytearray | memoryview) -> Message:

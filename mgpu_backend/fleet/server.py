@@ -262,7 +262,7 @@ class Server:
         with self.lock:  # inputs of waiting and running jobs, unacknowledged results, the ranks' segments
             segments = list(self.segment_owners)
             for job in self.queued + ([self.current] if self.current else []):
-                segments += [descriptor["segment"] for descriptor in job.input_segments if descriptor["segment"] in self.segment_owners]
+                segments += [desc["segment"] for desc in job.input_segments if desc["segment"] in self.segment_owners]
             self.segment_owners.clear()
         for segment in segments:
             shm.unlink_segment(segment)
@@ -352,7 +352,11 @@ class Server:
         hello (client nonce) -> challenge (server nonce, server's proof) -> auth (client's proof)
         -> welcome. A squatter on the port cannot make the server's proof, so the client leaves."""
         deadline = time.monotonic() + HANDSHAKE_SECONDS
-        hello = protocol.recv_untrusted(client.sock, max_payload=0, deadline=deadline)
+
+        def read() -> Message:
+            return protocol.recv_untrusted(client.sock, max_payload=0, deadline=deadline, max_header=protocol.HANDSHAKE_HEADER_BYTES)
+
+        hello = read()
         if hello.type != "hello" or hello.fields.get("version") != protocol.PROTOCOL_VERSION:
             text = f"expected hello with protocol version {protocol.PROTOCOL_VERSION}; update both sides"
             client.send(Message("error", {"message": text, "kind": "protocol_error"}))
@@ -365,7 +369,7 @@ class Server:
         server_nonce = secrets.token_hex(protocol.NONCE_HEX_DIGITS // 2)
         proof = protocol.handshake_proof(self.token, "server", client_nonce, server_nonce)
         client.send(Message("challenge", {"nonce": server_nonce, "proof": proof}))
-        auth = protocol.recv_untrusted(client.sock, max_payload=0, deadline=deadline)
+        auth = read()
         expected = protocol.handshake_proof(self.token, "client", client_nonce, server_nonce)
         if auth.type != "auth" or not protocol.proof_matches(auth.fields.get("proof"), expected):
             client.send(Message("error", {"message": "authentication failed: wrong token", "kind": "auth"}))
@@ -411,7 +415,8 @@ class Server:
         job = Job(job_id, op, args, message.tensors, message.shm, client)
         with self.lock:
             problem, kind = self._claim_inputs(client, message.shm), "input_error"
-            mine = sum(1 for queued in self.queued if queued.client is client) + int(self.current is not None and self.current.client is client)
+            running = int(self.current is not None and self.current.client is client)
+            mine = running + sum(1 for queued in self.queued if queued.client is client)
             if problem:
                 pass
             elif mine >= MAX_JOBS_PER_CLIENT:
@@ -514,23 +519,31 @@ class Server:
             except Exception:  # noqa: BLE001 - a bug in one job's bookkeeping must not stop the queue
                 log.exception("job %s: unexpected error in the job loop; serving on", job.id)
             finally:
-                with self.lock:
-                    if self.current is job:
-                        self.current = None
-                        self.completed += 1
-                        self.no_job_running.set()
+                self._finish(job)
                 job.tensors = {}  # its inline payload is not held once it is done
             self.last_activity = time.monotonic()
 
     def _run(self, job: Job) -> None:
-        handed_back: set[str] = set()
+        """Run ``job``; free its inputs and mark it done before its last message goes out, so a
+        client that has its result finds the job finished and its inputs gone."""
+        final, handed_back = None, set()
         try:
-            handed_back = self._run_on_fleet(job)
+            final, handed_back = self._run_on_fleet(job)
         finally:  # the job's inputs, except those now a result segment the client unlinks
             self._release_inputs(job.client, job.input_segments, keep=handed_back)
+            self._finish(job)
+        if final is not None:
+            self._deliver(job, final)
 
-    def _run_on_fleet(self, job: Job) -> set[str]:
-        """Run the job and deliver its result; return the segments the result names."""
+    def _finish(self, job: Job) -> None:
+        with self.lock:
+            if self.current is job:
+                self.current = None
+                self.completed += 1
+                self.no_job_running.set()
+
+    def _run_on_fleet(self, job: Job) -> tuple[Message, set[str]]:
+        """Run the job; return its last message (result or error) and the segments it names."""
         def forward(event: Message) -> None:
             if event.type == "progress":
                 job.stage, job.step, job.total = event.fields.get("stage", ""), event.fields.get("step", 0), event.fields.get("total", 0)
@@ -540,26 +553,26 @@ class Server:
             result = self.fleet.run_job(job.id, job.op, job.args, job.tensors, job.input_segments, forward)
         except JobFailed as exc:
             fields = {"message": str(exc), "kind": exc.kind, "rank": exc.rank, "traceback": exc.traceback}
-            job.client.send(Message("error", fields, job=job.id))
-            return set()
+            return Message("error", fields, job=job.id), set()
         except Exception as exc:  # noqa: BLE001 - the server must survive anything a job does
             log.exception("job %s failed in the server", job.id)
-            job.client.send(Message("error", {"message": f"server error: {exc}", "kind": "error"}, job=job.id))
-            return set()
+            return Message("error", {"message": f"server error: {exc}", "kind": "error"}, job=job.id), set()
         segments = [desc["segment"] for desc in result.shm]
         if segments:
             with self.lock:  # the client's until it acknowledges (or goes away): no other may name them
                 job.client.pending_segments[job.id] = segments
                 self.segment_owners.update(dict.fromkeys(segments, job.client))
-        delivered = job.client.send(Message("result", result.fields, result.tensors, job=job.id, shm=result.shm))
-        if not delivered:
-            with self.lock:
-                job.client.pending_segments.pop(job.id, None)
-                for segment in segments:
-                    self.segment_owners.pop(segment, None)
+        return Message("result", result.fields, result.tensors, job=job.id, shm=result.shm), set(segments)
+
+    def _deliver(self, job: Job, final: Message) -> None:
+        if job.client.send(final):
+            return
+        with self.lock:  # the client is gone: nobody will read or acknowledge the result
+            segments = job.client.pending_segments.pop(job.id, [])
             for segment in segments:
-                shm.unlink_segment(segment)
-        return set(segments)
+                self.segment_owners.pop(segment, None)
+        for segment in segments:
+            shm.unlink_segment(segment)
 
     def status(self, client: ClientConnection | None = None) -> dict:
         """The fleet's state as ``client`` may see it: another client's job shows its op and
@@ -569,7 +582,8 @@ class Server:
             if self.current is not None:
                 job = self.current
                 mine = job.client is client
-                current = {"id": job.id if mine else None, "mine": mine, "op": job.op, "stage": job.stage, "step": job.step, "total": job.total}
+                current = {"id": job.id if mine else None, "mine": mine, "op": job.op}
+                current.update(stage=job.stage, step=job.step, total=job.total)
             return {
                 "server_pid": os.getpid(),
                 "address": str(self.address),
