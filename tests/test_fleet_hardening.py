@@ -109,16 +109,29 @@ def ranks_of(server_pid: int) -> list[int]:
     return pids
 
 
-def start_limited_server(tmp_path, limit: str):
-    """A server with one CPU rank under a ``prlimit`` resource limit (inherited by its rank)."""
+def start_wrapped_server(tmp_path, *wrapper: str):
+    """A server with one CPU rank, started through ``wrapper`` (a resource limit, a mount
+    namespace), which its rank inherits."""
     tmp_path.chmod(0o700)
-    socket_path = tmp_path / "limited.sock"
+    socket_path = tmp_path / "wrapped.sock"
     serve = [sys.executable, "-m", "mgpu_backend", "serve", "--socket", str(socket_path), "--cpu-ranks", "1", "--idle-timeout", "0"]
     log = open(tmp_path / "server.log", "ab")  # noqa: SIM115 - handed to the server
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    process = subprocess.Popen(["prlimit", limit, *serve], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    process = subprocess.Popen([*wrapper, *serve], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     fleet_harness.wait_for_server(socket_path, process)
     return socket_path, process
+
+
+# A private mount namespace whose /dev/shm is a 3 MiB tmpfs: a nearly full /dev/shm for the
+# server and its ranks only. The server's segments are then seen through /proc/<pid>/root.
+SMALL_SHM = ["unshare", "--mount", "--propagation", "private", "sh", "-c", 'mount -t tmpfs -o size=3m tmpfs /dev/shm && exec "$@"', "sh"]
+
+
+def _can_mount_a_small_shm() -> bool:
+    try:
+        return subprocess.run([*SMALL_SHM, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
 
 
 def rss_bytes(pid: int) -> int:
@@ -144,7 +157,7 @@ def test_a_submit_naming_an_invalid_segment_is_refused_and_later_jobs_still_run(
 
 
 def test_the_accept_loop_waits_out_running_out_of_file_descriptors(tmp_path):
-    socket_path, process = start_limited_server(tmp_path, "--nofile=64")
+    socket_path, process = start_wrapped_server(tmp_path, "prlimit", "--nofile=64")
     sockets = []
     try:
         def accept_failed() -> bool:
@@ -250,14 +263,32 @@ def test_a_full_dev_shm_is_a_clear_error_and_leaves_no_segment(monkeypatch, flee
     assert segments_of(os.getpid()) == before
 
 
-def test_a_result_segment_beyond_the_space_left_fails_the_job_and_the_fleet_serves_on(tmp_path):
-    # A 2 MiB file-size limit stands in for a nearly full /dev/shm: the rank's reservation of a
-    # 4 MiB result fails up front, where writing it through the mapping would have killed the rank.
-    socket_path, process = start_limited_server(tmp_path, f"--fsize={2 << 20}")
+@pytest.mark.skipif(not _can_mount_a_small_shm(), reason="needs 'unshare --mount' and a tmpfs mount (root or user namespaces)")
+def test_a_result_beyond_a_nearly_full_dev_shm_fails_its_job_and_the_rank_survives(tmp_path):
+    # Written through a sparse mapping, the 4 MiB result would kill the rank with SIGBUS at 3 MiB.
+    socket_path, process = start_wrapped_server(tmp_path, *SMALL_SHM)
+    try:
+        with connect(socket_path) as client:
+            status = client.status()
+            rank_pid, private_shm = status["ranks"][0]["pid"], f"/proc/{status['server_pid']}/root/dev/shm"
+            with pytest.raises(FleetError, match=r"/dev/shm has no room for a 4\.0 MiB shared-memory segment \(3\.0 MiB free\)"):
+                client.run("fill", {"numel": 2**20})
+            status = client.status()
+            assert status["ranks"][0]["pid"] == rank_pid and status["fleet_restarts"] == 0
+            assert [name for name in os.listdir(private_shm) if name.startswith("mgpu-")] == []
+            assert client.run("count", {"steps": 2}).fields["total"] == 2  # (a result segment would be unreadable out here)
+    finally:
+        fleet_harness.stop_server(process)
+
+
+def test_a_result_beyond_the_file_size_limit_fails_its_job_and_the_fleet_serves_on(tmp_path):
+    # A 2 MiB file-size limit (ulimit -f): the rank's reservation of a 4 MiB result fails up front,
+    # by the same path as a full /dev/shm, and says which limit to raise.
+    socket_path, process = start_wrapped_server(tmp_path, "prlimit", f"--fsize={2 << 20}")
     try:
         with connect(socket_path) as client:
             rank_pid = client.status()["ranks"][0]["pid"]
-            with pytest.raises(FleetError, match=r"/dev/shm has no room for a 4\.0 MiB shared-memory segment"):
+            with pytest.raises(FleetError, match=r"SharedMemoryFull: .*forbids a 4\.0 MiB shared-memory segment in /dev/shm"):
                 client.run("fill", {"numel": 2**20})
             status = client.status()
             assert status["ranks"][0]["pid"] == rank_pid and status["fleet_restarts"] == 0

@@ -65,6 +65,11 @@ def _reserve(fd: int, path: Path, nbytes: int) -> None:
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
             raise
+        size = f"{nbytes / 2**20:.1f} MiB"
+        if exc.errno == errno.EFBIG:
+            raise SharedMemoryFull(
+                exc.errno, f"a file-size limit (ulimit -f) forbids a {size} shared-memory segment in {SHM_DIR}; raise or lift it"
+            ) from None
         try:
             free = os.statvfs(SHM_DIR)
             free_text = f"{free.f_bavail * free.f_frsize / 2**20:.1f} MiB free"
@@ -72,7 +77,7 @@ def _reserve(fd: int, path: Path, nbytes: int) -> None:
             free_text = "free space unknown"
         raise SharedMemoryFull(
             exc.errno,
-            f"{SHM_DIR} has no room for a {nbytes / 2**20:.1f} MiB shared-memory segment ({free_text}); "
+            f"{SHM_DIR} has no room for a {size} shared-memory segment ({free_text}); "
             f"free space in {SHM_DIR} (old mgpu-* segments, other programs) or enlarge it, "
             f"e.g. 'sudo mount -o remount,size=64G {SHM_DIR}' (Docker: --shm-size)",
         ) from None
