@@ -530,6 +530,7 @@ MALFORMED_HEADERS = {
     "non-ASCII proof": None,  # sent as the auth after a valid hello, below
     "NaN": b'{"type":"hello","fields":{"version":NaN}}',
     "fields not an object": b'{"type":"hello","fields":[1]}',
+    "unhashable dtype": b'{"type":"hello","fields":{},"tensors":[{"name":"x","dtype":[],"shape":[1],"nbytes":4}]}',
 }
 
 
@@ -545,6 +546,7 @@ def test_every_malformed_frame_gets_an_error_reply_then_only_its_connection_clos
             sock.sendall(frame(MALFORMED_HEADERS[case]))
         reply = reply_then_closed(sock)
         assert reply.type == "error" and reply.fields["message"], case
+        assert "could not handle a frame" not in reply.fields["message"], f"{case}: not diagnosed: {reply.fields['message']}"
         # After the handshake too: the same frame as a request.
         if MALFORMED_HEADERS[case] is not None:
             sock = raw(fleet)

@@ -131,7 +131,7 @@ def validate_descriptor(desc: Any) -> tuple[str, torch.dtype, tuple[int, ...], i
     name, dtype_name, shape, nbytes = desc.get("name"), desc.get("dtype"), desc.get("shape"), desc.get("nbytes")
     if not isinstance(name, str) or not 0 < len(name) <= 128:
         raise ProtocolError("tensor name must be a string of 1-128 characters")
-    if dtype_name not in DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:  # (a list is not even hashable)
         raise ProtocolError(f"tensor {name!r}: unknown dtype {dtype_name!r}")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS:
         raise ProtocolError(f"tensor {name!r}: shape must be a list of at most {MAX_DIMS} sizes")
