@@ -599,3 +599,51 @@ def test_serve_on_a_socket_path_it_cannot_use_says_so_without_a_traceback(tmp_pa
     assert done.returncode == 2
     assert f"error: cannot listen on {bad_socket}" in done.stderr and "choose another --socket path" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_over_tcp_the_handshake_bounds_and_isolation_hold_too(tmp_path, monkeypatch):
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    address = f"tcp://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "mgpu_backend", "serve", "--socket", address, "--cpu-ranks", "1", "--idle-timeout", "0"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_RUNTIME_DIR": str(runtime)}
+    process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                FleetClient.connect(address, autostart=False).close()
+                break
+            except FleetUnavailable:
+                assert time.monotonic() < deadline and process.poll() is None, "TCP server did not come up"
+                time.sleep(0.2)
+        token = Address.parse(address).token_path.read_text()
+
+        def tcp(authenticate: bool = True) -> socket.socket:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=60)
+            if authenticate:
+                assert raw_handshake(sock, token).type == "welcome"
+            return sock
+
+        assert raw_handshake(tcp(False), "0" * 64).fields["message"] == "authentication failed: wrong token"
+        malformed = tcp()
+        malformed.sendall(frame(b'{"type":"submit","fields":{"n":' + b"1" * 5000 + b"}}"))
+        assert "not valid JSON" in reply_then_closed(malformed).fields["message"]
+        # No peer pid over TCP: another connection's result is still not its to name.
+        owner = tcp()
+        submit(owner, "echo", {"copy": True}, {"big": torch.ones(2**20 + 1)})
+        result = next_of(owner, "result")
+        with FleetClient.connect(address, autostart=False) as thief:
+            protocol.send_message(thief.sock, Message("submit", {"op": "echo", "args": {}, "ref": 1}, shm=[result.shm[0]]))
+            reply = next_of(thief.sock, "error", "accepted")
+            assert reply.type == "error" and "is not yours to name" in reply.fields["message"]
+            owner.close()  # its unread result is unlinked with it
+            wait_until(lambda: not (shm.SHM_DIR / result.shm[0]["segment"]).exists(), what="the result unlinked")
+            assert thief.run("count", {"steps": 2}).fields["total"] == 2
+    finally:
+        fleet_harness.stop_server(process)
