@@ -420,6 +420,21 @@ def test_a_declared_gigabyte_reserves_nothing_until_it_arrives(fleet):
         assert client.run("count", {"steps": 1}).fields["total"] == 1
 
 
+def test_frames_being_read_share_one_byte_budget_and_return_it():
+    budget = protocol.ByteBudget(64 << 10)
+    sender, receiver = socket.socketpair()
+    with sender, receiver:
+        payload = torch.arange(8 << 10, dtype=torch.int32)  # 32 KiB
+        protocol.send_message(sender, Message("submit", {"op": "echo"}, {"x": payload}))
+        message = protocol.recv_untrusted(receiver, budget=budget)
+        assert torch.equal(message.tensors["x"], payload) and budget.used == 0
+        assert budget.take(48 << 10)  # another connection's frame, half read
+        protocol.send_message(sender, Message("submit", {"op": "echo"}, {"x": payload}))
+        with pytest.raises(protocol.ProtocolError, match="the server is already reading 0.0 GiB of frames; retry later"):
+            protocol.recv_untrusted(receiver, budget=budget)
+        assert budget.used == 48 << 10  # the refused frame gave back what it took
+
+
 def test_a_frame_stalled_half_way_gets_an_error_at_its_deadline(fleet):
     sock = raw(fleet)
     header = submit_header(4096)

@@ -20,6 +20,7 @@ import math
 import select
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -240,13 +241,34 @@ def _recv_exact(sock: socket.socket, nbytes: int) -> bytearray:
     return buffer
 
 
+class ByteBudget:
+    """Bytes that frames being read may hold at once, shared by every connection of a server."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int) -> bool:
+        with self.lock:
+            if self.used + nbytes > self.limit:
+                return False
+            self.used += nbytes
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self.lock:
+            self.used -= nbytes
+
+
 class _UntrustedReader:
     """``read_exact`` for frames from an untrusted peer: a buffer that grows by chunks as bytes
-    arrive (a declared size reserves nothing), and a deadline that starts at the frame's first byte
-    (or is given: the handshake's), so a peer can neither pin memory nor trickle a frame forever."""
+    arrive (a declared size reserves nothing), taken from a shared ``budget``, and a deadline that
+    starts at the frame's first byte (or is given: the handshake's), so a peer can neither pin
+    memory nor trickle a frame forever."""
 
-    def __init__(self, sock: socket.socket, deadline: float | None) -> None:
+    def __init__(self, sock: socket.socket, deadline: float | None, budget: ByteBudget | None = None) -> None:
         self.sock, self.deadline, self.fixed_deadline = sock, deadline, deadline is not None
+        self.budget, self.taken = budget, 0
         self.poller = select.poll()
         self.poller.register(sock, select.POLLIN)
 
@@ -262,8 +284,16 @@ class _UntrustedReader:
                 if remaining <= 0 or not self.poller.poll(remaining * 1000):
                     what = "the handshake" if self.fixed_deadline else "a frame"
                     raise FrameTimeout(f"{what} did not arrive whole in time; send whole frames without pausing")
+            want = min(READ_CHUNK_BYTES, nbytes - len(buffer))
+            if self.budget is not None:
+                if not self.budget.take(want):
+                    raise ProtocolError(
+                        f"the server is already reading {self.budget.limit / 2**30:.1f} GiB of frames; retry later, "
+                        "or send large tensors through shared memory"
+                    )
+                self.taken += want
             try:
-                chunk = self.sock.recv(min(READ_CHUNK_BYTES, nbytes - len(buffer)))
+                chunk = self.sock.recv(want)
             except (ConnectionResetError, BrokenPipeError):
                 raise ConnectionClosed("connection reset") from None
             if not chunk:
@@ -307,13 +337,22 @@ def recv_message(sock: socket.socket, max_payload: int = MAX_PAYLOAD_BYTES) -> M
 
 
 def recv_untrusted(
-    sock: socket.socket, max_payload: int = MAX_PAYLOAD_BYTES, deadline: float | None = None, max_header: int = MAX_HEADER_BYTES
+    sock: socket.socket,
+    max_payload: int = MAX_PAYLOAD_BYTES,
+    deadline: float | None = None,
+    max_header: int = MAX_HEADER_BYTES,
+    budget: ByteBudget | None = None,
 ) -> Message:
     """Read one frame from a peer that may be hostile (the server's clients): memory is reserved
-    only as bytes arrive, and the frame must be whole by ``deadline`` (``time.monotonic()``), or by
-    its own deadline counted from its first byte. The socket must be blocking (no timeout)."""
-    reader = _UntrustedReader(sock, deadline)
-    return read_frame(reader, max_payload, on_sizes=reader.allow, max_header=max_header)
+    only as bytes arrive, from ``budget`` while the frame is being read, and the frame must be whole
+    by ``deadline`` (``time.monotonic()``), or by its own deadline counted from its first byte.
+    The socket must be blocking (no timeout)."""
+    reader = _UntrustedReader(sock, deadline, budget)
+    try:
+        return read_frame(reader, max_payload, on_sizes=reader.allow, max_header=max_header)
+    finally:
+        if budget is not None:
+            budget.give(reader.taken)
 
 
 def decode(frame: bytes | bytearray | memoryview) -> Message:

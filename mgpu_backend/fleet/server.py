@@ -43,6 +43,7 @@ MAX_CONNECTIONS = 64  # open connections, authenticated or not; one more is refu
 MAX_QUEUED_JOBS = 64  # waiting in the queue, all clients together
 MAX_JOBS_PER_CLIENT = 8  # queued plus running, per connection
 MAX_QUEUED_INLINE_BYTES = 4 << 30  # inline tensor bytes held by waiting jobs, all clients together
+MAX_READING_BYTES = 4 << 30  # bytes of frames being read at once, all clients together
 # Bytes waiting to be written to one client: a frame queued while more than this already waits
 # drops the client. So a large inline result (up to protocol.MAX_PAYLOAD_BYTES) always gets in.
 MAX_OUTBOX_BYTES = int(os.environ.get("MGPU_OUTBOX_BYTES", 64 << 20))
@@ -171,6 +172,7 @@ class Server:
         self.no_job_running.set()
         self.connections: set[ClientConnection] = set()
         self.segment_owners: dict[str, ClientConnection] = {}  # every segment a job or a client holds
+        self.reading = protocol.ByteBudget(MAX_READING_BYTES)
         self.job_ids = itertools.count(1)
         self.lock = threading.Lock()
         self.stopping = threading.Event()
@@ -334,7 +336,7 @@ class Server:
         try:
             if self._handshake(client):
                 while True:
-                    self._handle(client, protocol.recv_untrusted(client.sock))
+                    self._handle(client, protocol.recv_untrusted(client.sock, budget=self.reading))
         except protocol.ProtocolError as exc:
             client.send(Message("error", {"message": f"protocol error: {exc}", "kind": "protocol_error"}))
         except (protocol.ConnectionClosed, OSError):
