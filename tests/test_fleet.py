@@ -210,18 +210,25 @@ def test_several_clients_are_served_first_in_first_out(fleet):
     assert order == ["first", "second"]
 
 
+def _segments_of(*pids: int) -> set[str]:
+    """Segments made by ``pids``: other test runs on this machine make their own."""
+    return {name for name in os.listdir("/dev/shm") if name.startswith(tuple(f"mgpu-{os.getuid()}-{pid}-" for pid in pids))}
+
+
 def test_large_result_goes_through_shared_memory_and_is_unlinked(fleet):
     big = torch.arange(20 * 2**20, dtype=torch.float32)  # 80 MB: above the shared-memory threshold
-    before = set(os.listdir("/dev/shm"))
     with connect(fleet) as client:
+        server_pid = client.status()["server_pid"]
+        before = _segments_of(server_pid, os.getpid())
         result = client.run("echo", {}, {"big": big})
     assert torch.equal(result.tensors["big"], big)
-    leftover = {name for name in set(os.listdir("/dev/shm")) - before if name.startswith("mgpu-")}
-    assert leftover == set()
+    assert _segments_of(server_pid, os.getpid()) - before == set()
 
 
 def test_shared_memory_segment_is_unlinked_when_the_client_dies_before_reading(fleet, tmp_path):
-    before = {name for name in os.listdir("/dev/shm") if name.startswith("mgpu-")}
+    with connect(fleet) as client:
+        server_pid = client.status()["server_pid"]
+    before = _segments_of(server_pid)
     script = textwrap.dedent(
         f"""
         import os, torch
@@ -236,9 +243,9 @@ def test_shared_memory_segment_is_unlinked_when_the_client_dies_before_reading(f
         """
     )
     subprocess.run([sys.executable, "-c", script], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, check=True, timeout=120)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        leftover = {name for name in os.listdir("/dev/shm") if name.startswith("mgpu-")} - before
+        leftover = _segments_of(server_pid) - before
         if not leftover:
             break
         time.sleep(0.2)
@@ -359,10 +366,10 @@ def test_an_input_segment_that_cannot_be_mapped_fails_only_that_job(fleet):
 
 def test_an_input_handed_back_unchanged_reaches_the_client_by_reference_and_is_unlinked(fleet):
     big = torch.randn(3 * 2**20)  # 12 MB: travels through shared memory
-    before = {name for name in os.listdir("/dev/shm") if name.startswith("mgpu-")}
     with connect(fleet) as client:
+        server_pid = client.status()["server_pid"]
+        before = _segments_of(server_pid, os.getpid())
         handed_back = client.run("echo", {}, {"big": big})
         copied = client.run("echo", {"copy": True}, {"big": big})
     assert torch.equal(handed_back.tensors["big"], big) and torch.equal(copied.tensors["big"], big)
-    leftover = {name for name in os.listdir("/dev/shm") if name.startswith("mgpu-")} - before
-    assert leftover == set()
+    assert _segments_of(server_pid, os.getpid()) - before == set()
