@@ -25,6 +25,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         devices = DeviceSpec.parse(args.gpus, args.cpu_ranks)
+        _check_gpus_visible(devices.gpus)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -37,6 +38,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     server.serve_forever()
     return 0
+
+
+def _check_gpus_visible(gpus: tuple[int, ...]) -> None:
+    """GPUs named by index must exist here: otherwise every rank would die with a CUDA traceback."""
+    if not gpus:
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    missing = [gpu for gpu in gpus if not 0 <= gpu < count]
+    if count == 0:
+        raise ValueError(
+            f"--gpus {','.join(map(str, gpus))} names CUDA GPUs, but none is visible (no CUDA device or driver, or "
+            "CUDA_VISIBLE_DEVICES hides them); use --cpu-ranks N to run on the CPU"
+        )
+    if missing:
+        raise ValueError(f"--gpus names GPU {','.join(map(str, missing))}, but only GPUs 0..{count - 1} are visible; use indices in that range")
 
 
 def _client(args: argparse.Namespace):
@@ -134,12 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_queue_parser(commands)
     add_doctor_parser(commands)
 
-    rank = commands.add_parser("rank")  # internal: started by the server
+    rank = commands.add_parser("rank")  # no help=: argparse then leaves it out of the command list
     for name in ("--rank", "--world-size", "--fd", "--owner-pid"):
         rank.add_argument(name, type=int, required=True)
     rank.add_argument("--device", required=True)
     rank.add_argument("--store", required=True)
     rank.set_defaults(func=cmd_rank)
+    # ``rank`` is internal (the server starts it): list every other command in --help and usage.
+    commands.metavar = "{" + ",".join(name for name in commands.choices if name != "rank") + "}"
     return parser
 
 

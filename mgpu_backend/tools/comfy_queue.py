@@ -47,11 +47,17 @@ class QueueError(Exception):
 
 
 def load_api_workflow(path: str) -> dict:
-    with open(path, encoding="utf-8") as file:
-        try:
+    try:
+        with open(path, encoding="utf-8") as file:
             workflow = json.load(file)
-        except json.JSONDecodeError as exc:
-            raise QueueError(f"{path} is not valid JSON: {exc}", 2) from None
+    except FileNotFoundError:
+        raise QueueError(f"workflow file {path} does not exist; name an API-format workflow (e.g. one in workflows/api/)", 2) from None
+    except IsADirectoryError:
+        raise QueueError(f"workflow {path} is a directory; name an API-format workflow file (e.g. one in workflows/api/)", 2) from None
+    except json.JSONDecodeError as exc:
+        raise QueueError(f"{path} is not valid JSON: {exc}", 2) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QueueError(f"workflow file {path} cannot be read ({exc}); check its permissions and that it is UTF-8 JSON", 2) from None
     if isinstance(workflow, dict) and "nodes" in workflow and "links" in workflow:
         raise QueueError(
             f"{path} is a UI workflow (drag-and-drop format); queue its API twin from workflows/api/, "
