@@ -233,6 +233,11 @@ def validate_dtype_with_loras(dtype: str, spec: ModelSpec) -> None:
     )
 
 
+def decoded_video_bytes(height: int, width: int, num_frames: int) -> int:
+    """Bytes of the decoded video as it leaves the fleet: ComfyUI's IMAGE, [frames, H, W, 3] float32."""
+    return num_frames * height * width * 3 * 4
+
+
 def audio_sample_count(num_frames: int, frame_rate: float, sample_rate: int) -> int:
     """Waveform samples that last as long as ``num_frames`` video frames at ``frame_rate``."""
     return round(num_frames * sample_rate / frame_rate)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, defaults_for, validate_dtype_with_loras, validate_generation, validate_upscale_sigmas
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, validate_dtype_with_loras, validate_generation, validate_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -211,6 +211,21 @@ def _check_tiles(tiles: tuple[int, int] | None, height: int, width: int) -> None
             ) from None
 
 
+def _check_host_memory(height: int, width: int, num_frames: int) -> None:
+    """The decoded frames come back through shared memory into this process (two copies in host RAM,
+    whatever the ranks run on): refuse a video that cannot fit before hours of denoising."""
+    from mgpu_backend.ltx.validation import GIB, available_memory_bytes
+
+    needed = 2 * decoded_video_bytes(height, width, num_frames)
+    available = available_memory_bytes(torch.device("cpu"))
+    if needed > available:
+        raise refuse(
+            f"a {num_frames}-frame {height}x{width} (height x width) video needs about {needed / GIB:.1f} GiB of host memory "
+            f"for its decoded frames (float32, in shared memory and in this process), but only {available / GIB:.1f} GiB is "
+            "available; use fewer --num-frames or a smaller --height/--width"
+        )
+
+
 def build_spec(args) -> tuple[dict, bool]:
     """The model spec JSON, and whether it is the embedded tiny bundle (named, not written here)."""
     from safetensors import SafetensorError
@@ -269,9 +284,15 @@ def check_inputs(args, spec: dict) -> dict:
         validate_generation(args.height, args.width, args.num_frames, two_stage=True, num_inference_steps=args.num_inference_steps, frame_rate=args.frame_rate, seed=args.seed)
         validate_dtype_with_loras(args.dtype, ModelSpec.from_wire(spec))
         sigmas = _parse_floats(args.stage2_sigmas, "--stage2-sigmas")
-        validate_upscale_sigmas(sigmas, force_from_noise=False)
+        validate_sigmas(sigmas)
     except (RequestError, ModelFileError) as error:
         raise refuse(_in_flag_names(str(error))) from None
+    if sigmas[0] >= 1.0:  # validate_upscale_sigmas' rule, worded for this command (it has no force flag)
+        raise refuse(
+            f"--stage2-sigmas must start below 1.0 (pure noise), got {_listed(sigmas)}: stage 2 refines the upsampled "
+            f"stage-1 video, and from pure noise its tiles would not agree on one video; use e.g. {_listed(TDP_UPSCALE_SIGMAS)}"
+        )
+    _check_host_memory(args.height, args.width, args.num_frames)
     try:
         tiles = api.parse_tiles(args.tiles)
     except ValueError as exc:
