@@ -106,6 +106,16 @@ class SPSampler:
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, width, height, length, frame_rate, seed, steps, stg_blocks):
+        """ComfyUI runs this before queueing: a bad size or frame count is refused at once."""
+        try:
+            validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate, seed=seed)
+            parse_stg_blocks(stg_blocks)
+        except ValueError as error:
+            return str(error)
+        return True
+
     def sample(self, model, positive, negative, width, height, length, frame_rate, seed, steps, video_cfg, audio_cfg, stg_scale, stg_blocks, rescale, modality_scale, parallel, image=None, compile_blocks=False, unique_id=None):
         handle = check_model_handle(model)
         validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate)
@@ -166,6 +176,16 @@ class TDPUpscale:
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, sigmas, tiles, force_from_noise):
+        """ComfyUI runs this before queueing: a bad schedule or tiling is refused before stage 1 runs."""
+        try:
+            parse_sigmas(sigmas, force_from_noise)
+            parse_tiles(tiles)
+        except ValueError as error:
+            return str(error)
+        return True
 
     def upscale(self, model, av_latent, positive, seed, sigmas, tiles, overlap, frame_rate, force_from_noise, image=None, unique_id=None):
         handle = check_model_handle(model)

@@ -222,11 +222,11 @@ def validate_generation(
         raise RequestError(f"seed must be a whole number from 0 to {SEED_MAX}, got {seed}; the official default is {official.seed}")
 
 
-def validate_dtype_with_loras(dtype: str, spec: ModelSpec) -> None:
+def validate_dtype_with_loras(dtype: str, distilled_lora: bool, user_loras: bool = False) -> None:
     """LoRAs (the distilled LoRA of stage 2 too) fuse only into bfloat16 or fp8 weights, as in ltx-core."""
-    if dtype == "bfloat16" or (spec.distilled_lora is None and not spec.loras):
+    if dtype == "bfloat16" or not (distilled_lora or user_loras):
         return
-    which = "the distilled LoRA (stage 2 of the two-stage job fuses it)" if spec.distilled_lora is not None else "LoRAs"
+    which = "the distilled LoRA (stage 2 of the two-stage job fuses it)" if distilled_lora else "LoRAs"
     raise RequestError(
         f"dtype {dtype} cannot be used with {which}: ltx-core fuses LoRAs only into bfloat16 (or fp8-cast) weights; "
         "use dtype bfloat16 (optionally with quantization fp8-cast), or a model without LoRAs"
@@ -612,7 +612,7 @@ class LoadRequest:
     def from_wire(cls, data: dict) -> LoadRequest:
         _no_unknown_fields(data, cls, cls.op)
         spec, dtype = _spec_of(data, cls.op), _choice(data, "dtype", "bfloat16", DTYPES)
-        validate_dtype_with_loras(dtype, spec)
+        validate_dtype_with_loras(dtype, spec.distilled_lora is not None, bool(spec.loras))
         return cls(spec=spec, dtype=dtype)
 
 
@@ -641,7 +641,8 @@ class EncodeRequest:
         if not isinstance(prompts, (list, tuple)) or not 0 < len(prompts) <= MAX_PROMPTS or not all(isinstance(p, str) for p in prompts):
             raise RequestError(f"prompts must be a list of 1 to {MAX_PROMPTS} strings")
         if any(len(prompt) > MAX_PROMPT_CHARS for prompt in prompts):
-            raise RequestError(f"a prompt is longer than {MAX_PROMPT_CHARS} characters; shorten it")
+            longest = max(len(prompt) for prompt in prompts)
+        raise RequestError(f"a prompt has {longest} characters, more than the {MAX_PROMPT_CHARS} the encode job takes; shorten it")
         return cls(
             spec=_spec_of(data, cls.op),
             prompts=tuple(prompts),

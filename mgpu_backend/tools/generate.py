@@ -282,7 +282,7 @@ def check_inputs(args, spec: dict) -> dict:
     try:
         EncodeRequest.from_wire({"spec": spec, "prompts": [prompt, negative], "dtype": args.dtype})
         validate_generation(args.height, args.width, args.num_frames, two_stage=True, num_inference_steps=args.num_inference_steps, frame_rate=args.frame_rate, seed=args.seed)
-        validate_dtype_with_loras(args.dtype, ModelSpec.from_wire(spec))
+        validate_dtype_with_loras(args.dtype, spec["distilled_lora"] is not None, bool(spec["loras"]))
         sigmas = _parse_floats(args.stage2_sigmas, "--stage2-sigmas")
         validate_sigmas(sigmas)
     except (RequestError, ModelFileError) as error:
