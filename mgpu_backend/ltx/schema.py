@@ -209,21 +209,28 @@ def validate_generation(
                 f"use {_nearest_multiple(value, multiple)}"
             )
     official = OFFICIAL
-    if num_inference_steps is not None and (
-        isinstance(num_inference_steps, bool) or int(num_inference_steps) != num_inference_steps or not 1 <= num_inference_steps <= MAX_STEPS
-    ):
-        raise RequestError(f"steps must be a whole number from 1 to {MAX_STEPS}, got {num_inference_steps}; the official default is {official.steps}")
-    if frame_rate is not None and not MIN_FRAME_RATE <= frame_rate <= MAX_FRAME_RATE:
-        raise RequestError(
-            f"frame rate must be from {MIN_FRAME_RATE:g} to {MAX_FRAME_RATE:g} frames per second, got {frame_rate:g}; "
-            f"the official default is {official.frame_rate:g}"
-        )
+    if num_inference_steps is not None:
+        if isinstance(num_inference_steps, bool) or int(num_inference_steps) != num_inference_steps or num_inference_steps < 1:
+            raise RequestError(f"steps must be a whole number >= 1, got {num_inference_steps}; the official default is {official.steps}")
+        if num_inference_steps > MAX_STEPS:
+            raise RequestError(f"steps must be at most {MAX_STEPS}, got {num_inference_steps}; the official default is {official.steps}")
+    if frame_rate is not None:
+        if not frame_rate > 0:
+            raise RequestError(f"frame rate must be positive, got {frame_rate:g}; the official default is {official.frame_rate:g}")
+        if not MIN_FRAME_RATE <= frame_rate <= MAX_FRAME_RATE:
+            raise RequestError(
+                f"frame rate must be from {MIN_FRAME_RATE:g} to {MAX_FRAME_RATE:g} frames per second, got {frame_rate:g}; "
+                f"the official default is {official.frame_rate:g}"
+            )
     if seed is not None and (isinstance(seed, bool) or int(seed) != seed or not 0 <= seed <= SEED_MAX):
         raise RequestError(f"seed must be a whole number from 0 to {SEED_MAX}, got {seed}; the official default is {official.seed}")
 
 
 def validate_dtype_with_loras(dtype: str, distilled_lora: bool, user_loras: bool = False) -> None:
-    """LoRAs (the distilled LoRA of stage 2 too) fuse only into bfloat16 or fp8 weights, as in ltx-core."""
+    """LoRAs (the distilled LoRA of stage 2 too) fuse only into bfloat16 or fp8 weights, as in ltx-core.
+
+    Checked by the CLI and the loader node before any job; a load job in float32 stays allowed, since a
+    stage-1-only graph never fuses the distilled LoRA (the ranks refuse the fusion itself in words)."""
     if dtype == "bfloat16" or not (distilled_lora or user_loras):
         return
     which = "the distilled LoRA (stage 2 of the two-stage job fuses it)" if distilled_lora else "LoRAs"
@@ -611,9 +618,7 @@ class LoadRequest:
     @classmethod
     def from_wire(cls, data: dict) -> LoadRequest:
         _no_unknown_fields(data, cls, cls.op)
-        spec, dtype = _spec_of(data, cls.op), _choice(data, "dtype", "bfloat16", DTYPES)
-        validate_dtype_with_loras(dtype, spec.distilled_lora is not None, bool(spec.loras))
-        return cls(spec=spec, dtype=dtype)
+        return cls(spec=_spec_of(data, cls.op), dtype=_choice(data, "dtype", "bfloat16", DTYPES))
 
 
 @dataclass(frozen=True)
@@ -641,8 +646,7 @@ class EncodeRequest:
         if not isinstance(prompts, (list, tuple)) or not 0 < len(prompts) <= MAX_PROMPTS or not all(isinstance(p, str) for p in prompts):
             raise RequestError(f"prompts must be a list of 1 to {MAX_PROMPTS} strings")
         if any(len(prompt) > MAX_PROMPT_CHARS for prompt in prompts):
-            longest = max(len(prompt) for prompt in prompts)
-        raise RequestError(f"a prompt has {longest} characters, more than the {MAX_PROMPT_CHARS} the encode job takes; shorten it")
+            raise RequestError(f"a prompt is longer than {MAX_PROMPT_CHARS} characters; shorten it")
         return cls(
             spec=_spec_of(data, cls.op),
             prompts=tuple(prompts),
