@@ -68,7 +68,7 @@ def add_generate_parser(commands) -> None:
     job = parser.add_argument_group("generation")
     prompt = job.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="what the video and its audio show (required, or --prompt-file)")
-    prompt.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 text file (for long prompts)")
+    prompt.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 text file, for long prompts (default: none, --prompt)")
     negative = job.add_mutually_exclusive_group()
     negative.add_argument("--negative-prompt", help="what to steer away from (default: the official pipeline's negative prompt)")
     negative.add_argument("--negative-prompt-file", metavar="PATH", help="read the negative prompt from this UTF-8 text file (default: none, --negative-prompt)")
@@ -101,7 +101,7 @@ def add_generate_parser(commands) -> None:
         guidance.add_argument(f"--{modality}-stg-blocks", type=int, nargs="*", default=None, help=f"default: block {_listed(official.stg_blocks)} (2.3: {_listed(getattr(defaults_for('2.3'), f'{modality}_guidance').stg_blocks)}; the last block of a smaller model)")
 
     fleet = parser.add_argument_group("fleet")
-    fleet.add_argument("--socket", help="attach to the fleet server already running there (default: $MGPU_SOCKET, else the private per-user socket, starting a fleet for this run when none answers)")
+    fleet.add_argument("--socket", help="the fleet server's socket (default: $MGPU_SOCKET, else the private per-user socket). Nothing answering there is refused, unless --gpus or --cpu-ranks say what to start there for this run; without --socket a fleet is started for this run when none answers")
     devices = fleet.add_mutually_exclusive_group()
     devices.add_argument("--gpus", help="GPUs for a fleet this run starts: 'all' or 0,1,2,3 (default: all visible GPUs, else one CPU rank); a fleet that already answers keeps its own devices (warned)")
     devices.add_argument("--cpu-ranks", type=int, help="CPU ranks (gloo) for a fleet this run starts (default: none, GPUs); a fleet that already answers keeps its own devices (warned)")
@@ -319,34 +319,42 @@ def _in_flag_names(message: str) -> str:
 def attach_fleet(args) -> bool:
     """Point ``api`` at the fleet; True when this run starts it (it then ends with the run).
 
-    ``--socket`` attaches to a running fleet and never starts one; a fleet that already answers
-    keeps its devices, so ``--gpus``/``--cpu-ranks`` are then warned about, not silently dropped."""
+    A socket named by ``--socket`` or ``$MGPU_SOCKET`` where nothing answers is refused unless
+    ``--gpus``/``--cpu-ranks`` say what to start there (a typo must not start a 1-rank fleet); a
+    fleet that already answers keeps its devices, so ``--gpus``/``--cpu-ranks`` are then warned about."""
     from mgpu_backend.fleet.addresses import Address
     from mgpu_backend.fleet.client import FleetClient, FleetUnavailable
     from mgpu_backend.ltx import api
 
     address = Address.parse(args.socket)
+    devices_given = args.gpus is not None or args.cpu_ranks is not None
     try:
         with FleetClient.connect(args.socket, autostart=False) as probe:
-            ranks = probe.status()["ranks"]
+            running = probe.status()["devices"]
     except FleetUnavailable:
         named = f"--socket {args.socket}" if args.socket else f"$MGPU_SOCKET {os.environ.get('MGPU_SOCKET', '')}"
-        if args.socket or os.environ.get("MGPU_SOCKET"):
+        if args.socket and not devices_given or not args.socket and os.environ.get("MGPU_SOCKET"):
             raise refuse(
-                f"no fleet server answers at {named}; start one there with 'python -m mgpu_backend serve "
-                f"--socket {address}' (with --gpus or --cpu-ranks), or leave out {named.split()[0]} to start one for this run"
+                f"no fleet server answers at {named}; start one there with 'python -m mgpu_backend serve --socket {address}' "
+                f"(with --gpus or --cpu-ranks), add --gpus or --cpu-ranks to start one there for this run, or leave out "
+                f"{named.split()[0]} to use the default socket"
             ) from None
-        api.configure(None, args.gpus, args.cpu_ranks)
+        if args.socket:
+            devices = f"{args.cpu_ranks} CPU ranks" if args.cpu_ranks is not None else f"GPUs {args.gpus}"
+            print(f"no fleet answers at {address}: starting one on {devices} there for this run", file=sys.stderr)
+        api.configure(args.socket, args.gpus, args.cpu_ranks)
         return True
-    devices = [str(rank["device"]) for rank in ranks]
-    if args.cpu_ranks is not None and devices != ["cpu"] * args.cpu_ranks:
-        warn(f"--cpu-ranks {args.cpu_ranks} not applied: the fleet at {address} already runs on {', '.join(devices)}; "
-             "this run uses it as it is (stop it with 'python -m mgpu_backend stop' to start one with your devices)")  # fmt: skip
-    if args.gpus is not None:
-        wanted = None if args.gpus.strip() == "all" else [f"cuda:{index.strip()}" for index in args.gpus.split(",")]
-        if wanted is None and not all(device.startswith("cuda") for device in devices) or wanted is not None and devices != wanted:
-            warn(f"--gpus {args.gpus} not applied: the fleet at {address} already runs on {', '.join(devices)}; "
-                 "this run uses it as it is (stop it with 'python -m mgpu_backend stop' to start one with your devices)")  # fmt: skip
+    if devices_given:
+        from mgpu_backend.fleet.controller import DeviceSpec
+
+        try:
+            wanted = DeviceSpec.parse(args.gpus, args.cpu_ranks).describe()
+        except ValueError as exc:
+            raise refuse(str(exc)) from None
+        if wanted != running:
+            asked = f"--cpu-ranks {args.cpu_ranks}" if args.cpu_ranks is not None else f"--gpus {args.gpus}"
+            warn(f"{asked} not applied: the fleet at {address} already runs on {running}; this run uses it as it is "
+                 "(stop it with 'python -m mgpu_backend stop' to start one with your devices)")  # fmt: skip
     api.configure(args.socket, None, None)
     return False
 
