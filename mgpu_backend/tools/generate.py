@@ -228,7 +228,7 @@ def _check_host_memory(height: int, width: int, num_frames: int) -> None:
 
 def build_spec(args) -> tuple[dict, bool]:
     """The model spec JSON, and whether it is the embedded tiny bundle (named, not written here)."""
-    from safetensors import SafetensorError
+    from safetensors import SafetensorError, safe_open
 
     from mgpu_backend.ltx.loading import validate_model_files
 
@@ -262,8 +262,14 @@ def build_spec(args) -> tuple[dict, bool]:
         validate_model_files(spec)
     except ModelFileError as error:
         raise refuse(str(error)) from None
-    except SafetensorError as error:
-        raise refuse(f"a model file is damaged or incomplete ({error}); download it again (compare its size with the original)") from None
+    files = [("checkpoint", spec.checkpoint_path), ("spatial upsampler", spec.spatial_upsampler_path), ("distilled LoRA", spec.distilled_lora)]
+    files += [("LoRA", path) for path, _ in spec.loras] + [("Gemma file", spec.gemma_root)] * Path(spec.gemma_root).is_file()
+    for role, path in files:
+        try:  # opening checks that the header's tensors lie inside the file: a cut download fails here, not on the ranks
+            with safe_open(path, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            raise refuse(f"{role} {path} is damaged or incomplete ({error}); download it again (compare its size with the original)") from None
     return spec.to_wire(), False
 
 
