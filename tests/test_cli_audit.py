@@ -301,3 +301,23 @@ def test_embedded_spec_carries_user_loras_so_the_flag_takes_effect(tmp_path, cap
     args = cli.build_parser().parse_args(["generate", "--prompt", PROMPT, "--lora", str(lora), "0.5"])
     spec, tiny = build_spec(args)
     assert tiny and spec["checkpoint_path"] == EMBEDDED_TINY and spec["loras"] == [[str(lora), 0.5]]
+
+
+def test_an_input_error_is_shown_without_a_rank_in_the_cli_and_in_a_node(monkeypatch):
+    from mgpu_backend.fleet.client import FleetError
+    from mgpu_backend.tools.generate import describe_fleet_error
+
+    from .test_nodes import FakeComfy, fleet_job
+
+    input_error = FleetError("frames must be 8k+1, got 10; use 9", kind="input_error", rank=1, traceback="Traceback ...")
+    fault = FleetError("out of memory on cuda:1", rank=1, traceback="Traceback ...\nOutOfMemoryError")
+    assert describe_fleet_error(input_error) == "error: frames must be 8k+1, got 10; use 9"
+    assert describe_fleet_error(fault) == "error (rank 1): out of memory on cuda:1\nTraceback ...\nOutOfMemoryError"
+    FakeComfy(monkeypatch)
+
+    def failing(*, progress, should_cancel):
+        raise input_error
+
+    with pytest.raises(RuntimeError) as raised:
+        fleet_job.FleetJob("3", "SP Sampler").call(failing)
+    assert str(raised.value) == "SP Sampler: frames must be 8k+1, got 10; use 9"
