@@ -91,6 +91,9 @@ REFUSALS = [
     (["--stage2-sigmas", "0.6;0"], "error: --stage2-sigmas takes numbers separated by commas, got '0.6;0'; e.g. 0.625,0.4,0.0"),
     (["--lora", "/nonexistent/style.safetensors"], "error: --lora: LoRA file /nonexistent/style.safetensors does not exist; check the path (or download the file there)"),
     (["--image", "/nonexistent/first.png"], "error: --image /nonexistent/first.png does not exist (or is not a file); name a PNG or JPEG file for the first frame"),
+    (["--checkpoint-path", "a.safetensors", "--gemma-root", "gemma", "--spatial-upsampler-path", "up.safetensors", "--distilled-lora", "d.safetensors", "1.0", "x"],
+     "error: --distilled-lora takes a path and an optional strength, got d.safetensors 1.0 x"),
+    (["--lora", "style.safetensors", "0.5", "x"], "error: --lora takes a path and an optional strength, got style.safetensors 0.5 x; repeat --lora for each LoRA"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "error: --prompt-file /nonexistent/prompt.txt does not exist; name a UTF-8 text file holding the prompt"),
 ]  # fmt: skip
 
@@ -266,10 +269,15 @@ def test_the_waveform_is_cut_or_padded_with_silence_to_the_video_duration():
 # --- through the ranks ----------------------------------------------------------------------------
 
 
-def test_a_run_on_a_fleet_with_other_devices_warns_and_its_audio_lasts_as_long_as_its_video(fleet, tmp_path, cache_dir):
+def test_a_run_on_a_fleet_with_other_devices_warns_of_each_flag_not_applied_and_its_audio_lasts_as_long_as_its_video(fleet, tmp_path, cache_dir):
     output, dump = tmp_path / "fox.mp4", tmp_path / "fox.safetensors"
-    completed = generate_subprocess(cache_dir, "--prompt", PROMPT, "--socket", str(fleet), "--cpu-ranks", "3", "--output", str(output), "--debug-dump", str(dump))
+    completed = generate_subprocess(
+        cache_dir, "--prompt", PROMPT, "--socket", str(fleet), "--cpu-ranks", "3", "--compile-blocks", "--output", str(output), "--debug-dump", str(dump)
+    )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-3000:]
+    assert (
+        "warning: --compile-blocks not applied: the fleet runs on 2 CPU rank(s), and only GPU ranks compile the blocks; the blocks run eagerly"
+    ) in completed.stderr.splitlines()
     assert (
         f"warning: --cpu-ranks 3 not applied: the fleet at {fleet} already runs on 2 CPU rank(s); this run uses it as it is "
         "(stop it with 'python -m mgpu_backend stop' to start one with your devices)"

@@ -249,6 +249,8 @@ def build_spec(args) -> tuple[dict, bool]:
     missing = [flag for flag, value in zip(("--checkpoint-path", "--gemma-root", "--spatial-upsampler-path", "--distilled-lora"), given) if not value]
     if missing:
         raise refuse(f"a real model needs {', '.join(missing)} too (or omit all model flags for the tiny bundle)")
+    if len(args.distilled_lora) > 2:
+        raise refuse(f"--distilled-lora takes a path and an optional strength, got {' '.join(args.distilled_lora)}")
     strength = float(_parse_floats(args.distilled_lora[1], "--distilled-lora's strength")[0]) if len(args.distilled_lora) > 1 else DISTILLED_LORA_STRENGTH
     spec = ModelSpec(
         checkpoint_path=args.checkpoint_path,
@@ -322,8 +324,9 @@ def _in_flag_names(message: str) -> str:
     return message
 
 
-def attach_fleet(args) -> bool:
-    """Point ``api`` at the fleet; True when this run starts it (it then ends with the run).
+def attach_fleet(args) -> tuple[bool, str]:
+    """Point ``api`` at the fleet. Returns whether this run starts it (it then ends with the run) and
+    its devices as the server describes them ("GPUs 0,1", "2 CPU rank(s)").
 
     A socket named by ``--socket`` or ``$MGPU_SOCKET`` where nothing answers is refused unless
     ``--gpus``/``--cpu-ranks`` say what to start there (a typo must not start a 1-rank fleet); a
@@ -349,20 +352,24 @@ def attach_fleet(args) -> bool:
             devices = f"{args.cpu_ranks} CPU ranks" if args.cpu_ranks is not None else f"GPUs {args.gpus}"
             print(f"no fleet answers at {address}: starting one on {devices} there for this run", file=sys.stderr)
         api.configure(args.socket, args.gpus, args.cpu_ranks)
-        return True
+        return True, _devices_wanted(args)
     if devices_given:
-        from mgpu_backend.fleet.controller import DeviceSpec
-
-        try:
-            wanted = DeviceSpec.parse(args.gpus, args.cpu_ranks).describe()
-        except ValueError as exc:
-            raise refuse(str(exc)) from None
-        if wanted != running:
+        if _devices_wanted(args) != running:
             asked = f"--cpu-ranks {args.cpu_ranks}" if args.cpu_ranks is not None else f"--gpus {args.gpus}"
             warn(f"{asked} not applied: the fleet at {address} already runs on {running}; this run uses it as it is "
                  "(stop it with 'python -m mgpu_backend stop' to start one with your devices)")  # fmt: skip
     api.configure(args.socket, None, None)
-    return False
+    return False, running
+
+
+def _devices_wanted(args) -> str:
+    """The devices a fleet started for this run gets, in the server's words."""
+    from mgpu_backend.fleet.controller import DeviceSpec
+
+    try:
+        return DeviceSpec.parse(args.gpus, args.cpu_ranks).describe()
+    except ValueError as exc:
+        raise refuse(str(exc)) from None
 
 
 def describe_fleet_error(exc) -> str:
@@ -399,7 +406,9 @@ def run_generate(args) -> int:
         )  # fmt: skip
         for m in ("video", "audio")
     )
-    started_here = attach_fleet(args)
+    started_here, devices = attach_fleet(args)
+    if args.compile_blocks and not devices.startswith("GPUs"):
+        warn(f"--compile-blocks not applied: the fleet runs on {devices}, and only GPU ranks compile the blocks; the blocks run eagerly")
     cancelled = {"flag": False}
 
     def on_interrupt(*_):
