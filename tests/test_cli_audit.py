@@ -215,6 +215,18 @@ def test_serve_with_gpus_on_a_machine_without_cuda_says_what_to_do(capsys):
     )
 
 
+def test_generate_with_gpus_on_a_machine_without_cuda_is_refused_before_a_fleet_starts(tmp_path, capsys, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is visible here")
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))  # a default socket of its own, where nothing answers
+    code, err = generate_here(capsys, monkeypatch, "--prompt", PROMPT, "--gpus", "0", "--output", str(tmp_path / "o.mp4"))
+    assert code == 2 and err.splitlines()[-1] == (
+        "error: --gpus 0 names CUDA GPUs, but none is visible (no CUDA device or driver, or CUDA_VISIBLE_DEVICES hides them); "
+        "use --cpu-ranks N to run on the CPU"
+    )
+    assert not (tmp_path / "comfyui-mgpu" / "server.log").exists()
+
+
 def test_queue_with_a_missing_workflow_file_says_so(tmp_path, capsys):
     assert cli.main(["queue", str(tmp_path / "t2v.json")]) == 2
     err = capsys.readouterr().err

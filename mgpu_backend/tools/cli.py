@@ -25,7 +25,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         devices = DeviceSpec.parse(args.gpus, args.cpu_ranks)
-        _check_gpus_visible(devices.gpus)
+        check_gpus_visible(devices.gpus)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -40,7 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_gpus_visible(gpus: tuple[int, ...]) -> None:
+def check_gpus_visible(gpus: tuple[int, ...]) -> None:
     """GPUs named by index must exist here: otherwise every rank would die with a CUDA traceback."""
     if not gpus:
         return
