@@ -10,6 +10,7 @@ subprocess, as a user would.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -193,14 +194,15 @@ def test_float32_is_not_offered_to_the_two_stage_job(capsys, monkeypatch):
 # --- help, the other commands, the README ---------------------------------------------------------
 
 
-def test_help_lists_no_internal_command_and_every_generate_flag_shows_its_default():
+def test_help_lists_no_internal_command_and_every_flag_shows_its_default():
     parser = cli.build_parser()
     usage = parser.format_help()
     assert "{serve,status,stop,make-tiny,generate,queue,doctor}" in usage and not re.search(r"\brank\b", usage)
-    generate = parser._subparsers._group_actions[0].choices["generate"]
+    commands = parser._subparsers._group_actions[0].choices
     undocumented = [
-        action.option_strings[0] for action in generate._actions
-        if action.option_strings and action.option_strings[0] != "-h" and not re.search(r"default|required", action.help or "", re.I)
+        f"{name} {action.option_strings[0]}" for name in ("serve", "status", "stop", "make-tiny", "generate", "queue") for action in commands[name]._actions
+        if action.option_strings and action.help != argparse.SUPPRESS and action.option_strings[0] != "-h"
+        and not re.search(r"default|required", action.help or "", re.I)
     ]  # fmt: skip
     assert undocumented == []
 

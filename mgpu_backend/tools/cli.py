@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_socket(serve)
     devices = serve.add_mutually_exclusive_group()
     devices.add_argument("--gpus", default=None, help="GPU indices, e.g. 0,1,2,3, or 'all' (default: all visible GPUs)")
-    devices.add_argument("--cpu-ranks", type=int, default=None, help="run N CPU ranks with gloo instead of GPUs")
+    devices.add_argument("--cpu-ranks", type=int, default=None, help="run N CPU ranks with gloo instead of GPUs (default: none, GPUs; one CPU rank without CUDA)")
     serve.add_argument("--idle-timeout", type=float, default=float(os.environ.get("MGPU_IDLE_TIMEOUT", 3600)), help="exit after this many seconds without jobs (0: never; default 3600)")
     serve.add_argument("--rank-timeout", type=float, default=float(os.environ.get("MGPU_RANK_TIMEOUT", 600)), help="fail a job and restart the fleet when no rank progresses for this many seconds (default 600)")
     serve.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="show ranks, devices, memory, the current job and the queue")
     _add_socket(status)
-    status.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    status.add_argument("--json", action="store_true", help="print machine-readable JSON (default: a few lines for people)")
     status.set_defaults(func=cmd_status)
 
     stop = commands.add_parser("stop", help="stop the fleet server and its ranks")

@@ -404,7 +404,7 @@ def add_queue_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("queue", help="run an API-format workflow on a running ComfyUI and wait for its outputs")
     parser.add_argument("workflow", help="API-format workflow JSON, e.g. workflows/api/ltx2_t2v_tiny.json")
     parser.add_argument("--server", default=os.environ.get("COMFYUI_URL", DEFAULT_SERVER), help=f"ComfyUI's URL (default: $COMFYUI_URL or {DEFAULT_SERVER})")
-    parser.add_argument("--set", action="append", metavar="NODE.INPUT=VALUE", help="override an input; NODE is a node id, title or class type; VALUE is JSON or text (repeatable)")
+    parser.add_argument("--set", action="append", metavar="NODE.INPUT=VALUE", help="override an input; NODE is a node id, title or class type; VALUE is JSON or text (repeatable; default: none, the workflow as saved)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
     parser.set_defaults(func=cmd_queue)
     return parser
