@@ -158,15 +158,17 @@ class LoadCheckpointMGPU:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, distilled_lora, dtype):
+    def VALIDATE_INPUTS(cls, distilled_lora=None, dtype=None):
         """ComfyUI runs this before queueing: float32 with the distilled LoRA would fail only in stage 2.
-        (Naming an input here skips ComfyUI's own choice check for it, so that is done here too.)"""
-        if dtype not in DTYPES:
+        (Naming an input here skips ComfyUI's own choice check for it, so that is done here too; an
+        input fed by a link is None here.)"""
+        if dtype is not None and dtype not in DTYPES:
             return f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}"
-        if distilled_lora not in (EMBEDDED, NO_FILE, *model_file_choices("loras")):
+        if distilled_lora is not None and distilled_lora not in (EMBEDDED, NO_FILE, *model_file_choices("loras")):
             return f"distilled_lora {distilled_lora!r} is not in models/loras; pick one of the listed files, or (none)"
         try:
-            validate_dtype_with_loras(dtype, distilled_lora != NO_FILE)
+            if dtype is not None and distilled_lora is not None:
+                validate_dtype_with_loras(dtype, distilled_lora != NO_FILE)
         except ValueError as error:
             return str(error)
         return True

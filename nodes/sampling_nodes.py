@@ -107,11 +107,14 @@ class SPSampler:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, width, height, length, frame_rate, seed, steps, stg_blocks):
-        """ComfyUI runs this before queueing: a bad size or frame count is refused at once."""
+    def VALIDATE_INPUTS(cls, width=None, height=None, length=None, frame_rate=None, seed=None, steps=None, stg_blocks=None):
+        """ComfyUI runs this before queueing: a bad size or frame count is refused at once. An input fed
+        by a link has no value yet (None here) and is checked when the node runs."""
         try:
-            validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate, seed=seed)
-            parse_stg_blocks(stg_blocks)
+            if None not in (width, height, length):
+                validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate, seed=seed)
+            if stg_blocks is not None:
+                parse_stg_blocks(stg_blocks)
         except ValueError as error:
             return str(error)
         return True
@@ -178,11 +181,14 @@ class TDPUpscale:
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, sigmas, tiles, force_from_noise):
-        """ComfyUI runs this before queueing: a bad schedule or tiling is refused before stage 1 runs."""
+    def VALIDATE_INPUTS(cls, sigmas=None, tiles=None, force_from_noise=None):
+        """ComfyUI runs this before queueing: a bad schedule or tiling is refused before stage 1 runs
+        (an input fed by a link is None here, checked when the node runs)."""
         try:
-            parse_sigmas(sigmas, force_from_noise)
-            parse_tiles(tiles)
+            if sigmas is not None:
+                parse_sigmas(sigmas, bool(force_from_noise))
+            if tiles is not None:
+                parse_tiles(tiles)
         except ValueError as error:
             return str(error)
         return True

@@ -260,6 +260,11 @@ def test_nodes_validate_their_widgets_before_queueing():
         "sigmas must decrease strictly, got [0.1, 0.5, 0.0]; e.g. 0.909375, 0.725, 0.421875, 0.0"
     )
     assert upscale.VALIDATE_INPUTS(sigmas="0.625, 0.4, 0.0", tiles="2", force_from_noise=False).startswith("tiles must be 'auto' or HxW")
+    assert sampler.VALIDATE_INPUTS(width=None, height=512, length=121, stg_blocks="") is True, "a linked input is checked when the node runs"
+    encode = NODES["MGPUTextEncode"]
+    assert encode.VALIDATE_INPUTS(positive=PROMPT, negative="") is True
+    assert encode.VALIDATE_INPUTS(positive="  ", negative="") == "the positive prompt is empty; describe the video and its sound"
+    assert encode.VALIDATE_INPUTS(positive="snow " * 5000, negative="") == "a prompt has 25000 characters; the limit is 20000: shorten it"
     none = "(none)"
     assert loader.VALIDATE_INPUTS(distilled_lora=none, dtype="float32") is True
     assert loader.VALIDATE_INPUTS(distilled_lora="(embedded tiny LTX-2, random weights)", dtype="float32") == (
