@@ -168,6 +168,20 @@ def test_a_socket_where_nothing_listens_is_refused_instead_of_starting_a_one_ran
     assert not socket_path.exists() and not (directory / "server.log").exists()
 
 
+def test_mgpu_socket_where_nothing_listens_is_refused(tmp_path, capsys, monkeypatch):
+    socket_path = tmp_path / "fleet.sock"
+    monkeypatch.setenv("MGPU_SOCKET", str(socket_path))
+    try:
+        code = cli.main(["generate", "--prompt", PROMPT, "--cpu-ranks", "2"])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2 and capsys.readouterr().err.splitlines()[-1] == (
+        f"error: no fleet server answers at $MGPU_SOCKET ({socket_path}); start one there with 'python -m mgpu_backend serve "
+        f"--socket {socket_path}' (with --gpus or --cpu-ranks), or unset MGPU_SOCKET to use the default socket"
+    )
+    assert not socket_path.exists()
+
+
 def test_a_truncated_checkpoint_is_refused_in_one_line(fleet, tmp_path, capsys, monkeypatch):
     from mgpu_backend.bundles.tiny import make_tiny_bundle
 

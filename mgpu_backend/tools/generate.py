@@ -341,13 +341,14 @@ def attach_fleet(args) -> tuple[bool, str]:
         with FleetClient.connect(args.socket, autostart=False) as probe:
             running = probe.status()["devices"]
     except FleetUnavailable:
-        named = f"--socket {args.socket}" if args.socket else f"$MGPU_SOCKET {os.environ.get('MGPU_SOCKET', '')}"
-        if args.socket and not devices_given or not args.socket and os.environ.get("MGPU_SOCKET"):
+        start_there = f"start one there with 'python -m mgpu_backend serve --socket {address}' (with --gpus or --cpu-ranks)"
+        if args.socket and not devices_given:
             raise refuse(
-                f"no fleet server answers at {named}; start one there with 'python -m mgpu_backend serve --socket {address}' "
-                f"(with --gpus or --cpu-ranks), add --gpus or --cpu-ranks to start one there for this run, or leave out "
-                f"{named.split()[0]} to use the default socket"
+                f"no fleet server answers at --socket {args.socket}; {start_there}, add --gpus or --cpu-ranks to start one "
+                "there for this run, or leave out --socket to use the default socket"
             ) from None
+        if not args.socket and os.environ.get("MGPU_SOCKET"):  # MGPU_SOCKET names a fleet started by hand: never one of ours
+            raise refuse(f"no fleet server answers at $MGPU_SOCKET ({address}); {start_there}, or unset MGPU_SOCKET to use the default socket") from None
         if args.socket:
             devices = f"{args.cpu_ranks} CPU ranks" if args.cpu_ranks is not None else f"GPUs {args.gpus}"
             print(f"no fleet answers at {address}: starting one on {devices} there for this run", file=sys.stderr)
