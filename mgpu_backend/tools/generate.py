@@ -6,6 +6,11 @@ default is the schema's (``mgpu_backend.ltx.schema``) for the chosen ``--model-v
 every real component runs; the fleet makes or finds its files) at small sizes, and says so. It drives the same fleet jobs as
 the ComfyUI nodes (load, encode, sample, upscale, decode), shows a progress bar per stage, cancels
 cleanly on Ctrl-C, and writes an mp4 with H.264 video and AAC audio.
+
+Every input is checked before the fleet is asked for anything (``check_inputs``, mostly with the
+schema's own checks), and refused in one style: ``error: <what was wrong, in the flag's name and the
+final video's units>; <what to do>``, exit code 2. A flag that cannot take effect is refused or
+warned about, never dropped.
 """
 
 from __future__ import annotations
