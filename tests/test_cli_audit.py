@@ -95,6 +95,7 @@ REFUSALS = [
     (["--checkpoint-path", "a.safetensors", "--gemma-root", "gemma", "--spatial-upsampler-path", "up.safetensors", "--distilled-lora", "d.safetensors", "1.0", "x"],
      "error: --distilled-lora takes a path and an optional strength, got d.safetensors 1.0 x"),
     (["--lora", "style.safetensors", "0.5", "x"], "error: --lora takes a path and an optional strength, got style.safetensors 0.5 x; repeat --lora for each LoRA"),
+    (["--lora", "style.safetensors", "strong"], "error: --lora style.safetensors strong: the strength after the path must be a number, got 'strong'; e.g. --lora style.safetensors 1.0"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "error: --prompt-file /nonexistent/prompt.txt does not exist; name a UTF-8 text file holding the prompt"),
 ]  # fmt: skip
 

@@ -61,7 +61,7 @@ def add_generate_parser(commands) -> None:
     model = parser.add_argument_group("model (omit all to use the embedded tiny bundle with random weights)")
     model.add_argument("--checkpoint-path", help="LTX-2 checkpoint (.safetensors) (default: none, the tiny bundle)")
     model.add_argument("--gemma-root", help="Gemma-3 text encoder: a Hugging Face folder or ComfyUI's single file (gemma_3_12B_it.safetensors) (default: none, the tiny bundle)")
-    model.add_argument("--distilled-lora", nargs="+", metavar=("PATH", "STRENGTH"), help="distilled LoRA for stage 2, optional strength (default 1.0) (default: none, the tiny bundle)")
+    model.add_argument("--distilled-lora", nargs="+", metavar=("PATH", "STRENGTH"), help="distilled LoRA for stage 2 and an optional strength (strength default 1.0; default: none, the tiny bundle)")
     model.add_argument("--spatial-upsampler-path", help="spatial 2x latent upsampler (.safetensors) (default: none, the tiny bundle)")
     model.add_argument("--lora", nargs="+", action="append", metavar=("PATH", "STRENGTH"), help="a user LoRA, optional strength (default 1.0; repeatable; with the tiny bundle too). Default: none")
     # bfloat16 only: stage 2 fuses the distilled LoRA, and ltx-core fuses LoRAs into bfloat16 or fp8 weights only.
@@ -158,6 +158,16 @@ def _parse_floats(text: str, name: str) -> tuple[float, ...]:
         raise refuse(f"{name} takes numbers separated by commas, got {text!r}; e.g. {_listed(TDP_UPSCALE_SIGMAS)}") from None
 
 
+def _strength(words: list[str], flag: str, default: float) -> float:
+    """The optional strength after a LoRA's path."""
+    if len(words) < 2:
+        return default
+    try:
+        return float(words[1])
+    except ValueError:
+        raise refuse(f"{flag} {' '.join(words)}: the strength after the path must be a number, got {words[1]!r}; e.g. {flag} {words[0]} {default}") from None
+
+
 def _read_text(path: str, flag: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8").strip()
@@ -242,7 +252,7 @@ def build_spec(args) -> tuple[dict, bool]:
     for lora in args.lora or []:
         if len(lora) > 2:
             raise refuse(f"--lora takes a path and an optional strength, got {' '.join(lora)}; repeat --lora for each LoRA")
-        loras.append((lora[0], float(_parse_floats(lora[1], "--lora's strength")[0]) if len(lora) > 1 else 1.0))
+        loras.append((lora[0], _strength(lora, "--lora", 1.0)))
     held = {"quantization": args.quantization, "residency": args.residency, "loras": tuple(loras)}
     if not any(given):
         spec = replace(ModelSpec.embedded_tiny(), **held)
@@ -256,7 +266,7 @@ def build_spec(args) -> tuple[dict, bool]:
         raise refuse(f"a real model needs {', '.join(missing)} too (or omit all model flags for the tiny bundle)")
     if len(args.distilled_lora) > 2:
         raise refuse(f"--distilled-lora takes a path and an optional strength, got {' '.join(args.distilled_lora)}")
-    strength = float(_parse_floats(args.distilled_lora[1], "--distilled-lora's strength")[0]) if len(args.distilled_lora) > 1 else DISTILLED_LORA_STRENGTH
+    strength = _strength(args.distilled_lora, "--distilled-lora", DISTILLED_LORA_STRENGTH)
     spec = ModelSpec(
         checkpoint_path=args.checkpoint_path,
         gemma_root=args.gemma_root,
