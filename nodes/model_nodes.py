@@ -13,7 +13,7 @@ import os
 from dataclasses import replace
 
 from mgpu_backend.ltx import api
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, QUANTIZATIONS, RESIDENCY_POLICIES, ModelSpec
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, QUANTIZATIONS, RESIDENCY_POLICIES, ModelSpec, validate_dtype_with_loras
 
 from .fleet_admin import format_status, status_snapshot, stop_fleet, unload_models
 from .fleet_job import FleetJob, prompt_server
@@ -156,6 +156,22 @@ class LoadCheckpointMGPU:
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, distilled_lora=None, dtype=None):
+        """ComfyUI runs this before queueing: float32 with the distilled LoRA would fail only in stage 2.
+        (Naming an input here skips ComfyUI's own choice check for it, so that is done here too; an
+        input fed by a link is None here.)"""
+        if dtype is not None and dtype not in DTYPES:
+            return f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}"
+        if distilled_lora is not None and distilled_lora not in (EMBEDDED, NO_FILE, *model_file_choices("loras")):
+            return f"distilled_lora {distilled_lora!r} is not in models/loras; pick one of the listed files, or (none)"
+        try:
+            if dtype is not None and distilled_lora is not None:
+                validate_dtype_with_loras(dtype, distilled_lora != NO_FILE)
+        except ValueError as error:
+            return str(error)
+        return True
 
     def load(self, ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, gpus, gemma_mode, parallel, dtype,
              quantization=NO_QUANTIZATION, residency=RESIDENCY_POLICIES[0], unique_id=None):  # fmt: skip

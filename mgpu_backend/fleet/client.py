@@ -44,6 +44,12 @@ class FleetError(Exception):
         super().__init__(message)
         self.kind, self.rank, self.traceback = kind, rank, traceback
 
+    @property
+    def where(self) -> str:
+        """' (rank N)' for a fault on one rank; '' for an input error, which every rank finds alike
+        (whichever rank reported it first would be named at random)."""
+        return f" (rank {self.rank})" if self.rank is not None and self.kind != "input_error" else ""
+
 
 class FleetCancelled(FleetError):
     """The job was cancelled (by the caller or because its client went away)."""

@@ -590,7 +590,7 @@ def decode(ctx: JobContext, args: dict, tensors: dict):
     if ctx.rank == 0:
         out_tensors["frames"] = frames_out
         if audio_latent is not None:
-            waveform, sample_rate = decode_audio(resident, audio_latent.float())
+            waveform, sample_rate = decode_audio(resident, audio_latent.float(), video_frames=frames, frame_rate=request.frame_rate)
             out_tensors["waveform"] = waveform.cpu()
             result["sample_rate"] = sample_rate
     ctx.step("decode", 2, 2)

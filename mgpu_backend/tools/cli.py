@@ -25,6 +25,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         devices = DeviceSpec.parse(args.gpus, args.cpu_ranks)
+        check_gpus_visible(devices.gpus)
         address = Address.parse(args.socket)
     except (ValueError, AddressError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -45,6 +46,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: the fleet's ranks did not start: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def check_gpus_visible(gpus: tuple[int, ...]) -> None:
+    """GPUs named by index must exist here: otherwise every rank would die with a CUDA traceback."""
+    if not gpus:
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    missing = [gpu for gpu in gpus if not 0 <= gpu < count]
+    if count == 0:
+        raise ValueError(
+            f"--gpus {','.join(map(str, gpus))} names CUDA GPUs, but none is visible (no CUDA device or driver, or "
+            "CUDA_VISIBLE_DEVICES hides them); use --cpu-ranks N to run on the CPU"
+        )
+    if missing:
+        raise ValueError(f"--gpus names GPU {','.join(map(str, missing))}, but only GPUs 0..{count - 1} are visible; use indices in that range")
 
 
 def _client(args: argparse.Namespace):
@@ -107,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_socket(serve)
     devices = serve.add_mutually_exclusive_group()
     devices.add_argument("--gpus", default=None, help="GPU indices, e.g. 0,1,2,3, or 'all' (default: all visible GPUs)")
-    devices.add_argument("--cpu-ranks", type=int, default=None, help="run N CPU ranks with gloo instead of GPUs")
+    devices.add_argument("--cpu-ranks", type=int, default=None, help="run N CPU ranks with gloo instead of GPUs (default: none, GPUs; one CPU rank without CUDA)")
     serve.add_argument("--idle-timeout", type=float, default=float(os.environ.get("MGPU_IDLE_TIMEOUT", 3600)), help="exit after this many seconds without jobs (0: never; default 3600)")
     serve.add_argument("--rank-timeout", type=float, default=float(os.environ.get("MGPU_RANK_TIMEOUT", 600)), help="fail a job and restart the fleet when no rank progresses for this many seconds (default 600)")
     serve.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -115,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="show ranks, devices, memory, the current job and the queue")
     _add_socket(status)
-    status.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    status.add_argument("--json", action="store_true", help="print machine-readable JSON (default: a few lines for people)")
     status.set_defaults(func=cmd_status)
 
     stop = commands.add_parser("stop", help="stop the fleet server and its ranks")
@@ -142,12 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_queue_parser(commands)
     add_doctor_parser(commands)
 
-    rank = commands.add_parser("rank")  # internal: started by the server
+    rank = commands.add_parser("rank")  # no help=: argparse then leaves it out of the command list
     for name in ("--rank", "--world-size", "--fd", "--owner-pid"):
         rank.add_argument(name, type=int, required=True)
     rank.add_argument("--device", required=True)
     rank.add_argument("--store", required=True)
     rank.set_defaults(func=cmd_rank)
+    # ``rank`` is internal (the server starts it): list every other command in --help and usage.
+    commands.metavar = "{" + ",".join(name for name in commands.choices if name != "rank") + "}"
     return parser
 
 
