@@ -3,8 +3,9 @@
 One run, on one random-weight bundle written first (``mgpu_backend.bundles.full_size``: the LTX-2
 19B configuration, or the tiny one with ``--tiny``):
 
-1. official: ltx-pipelines 1.0.0's ``TI2VidTwoStagesPipeline`` with its LTX-2.0 defaults (40 steps,
-   multimodal guidance, 1536x1024, 121 frames, 24 fps, seed 10) in this process. Its stages are
+1. official: ltx-pipelines 1.0.0's ``TI2VidTwoStagesPipeline`` with the defaults of the bundle's model
+   version (LTX-2.0: 40 steps, multimodal guidance, 1536x1024, 121 frames, 24 fps, seed 10; LTX-2.3
+   with ``--model 2.3``: 30 steps, STG block 28) in this process. Its stages are
    timed by wrapping, from here, the module-level functions it calls (``encode_prompts``,
    ``denoise_audio_video`` for stage 1 and stage 2, ``upsample_video``, ``vae_decode_video`` with
    its iterator consumed, ``vae_decode_audio``), each between device synchronisations and with the
@@ -17,7 +18,8 @@ One run, on one random-weight bundle written first (``mgpu_backend.bundles.full_
    handoff through shared memory is timed apart. Then the same job again on the warm fleet.
 
 It prints one markdown table (stages x official / fleet cold / fleet warm, ratio, peak GPU memory)
-with the whole-job ratio as its headline, per-step times to extrapolate to 40 steps, and how far
+with the whole-job ratio as its headline, per-step times to extrapolate to the official steps, the
+residency the fleet's ranks decided (their load log), and how far
 the outputs are apart: stage latents and decoded frames, official vs fleet. Audio is not compared
 after stage 2: our stage 2 returns the stage-1 audio by design, the official one re-denoises it.
 
@@ -34,6 +36,16 @@ checked against the free disk before writing; on a 64 GB disk ``--gemma-dir /dev
 in host memory instead. Host memory stayed under 35 GB besides that (the fleet keeps no host copy
 of the resident transformer or Gemma); /dev/shm also needs 2.3 GB for the frames. The whole run
 (bundle, official, fleet cold and warm at 40 steps) took 8 minutes.
+
+Memory and weights (docs/fp8-and-residency.md): ``--quantization fp8-cast`` loads the transformer in
+float8 on both sides (the official runner's option); ``--residency auto|all|minimal`` is the fleet's
+residency policy; ``--memory-gb N`` caps every fleet rank, and this process for the official run, at
+N GiB of the GPU (``torch.cuda.set_per_process_memory_fraction``, applied by the ranks at start-up from
+``MGPU_MEMORY_FRACTION``), as on a smaller GPU; the residency policy plans for the cap. A job the
+fleet refuses (it cannot fit even at the minimal residency) prints the fleet's refusal as the result
+and exits 1. ``--fleet-only`` skips the official run and the comparison (a 10-minute machine slot
+then holds the bundle and both fleet runs). ``--model 2.0|2.3`` picks the bundle's configuration;
+``--pipeline`` names the recipe, of which the served ones are listed in ``SERVED``.
 
 It never downloads anything; everything it writes goes to --bundle-dir (default: a temporary folder,
 removed at the end) and --gemma-dir.
@@ -109,6 +121,7 @@ class Job:
     pipeline: str = "two-stage"
     quantization: str | None = None  # "fp8-cast": the transformer's weights in float8, on both sides
     residency: str = "auto"  # the fleet's residency policy (the official pipeline builds one component at a time)
+    official_steps: int = 40  # the model version's official stage-1 steps, which a shorter run is extrapolated to
 
     @property
     def fleet_stage2(self) -> tuple[tuple[float, ...], tuple[int, int] | None]:
@@ -607,12 +620,12 @@ def report(job: Job, config: random_bundle.BundleConfig, official: Run | None, c
         values = ", ".join(f"{name} {seconds_text(median_step(run.step_seconds.get(stage, [])))}" for name, run in sides)
         lines.append(f"- {stage} s/step (median, first step left out): {values}")
     stage1_steps = [median_step(run.step_seconds.get("stage 1", [])) for _, run in sides]
-    if job.steps != 40 and all(value is not None for value in stage1_steps):
-        estimates = {name: run.total_seconds + (40 - job.steps) * step for (name, run), step in zip(sides, stage1_steps)}
+    if job.steps != job.official_steps and all(value is not None for value in stage1_steps):
+        estimates = {name: run.total_seconds + (job.official_steps - job.steps) * step for (name, run), step in zip(sides, stage1_steps)}
         text = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in estimates.items())
         if official is not None:
             text += f" (official / fleet cold = {estimates['official'] / estimates['fleet cold']:.2f}, warm {estimates['official'] / estimates['warm']:.2f})"
-        lines.append(f"- whole job at 40 stage-1 steps (extrapolated with these step times): {text}")
+        lines.append(f"- whole job at the official {job.official_steps} stage-1 steps (extrapolated with these step times): {text}")
     lines.append(
         f"- bytes the fleet read from model files: cold load {cold.load_bytes_read / 1e9:.2f} GB, cold job "
         f"{cold.bytes_read / 1e9:.2f} GB (Gemma and the LoRA are read when first used); warm load "
@@ -807,6 +820,7 @@ def main() -> None:
             pipeline=args.pipeline,
             quantization=args.quantization,
             residency=args.residency,
+            official_steps=official_params.num_inference_steps,
         )
         if job.height % 64 or job.width % 64 or (job.num_frames - 1) % 8:
             raise SystemExit(f"error: the two-stage job needs height and width multiples of 64 and 8k+1 frames, got {job.width}x{job.height}x{job.num_frames}")
