@@ -389,7 +389,7 @@ def residency_lines(job_log: list[str]) -> list[str]:
     ranks_of: dict[str, list[str]] = {}
     for line in job_log:
         tag, _, text = line.partition("] ")
-        if text.startswith("residency "):
+        if text.startswith(tuple(f"residency {policy}: " for policy in RESIDENCY_POLICIES)):  # ResidencyPlan.describe()
             ranks_of.setdefault(text, []).append(tag.removeprefix("[rank "))
     return [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {text}" for text, ranks in ranks_of.items()]
 
