@@ -848,6 +848,8 @@ def main() -> None:
             cold, warm = run_fleet(spec, job, device, gpus, cpu_ranks, socket_dir, args.fleet_log)
         except FleetError as exc:  # a model that does not fit is refused in the fleet's words, not with a traceback
             text, failed = refusal_report(job, config, exc, world, memory_cap), True
+            if exc.kind != "input_error" and exc.traceback:  # a fault (an out of memory past the plan): where, for stderr only
+                log(f"the failing rank's traceback:\n{exc.traceback}")
         else:
             text, failed = report(job, config, official, cold, warm, device, world, memory_cap), False
     print(text, flush=True)
