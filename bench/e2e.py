@@ -79,7 +79,7 @@ from mgpu_backend.fleet.client import FleetError
 from mgpu_backend.fleet.rank import MEMORY_FRACTION_ENV
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.residency import GIB, MEMORY_LIMIT_ENV
-from mgpu_backend.ltx.schema import MODEL_VERSIONS, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, LoadRequest
+from mgpu_backend.ltx.schema import MODEL_VERSIONS, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, LoadRequest, defaults_for
 from mgpu_backend.tools.generate import DEFAULT_NEGATIVE_PROMPT, MULTI_GPU_STAGE2_SIGMAS, SINGLE_GPU_STAGE2_SIGMAS, TINY_DEFAULTS
 from mgpu_backend.bundles import full_size as random_bundle
 from mgpu_backend.bundles.configs import model_version as layout_version
@@ -93,7 +93,9 @@ OTHER = "other"  # official time outside every timed function: its gc / memory c
 TRANSFORMER_CONFIGS = {"2.0": "ltx2-19b-transformer.json", "2.3": "ltx2.3-22b-transformer.json"}  # in configs/
 SERVED = {("2.0", "two-stage"), ("2.3", "two-stage")}
 """(model version, pipeline) pairs this benchmark runs on both sides. The one place that changes when the
-fleet serves another recipe (the distilled one: its official side is ``DistilledPipeline``, no LoRA)."""
+fleet serves another recipe: the distilled one is ready here (official side ``DistilledPipeline`` on the
+bundle's checkpoint, fleet spec without the LoRA, no guidance, ``pipeline`` passed to the sample and
+upscale jobs) and waits for the fleet and ``api`` to take ``pipeline: "distilled"``."""
 
 
 def refuse_recipes_not_served(model_version: str, pipeline: str) -> None:
@@ -283,10 +285,11 @@ def run_official(bundle: random_bundle.RandomBundle, job: Job, device: torch.dev
     from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP, LoraPathStrengthAndSDOps
     from ltx_core.model.video_vae import TilingConfig
     from ltx_core.text_encoders.gemma.encoders import encoder_configurator
-    from ltx_pipelines import ti2vid_two_stages as official
+    from ltx_pipelines import distilled, ti2vid_two_stages
 
     from mgpu_backend.ltx import fp8
 
+    official = distilled if job.pipeline == "distilled" else ti2vid_two_stages  # the module whose stage functions are timed
     run = Run()
     clock = OfficialClock(device, run)
     gemma = json.loads((Path(bundle.gemma_root) / "config.json").read_text())
@@ -307,34 +310,28 @@ def run_official(bundle: random_bundle.RandomBundle, job: Job, device: torch.dev
             stack.enter_context(patched(official, name, wrap(getattr(official, name))))
 
         started = time.perf_counter()
-        pipeline = official.TI2VidTwoStagesPipeline(
-            checkpoint_path=bundle.checkpoint_path,
-            distilled_lora=[LoraPathStrengthAndSDOps(bundle.distilled_lora_path, 1.0, LTXV_LORA_COMFY_RENAMING_MAP)],
-            spatial_upsampler_path=bundle.spatial_upsampler_path,
-            gemma_root=bundle.gemma_root,
-            loras=[],
-            device=device,
-            quantization=fp8.policy(job.quantization),  # the official runner's --quantization
-        )
+        files = {"spatial_upsampler_path": bundle.spatial_upsampler_path, "gemma_root": bundle.gemma_root, "loras": [], "device": device}
+        quantization = fp8.policy(job.quantization)  # the official runner's --quantization
+        if job.pipeline == "distilled":  # the random bundle's checkpoint stands in for a distilled one: same compute
+            pipeline = distilled.DistilledPipeline(distilled_checkpoint_path=bundle.checkpoint_path, quantization=quantization, **files)
+            ledgers, guidance = (pipeline.model_ledger,), {}
+        else:
+            lora = LoraPathStrengthAndSDOps(bundle.distilled_lora_path, 1.0, LTXV_LORA_COMFY_RENAMING_MAP)
+            pipeline = ti2vid_two_stages.TI2VidTwoStagesPipeline(checkpoint_path=bundle.checkpoint_path, distilled_lora=[lora], quantization=quantization, **files)
+            ledgers = (pipeline.stage_1_model_ledger, pipeline.stage_2_model_ledger)
+            guidance = {
+                "negative_prompt": job.negative_prompt, "num_inference_steps": job.steps,
+                "video_guider_params": job.video_guider, "audio_guider_params": job.audio_guider,
+            }  # fmt: skip
         run.seconds["load"] = time.perf_counter() - started  # builders only; the builds add to it
-        for ledger in (pipeline.stage_1_model_ledger, pipeline.stage_2_model_ledger):
+        for ledger in ledgers:
             for name in LEDGER_BUILDS:
                 setattr(ledger, name, clock.build(name, getattr(ledger, name)))
         with torch.inference_mode():  # as the official runner's main()
             video_chunks, _audio = pipeline(
-                prompt=job.prompt,
-                negative_prompt=job.negative_prompt,
-                seed=job.seed,
-                height=job.height,
-                width=job.width,
-                num_frames=job.num_frames,
-                frame_rate=job.frame_rate,
-                num_inference_steps=job.steps,
-                video_guider_params=job.video_guider,
-                audio_guider_params=job.audio_guider,
-                images=[],
-                tiling_config=TilingConfig.default(),
-            )
+                prompt=job.prompt, seed=job.seed, height=job.height, width=job.width, num_frames=job.num_frames,
+                frame_rate=job.frame_rate, images=[], tiling_config=TilingConfig.default(), **guidance,
+            )  # fmt: skip
             frames = torch.cat([chunk.cpu() for chunk in video_chunks])  # decoded already, inside the clock
         synchronize(device)
         run.total_seconds = time.perf_counter() - started
@@ -343,9 +340,9 @@ def run_official(bundle: random_bundle.RandomBundle, job: Job, device: torch.dev
     free_device_memory(device)
     if device.type == "cuda":  # the fleet gets the GPU next: nothing of the official run may stay on it
         log(f"official pipeline freed: {torch.cuda.memory_allocated(device) / 2**20:.0f} MiB still allocated in this process")
+    builds = "the transformer once (both stages)" if job.pipeline == "distilled" else "the transformer twice (stage 1, then stage 2 with the distilled LoRA fused), the VAE encoder twice"
     run.notes.append(
-        "official load = its model builds outside the stage functions: the transformer twice (stage 1, then "
-        "stage 2 with the distilled LoRA fused), the VAE encoder twice, upsampler, decoders, vocoder; its text "
+        f"official load = its model builds outside the stage functions: {builds}, upsampler, decoders, vocoder; its text "
         "encode includes building Gemma, as the fleet's cold encode does"
     )
     return run
@@ -381,6 +378,12 @@ def fleet_peak(device: torch.device) -> int | None:
         return None
     memory = api.status()["ranks"][0].get("memory") or {}
     return memory.get("peak")
+
+
+def recipe_args(job: Job) -> dict:
+    """The recipe fields of the sample and upscale jobs: the model version, and the pipeline when it is not
+    the default two-stage one (the API takes ``pipeline`` once the fleet serves another recipe)."""
+    return {"model_version": job.model_version, **({"pipeline": job.pipeline} if job.pipeline != "two-stage" else {})}
 
 
 def residency_lines(job_log: list[str]) -> list[str]:
@@ -419,7 +422,7 @@ def run_fleet_job(spec: dict, job: Job, device: torch.device, read_before: int) 
     run.load_bytes_read = loaded["bytes_read"] - read_before  # the rank's count is cumulative
     (positive, negative), started, ended = timed(lambda: api.encode(spec, [job.prompt, job.negative_prompt], **common))
     record({"text encode": ended - started})
-    guidance = {
+    guidance = {} if job.pipeline == "distilled" else {  # the distilled recipe: the schema's, no guidance
         f"{name}_guidance": api.Guidance(
             cfg_scale=params.cfg_scale, stg_scale=params.stg_scale, rescale_scale=params.rescale_scale,
             modality_scale=params.modality_scale, skip_step=params.skip_step, stg_blocks=tuple(params.stg_blocks),
@@ -429,8 +432,7 @@ def run_fleet_job(spec: dict, job: Job, device: torch.device, read_before: int) 
     (video, audio), started, ended = timed(
         lambda: api.sample(
             spec, positive, negative, width=job.width // 2, height=job.height // 2, num_frames=job.num_frames,
-            frame_rate=job.frame_rate, seed=job.seed, steps=job.steps, parallel="auto", model_version=job.model_version,
-            **guidance, **common,
+            frame_rate=job.frame_rate, seed=job.seed, steps=job.steps, parallel="auto", **recipe_args(job), **guidance, **common,
         )  # fmt: skip
     )
     record({"stage 1": ended - started})
@@ -439,8 +441,7 @@ def run_fleet_job(spec: dict, job: Job, device: torch.device, read_before: int) 
     sigmas, tiles = job.fleet_stage2
     (video2, audio2), started, ended = timed(
         lambda: api.upscale(
-            spec, video, audio, positive, frame_rate=job.frame_rate, seed=job.seed, sigmas=sigmas, tiles=tiles,
-            model_version=job.model_version, **common,
+            spec, video, audio, positive, frame_rate=job.frame_rate, seed=job.seed, sigmas=sigmas, tiles=tiles, **recipe_args(job), **common,
         )  # fmt: skip
     )
     # One job does both: the upsampler reports when it is done, the rest is stage 2.
@@ -806,13 +807,20 @@ def main() -> None:
             replace(params, stg_blocks=[min(block, last_block) for block in params.stg_blocks])
             for params in (official_params.video_guider_params, official_params.audio_guider_params)
         ]
+        steps = args.steps or defaults["steps"] or official_params.num_inference_steps
+        official_steps = official_params.num_inference_steps
+        if args.pipeline == "distilled":  # one positive-only pass per step over the recipe's fixed sigmas
+            official_steps = defaults_for(args.model, "distilled").steps
+            if args.steps not in (None, official_steps):
+                raise SystemExit(f"error: the distilled pipeline runs its {official_steps} fixed sigmas, got --steps {args.steps}; leave --steps out")
+            guiders, steps = [MultiModalGuiderParams(), MultiModalGuiderParams()], official_steps
         job = Job(
             height=args.height or defaults["height"] or official_params.stage_2_height,
             width=args.width or defaults["width"] or official_params.stage_2_width,
             num_frames=args.num_frames or defaults["num_frames"] or official_params.num_frames,
             frame_rate=official_params.frame_rate,
             seed=official_params.seed,
-            steps=args.steps or defaults["steps"] or official_params.num_inference_steps,
+            steps=steps,
             video_guider=guiders[0],
             audio_guider=guiders[1],
             multi_gpu_stage2=args.multi_gpu_stage2,
@@ -820,7 +828,7 @@ def main() -> None:
             pipeline=args.pipeline,
             quantization=args.quantization,
             residency=args.residency,
-            official_steps=official_params.num_inference_steps,
+            official_steps=official_steps,
         )
         if job.height % 64 or job.width % 64 or (job.num_frames - 1) % 8:
             raise SystemExit(f"error: the two-stage job needs height and width multiples of 64 and 8k+1 frames, got {job.width}x{job.height}x{job.num_frames}")
@@ -843,7 +851,10 @@ def main() -> None:
             log(f"official pipeline: {official.total_seconds:.1f} s")
         socket_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-e2e-fleet-"))
         os.chmod(socket_dir, 0o700)
-        spec = replace(bundle.spec(), quantization=job.quantization, residency=job.residency).to_json()
+        spec = replace(bundle.spec(), quantization=job.quantization, residency=job.residency)
+        if job.pipeline == "distilled":  # its checkpoint runs as it is: no LoRA (the bundle's checkpoint stands in)
+            spec = replace(spec, distilled_lora=None)
+        spec = spec.to_json()
         try:
             cold, warm = run_fleet(spec, job, device, gpus, cpu_ranks, socket_dir, args.fleet_log)
         except FleetError as exc:  # a model that does not fit is refused in the fleet's words, not with a traceback

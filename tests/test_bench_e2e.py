@@ -7,6 +7,7 @@ benchmark, every job through ``mgpu_backend.ltx.api``. Nothing here asserts a ti
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -105,3 +106,42 @@ def test_identical_residency_decisions_of_several_ranks_are_reported_once_naming
     other = "residency auto: estimated peak 70.0 GiB of 80.0 GiB device memory (fp8-cast transformer); built per stage: none"
     job_log = [f"[rank 0] {same}", "[rank 0] loaded in 3.2 s", f"[rank 1] {same}", f"[rank 2] {other}", "[rank 1] residency of nothing else"]
     assert e2e.residency_lines(job_log) == [f"ranks 0, 1: {same}", f"rank 2: {other}"]
+
+
+def test_the_official_distilled_run_is_timed_stage_by_stage_and_gives_the_untimed_pipelines_frames(tmp_path, monkeypatch):
+    """The official side of the distilled recipe, ready for when the fleet serves it: the clock sees 8
+    single-pass stage-1 steps and the 3-step stage 2, and changes nothing of the output."""
+    import torch
+    from ltx_core.model.video_vae import TilingConfig
+    from ltx_core.text_encoders.gemma.encoders import encoder_configurator
+    from ltx_pipelines.distilled import DistilledPipeline
+
+    from mgpu_backend.bundles import full_size
+    from mgpu_backend.tools.generate import TINY_DEFAULTS
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import e2e
+
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    bundle = full_size.write_bundle(tmp_path / "bundle", full_size.tiny_config(), device, 0)
+    job = e2e.Job(
+        height=TINY_DEFAULTS["height"], width=TINY_DEFAULTS["width"], num_frames=TINY_DEFAULTS["num_frames"], frame_rate=24.0,
+        seed=10, steps=8, video_guider=None, audio_guider=None, pipeline="distilled", official_steps=8,
+    )  # fmt: skip
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)  # the pipeline synchronises CUDA unconditionally
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *args, **kwargs: None)
+    run = e2e.run_official(bundle, job, device)
+    assert len(run.step_seconds["stage 1"]) == 8 and len(run.step_seconds["stage 2"]) == 3
+    assert set(run.seconds) >= {"load", "text encode", "stage 1", "upsample", "stage 2", "decode"}
+    assert run.latents["stage 1 video"].shape == (1, 128, 2, 2, 3) and run.latents["stage 2 video"].shape == (1, 128, 2, 4, 6)
+    assert "the transformer once (both stages)" in run.notes[0]
+
+    gemma = json.loads((Path(bundle.gemma_root) / "config.json").read_text())
+    monkeypatch.setattr(encoder_configurator, "GEMMA3_CONFIG_FOR_LTX", full_size.ltx_core_gemma_config(gemma))
+    pipeline = DistilledPipeline(bundle.checkpoint_path, bundle.gemma_root, bundle.spatial_upsampler_path, [], device=device)
+    with torch.inference_mode():
+        chunks, _audio = pipeline(job.prompt, job.seed, job.height, job.width, job.num_frames, job.frame_rate, [], TilingConfig.default())
+        untimed = torch.cat([chunk.cpu() for chunk in chunks])
+    assert untimed.shape == (9, 128, 192, 3)
+    assert torch.equal(run.frames_uint8, untimed)
