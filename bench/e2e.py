@@ -782,6 +782,7 @@ def main() -> None:
         gemma_dir = None
         if args.gemma_dir:
             gemma_dir = Path(args.gemma_dir) if args.bundle_dir else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-e2e-gemma-", dir=args.gemma_dir)))
+            gemma_dir.mkdir(parents=True, exist_ok=True)  # the Gemma folder itself (e.g. /dev/shm/e2e-gemma): its disk is checked next
         planned_files = random_bundle.planned_bytes(config)
         planned = sum(planned_files.values())
         gemma_bytes = sum(size for name, size in planned_files.items() if name.startswith(random_bundle.GEMMA_DIR_NAME + "/"))
