@@ -221,7 +221,7 @@ def stage1_params(request: SampleRequest, layer_count: int) -> GenerationParams:
         seed=request.seed, num_inference_steps=request.steps,
         video_guider=guider_params(request.video_guidance, official.video_guidance, layer_count),
         audio_guider=guider_params(request.audio_guidance, official.audio_guidance, layer_count),
-        two_stage=False,
+        two_stage=False, stage1_sigmas=official.stage1_sigmas,
     )  # fmt: skip
 
 

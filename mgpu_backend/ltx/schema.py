@@ -37,6 +37,9 @@ PIPELINES = ("two-stage", "distilled")
 DTYPES = ("bfloat16", "float32", "float16")
 GEMMA_MODES = ("sharded", "batch_parallel")
 PARALLEL_PLANS = ("auto", "sp", "guidance", "hybrid")
+STAGE2_PLANS = ("auto", "sp", "tdp")
+"""Stage 2 over the fleet: sequence parallel (faithful, audio denoised), tiled data parallel (audio
+frozen), or the planner's choice (``guidance_parallel.plan_stage2``)."""
 AFTER_STAGES = (0, 1, 2)  # stages that drew noise from the job's generator before the decoder
 
 DISTILLED_LORA_STRENGTH = 1.0  # ltx_pipelines.utils.constants.DEFAULT_LORA_STRENGTH
@@ -50,6 +53,11 @@ MAX_PROMPT_CHARS = 20_000
 EMBEDDED_TINY = "embedded:tiny"
 """A model spec path that names the embedded tiny random-weight bundle: the ranks make it (or find it
 in their cache) and put the real paths in place, so that the ComfyUI process writes no model file."""
+
+EMBEDDED_TINY_DISTILLED_CHECKPOINT = EMBEDDED_TINY
+"""The checkpoint of the embedded tiny distilled model: for now the tiny bundle's dev checkpoint
+stands in for a distilled one (random weights either way; the recipe, not the weights, is what runs).
+The one place to switch once the bundle ships its own tiny distilled checkpoint."""
 
 CONTEXT_MISSING = "context missing"
 """Start of the job error a rank raises when a request names a prompt digest it does not hold (the
@@ -256,6 +264,14 @@ class ModelSpec:
             distilled_lora=EMBEDDED_TINY if distilled_lora else None,
             distilled_lora_strength=distilled_lora_strength,
         )
+
+    @classmethod
+    def embedded_tiny_for(cls, pipeline: str) -> ModelSpec:
+        """The embedded tiny bundle as ``pipeline`` loads it: the two-stage recipe with its distilled
+        LoRA; the distilled recipe with the distilled checkpoint and no LoRA."""
+        if pipeline == "distilled":
+            return replace(cls.embedded_tiny(distilled_lora=False), checkpoint_path=EMBEDDED_TINY_DISTILLED_CHECKPOINT)
+        return cls.embedded_tiny()
 
     @classmethod
     def tiny(cls) -> ModelSpec:
@@ -511,6 +527,12 @@ def defaults_for(model_version: str = "2.0", pipeline: str = "two-stage") -> Pip
     return DEFAULTS[(model_version, pipeline)]
 
 
+def stage2_default_sigmas(pipeline: str) -> tuple[float, ...]:
+    """Stage 2's default schedule: the distilled recipe runs the official 3-step tail (its stage 2 is
+    part of the recipe); the two-stage graph's TDP Upscale starts lower (``TDP_UPSCALE_SIGMAS``)."""
+    return STAGE_2_SIGMAS if pipeline == "distilled" else TDP_UPSCALE_SIGMAS
+
+
 OFFICIAL = defaults_for()
 """The LTX-2.0 two-stage defaults: what the running jobs use today."""
 
@@ -638,6 +660,12 @@ class SampleRequest:
         version = _choice(data, "model_version", "2.0", MODEL_VERSIONS)
         pipeline = _choice(data, "pipeline", "two-stage", PIPELINES)
         official = defaults_for(version, pipeline)
+        steps = integer_field(data, "steps", official.steps, 1, MAX_STEPS)
+        if official.stage1_sigmas is not None and steps != official.steps:
+            raise RequestError(
+                f"the {pipeline} pipeline runs its {official.steps} fixed sigmas {list(official.stage1_sigmas)}, so steps must "
+                f"be {official.steps}, got {steps}; leave steps out (or use the two-stage pipeline for another step count)"
+            )
         batch_passes = data.get("batch_passes", "auto")
         if batch_passes != "auto" and not isinstance(batch_passes, bool):
             raise RequestError(f'batch_passes must be "auto", true or false, got {batch_passes!r}; leave it out for "auto"')
@@ -651,7 +679,7 @@ class SampleRequest:
             num_frames=integer_field(data, "num_frames", official.num_frames, 1, MAX_FRAMES),
             frame_rate=number_field(data, "frame_rate", official.frame_rate, 1.0, 240.0),
             seed=integer_field(data, "seed", official.seed, 0, SEED_MAX),
-            steps=integer_field(data, "steps", official.steps, 1, MAX_STEPS),
+            steps=steps,
             video_guidance=Guidance.from_wire(data.get("video_guidance"), "video_guidance", official.video_guidance),
             audio_guidance=Guidance.from_wire(data.get("audio_guidance"), "audio_guidance", official.audio_guidance),
             parallel=_choice(data, "parallel", "auto", PARALLEL_PLANS),
@@ -665,9 +693,13 @@ class SampleRequest:
 
 @dataclass(frozen=True)
 class UpscaleRequest:
-    """Stage 2: 2x spatial upsample, then the distilled-LoRA refinement over TDP tiles; audio frozen.
+    """Stage 2: 2x spatial upsample, then the refinement over the stage-2 sigmas (the distilled LoRA
+    on the dev checkpoint of the two-stage recipe; the distilled checkpoint as it is, no LoRA, in the
+    distilled recipe), tiled data parallel (audio frozen) or sequence parallel (audio denoised).
 
-    ``tiles`` (height tiles, width tiles); None: a balanced split over the fleet."""
+    ``sigmas`` None: the recipe's (two-stage: ``TDP_UPSCALE_SIGMAS``; distilled: the official tail
+    ``STAGE_2_SIGMAS``). ``parallel``: one of ``STAGE2_PLANS``. ``tiles`` (height tiles, width
+    tiles), TDP only; None: a balanced split over the fleet."""
 
     spec: ModelSpec
     dtype: str = "bfloat16"
@@ -675,7 +707,8 @@ class UpscaleRequest:
     pipeline: str = "two-stage"
     frame_rate: float | None = None
     seed: int | None = None
-    sigmas: tuple[float, ...] = TDP_UPSCALE_SIGMAS
+    sigmas: tuple[float, ...] | None = None
+    parallel: str = "auto"
     tiles: tuple[int, int] | None = None
     overlap: int = TDP_OVERLAP
     force_from_noise: bool = False
@@ -689,6 +722,8 @@ class UpscaleRequest:
             object.__setattr__(self, "frame_rate", official.frame_rate)
         if self.seed is None:
             object.__setattr__(self, "seed", official.seed)
+        if self.sigmas is None:
+            object.__setattr__(self, "sigmas", stage2_default_sigmas(self.pipeline))
 
     def to_wire(self) -> dict:
         wire = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -702,14 +737,17 @@ class UpscaleRequest:
         pipeline = _choice(data, "pipeline", "two-stage", PIPELINES)
         official = defaults_for(version, pipeline)
         sigmas = data.get("sigmas")
-        sigmas = TDP_UPSCALE_SIGMAS if sigmas is None else _floats(sigmas, "sigmas")
+        sigmas = stage2_default_sigmas(pipeline) if sigmas is None else _floats(sigmas, "sigmas")
         force_from_noise = bool(_flag(data, "force_from_noise", False))
         validate_upscale_sigmas(sigmas, force_from_noise)
+        parallel = _choice(data, "parallel", "auto", STAGE2_PLANS)
         tiles = data.get("tiles")
         if tiles is not None and (
             not isinstance(tiles, (list, tuple)) or len(tiles) != 2 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tiles)
         ):
             raise RequestError(f"tiles must be [height_tiles, width_tiles] of positive integers, got {tiles!r}")
+        if tiles is not None and parallel == "sp":
+            raise RequestError(f"tiles {list(tiles)} apply to tiled data parallel only; leave them out with parallel 'sp', or use parallel 'tdp'")
         return cls(
             spec=_spec_of(data, cls.op),
             dtype=_choice(data, "dtype", "bfloat16", DTYPES),
@@ -718,6 +756,7 @@ class UpscaleRequest:
             frame_rate=number_field(data, "frame_rate", official.frame_rate, 1.0, 240.0),
             seed=integer_field(data, "seed", official.seed, 0, SEED_MAX),
             sigmas=sigmas,
+            parallel=parallel,
             tiles=None if tiles is None else (tiles[0], tiles[1]),
             overlap=integer_field(data, "overlap", TDP_OVERLAP, 0, 64),
             force_from_noise=force_from_noise,
