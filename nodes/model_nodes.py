@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 from mgpu_backend.ltx import api
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, PIPELINES, ModelSpec
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, ModelSpec
 
 from .fleet_admin import format_status, status_snapshot, stop_fleet, unload_models
 from .fleet_job import FleetJob, prompt_server
@@ -24,6 +25,7 @@ log = logging.getLogger("comfyui-mgpu")
 CATEGORY = "MGPU/LTX-2"
 EMBEDDED = "(embedded tiny LTX-2, random weights)"
 NO_FILE = "(none)"
+NO_QUANTIZATION = "none"
 
 
 def _folder_paths():
@@ -46,10 +48,10 @@ def model_file_choices(folder: str) -> list[str]:
 
 
 def gemma_folder_choices() -> list[str]:
-    """Hugging Face model folders (with a config.json) inside the text_encoders folders.
+    """Gemma choices inside the text_encoders folders: Hugging Face model folders (with a config.json)
+    and single .safetensors files in ComfyUI's own layout (e.g. gemma_3_12B_it.safetensors).
 
-    ltx-core reads Gemma from its folder (config, tokenizer, safetensors shards), so folders are
-    listed here, not the single files ComfyUI's own text encoder loaders take.
+    A file that is not a Gemma-3 text encoder is refused with a clear message when the model loads.
     """
     folder_paths = _folder_paths()
     if folder_paths is None:
@@ -59,7 +61,7 @@ def gemma_folder_choices() -> list[str]:
         if not os.path.isdir(base):
             continue
         for entry in os.listdir(base):
-            if os.path.isfile(os.path.join(base, entry, "config.json")):
+            if os.path.isfile(os.path.join(base, entry, "config.json")) or entry.endswith(".safetensors"):
                 names.add(entry)
     return sorted(names)
 
@@ -81,15 +83,17 @@ def _resolve_gemma(name: str) -> str:
     bases = folder_paths.get_folder_paths("text_encoders") if folder_paths is not None else [""]
     for base in bases:
         path = os.path.join(base, name)
-        if os.path.isfile(os.path.join(path, "config.json")):
+        if os.path.isfile(os.path.join(path, "config.json")) or (name.endswith(".safetensors") and os.path.isfile(path)):
             return os.path.abspath(path)
     raise ValueError(
-        f"Gemma folder {name!r} has no config.json in any text_encoders folder; put the Hugging Face folder "
-        "(e.g. gemma-3-12b-it-qat-q4_0-unquantized) in models/text_encoders"
+        f"Gemma {name!r} is neither a folder with a config.json nor a .safetensors file in any text_encoders folder; "
+        "put ComfyUI's gemma_3_12B_it.safetensors or the Hugging Face folder (e.g. gemma-3-12b-it-qat-q4_0-unquantized) "
+        "in models/text_encoders"
     )
 
 
-def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: float, spatial_upsampler: str, gemma: str, pipeline: str = "two-stage") -> dict:
+def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: float, spatial_upsampler: str, gemma: str,
+               quantization: str = NO_QUANTIZATION, residency: str = RESIDENCY_POLICIES[0], pipeline: str = "two-stage") -> dict:  # fmt: skip
     """The ModelSpec JSON for the chosen files; the embedded tiny bundle is one set, never mixed, and
     named symbolically: the fleet makes (or finds) its files, nothing is written in this process.
     The distilled recipe takes no distilled LoRA (its checkpoint is the distilled model)."""
@@ -100,13 +104,6 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
             f"the distilled pipeline runs the distilled checkpoint with no distilled LoRA, but distilled_lora is {distilled_lora!r}; "
             f"set distilled_lora to {NO_FILE!r} (or pipeline to two-stage with the dev checkpoint)"
         )
-    if ckpt_name == EMBEDDED and pipeline == "distilled":
-        if gemma != EMBEDDED:
-            raise ValueError(f"the embedded tiny checkpoint only works with its own text encoder: set gemma to {EMBEDDED!r}")
-        if spatial_upsampler not in (EMBEDDED, NO_FILE):
-            raise ValueError(f"spatial_upsampler {spatial_upsampler!r} does not fit the embedded tiny checkpoint; choose {EMBEDDED!r} or {NO_FILE!r}")
-        spec = ModelSpec.embedded_tiny_for("distilled")
-        return (spec if spatial_upsampler == EMBEDDED else ModelSpec(spec.checkpoint_path, spec.gemma_root)).to_wire()
     if ckpt_name == EMBEDDED:
         if gemma != EMBEDDED:
             raise ValueError(f"the embedded tiny checkpoint only works with its own text encoder: set gemma to {EMBEDDED!r}")
@@ -119,7 +116,9 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
             spatial_upsampler=spatial_upsampler == EMBEDDED, distilled_lora=distilled_lora == EMBEDDED,
             distilled_lora_strength=distilled_lora_strength,
         )  # fmt: skip
-        return spec.to_wire()
+        if pipeline == "distilled":
+            spec = replace(spec, checkpoint_path=ModelSpec.embedded_tiny_for(pipeline).checkpoint_path)
+        return replace(spec, quantization=None if quantization == NO_QUANTIZATION else quantization, residency=residency).to_wire()
     embedded = [name for name, value in (("distilled_lora", distilled_lora), ("spatial_upsampler", spatial_upsampler), ("gemma", gemma)) if value == EMBEDDED]
     if embedded:
         raise ValueError(
@@ -134,6 +133,8 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
         spatial_upsampler_path=None if spatial_upsampler == NO_FILE else _resolve_file("latent_upscale_models", spatial_upsampler),
         distilled_lora=None if distilled_lora == NO_FILE else _resolve_file("loras", distilled_lora),
         distilled_lora_strength=distilled_lora_strength,
+        quantization=None if quantization == NO_QUANTIZATION else quantization,
+        residency=residency,
     )
     return spec.to_wire()
 
@@ -156,19 +157,22 @@ class LoadCheckpointMGPU:
                 "distilled_lora": ([EMBEDDED, NO_FILE, *model_file_choices("loras")], {"default": EMBEDDED, "tooltip": "Two-stage pipeline: the distilled LoRA TDP Upscale refines with, from models/loras, e.g. ltx-2-19b-distilled-lora-384.safetensors. (none) if you only run SP Sampler, and always (none) for the distilled pipeline."}),
                 "distilled_lora_strength": ("FLOAT", {"default": DISTILLED_LORA_STRENGTH, "min": 0.0, "max": 2.0, "step": 0.05, "tooltip": f"Strength of the distilled LoRA in stage 2. The official pipeline uses {DISTILLED_LORA_STRENGTH}."}),
                 "spatial_upsampler": ([EMBEDDED, NO_FILE, *model_file_choices("latent_upscale_models")], {"default": EMBEDDED, "tooltip": "The 2x latent upsampler TDP Upscale needs, from models/latent_upscale_models, e.g. ltx-2-spatial-upscaler-x2-1.0.safetensors. (none) if you only run SP Sampler."}),
-                "gemma": ([EMBEDDED, *gemma_folder_choices()], {"default": EMBEDDED, "tooltip": "The Gemma 3 text encoder FOLDER (Hugging Face layout: config.json, tokenizer, safetensors shards) inside models/text_encoders, e.g. gemma-3-12b-it-qat-q4_0-unquantized."}),
+                "gemma": ([EMBEDDED, *gemma_folder_choices()], {"default": EMBEDDED, "tooltip": "The Gemma 3 12B text encoder in models/text_encoders: ComfyUI's single file (gemma_3_12B_it.safetensors, or its fp8 scaled or fp4_mixed version, dequantized to bf16 on load) or a Hugging Face folder (config.json, tokenizer, safetensors shards), e.g. gemma-3-12b-it-qat-q4_0-unquantized."}),
                 "gpus": ("STRING", {"default": "all", "tooltip": "GPUs the fleet runs on: 'all' or a list like 0,1. Applies when the fleet starts; after changing it press Restart in the MGPU panel."}),
                 "gemma_mode": (list(GEMMA_MODES), {"default": GEMMA_MODES[0], "tooltip": "sharded: one Gemma copy split over the GPUs (least memory). batch_parallel: a copy per GPU, prompts encoded in parallel (faster, needs Gemma to fit on one GPU)."}),
                 "parallel": (list(PARALLEL_PLANS), {"default": PARALLEL_PLANS[0], "tooltip": "How SP Sampler spreads a step over the GPUs: sp splits the video tokens (sequence parallel), guidance runs the guidance passes on different GPUs, hybrid does both, auto lets the planner choose from GPU count and size."}),
                 "dtype": (list(DTYPES), {"default": DTYPES[0], "tooltip": "Compute precision in the fleet. bfloat16 is what LTX-2 is made for; float32 doubles the memory and is for checking results."}),
+                "quantization": ([NO_QUANTIZATION, *QUANTIZATIONS], {"default": NO_QUANTIZATION, "tooltip": "fp8-cast keeps the transformer weights in float8 on every GPU (about half its memory) and upcasts them per layer, as the official --quantization fp8-cast; outputs differ slightly from bfloat16. Lightricks' -fp8 checkpoints load either way."}),
+                "residency": (list(RESIDENCY_POLICIES), {"default": RESIDENCY_POLICIES[0], "tooltip": "What stays on each GPU between jobs. auto keeps what fits the GPU and builds the rest per stage (Gemma first); all keeps everything (fastest warm runs, most memory); minimal keeps only the transformer."}),
                 "pipeline": (list(PIPELINES), {"default": PIPELINES[0], "tooltip": "The recipe the checkpoint is for. two-stage: the dev checkpoint, 40 guided steps (up to 4 passes each), then TDP Upscale with the distilled LoRA. distilled: the distilled checkpoint, 8 unguided steps, then 3 in stage 2, no LoRA (about 15x less stage-1 work). SP Sampler and TDP Upscale take this recipe's steps, sigmas and guidance."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    def load(self, ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, gpus, gemma_mode, parallel, dtype, pipeline="two-stage", unique_id=None):
+    def load(self, ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, gpus, gemma_mode, parallel, dtype,
+             quantization=NO_QUANTIZATION, residency=RESIDENCY_POLICIES[0], pipeline="two-stage", unique_id=None):  # fmt: skip
         gpus = parse_gpus(gpus)
-        spec = build_spec(ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, pipeline)
+        spec = build_spec(ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, quantization, residency, pipeline)
         handle = make_model_handle(spec, dtype=dtype, gemma_mode=gemma_mode, parallel=parallel, gpus=gpus, pipeline=pipeline)
         job = FleetJob(unique_id, "Load Checkpoint MGPU")
         # Takes effect when this process starts the fleet; 'all' leaves the choice to the server

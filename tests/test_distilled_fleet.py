@@ -31,7 +31,7 @@ def bundle(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spec(bundle) -> dict:
-    return ModelSpec(checkpoint_path=bundle.checkpoint_path, gemma_root=bundle.gemma_root, spatial_upsampler_path=bundle.spatial_upsampler_path).to_wire()
+    return ModelSpec(checkpoint_path=bundle.distilled_checkpoint_path, gemma_root=bundle.gemma_root, spatial_upsampler_path=bundle.spatial_upsampler_path).to_wire()
 
 
 @pytest.fixture(scope="module")

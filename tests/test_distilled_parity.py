@@ -8,9 +8,7 @@ with one positive-only pass per step, the 2x upsample, the 3-step tail on the sa
 no LoRA. Stage-1 video and audio, the upsampled latent, the stage-2 video, the stage-2 audio (the
 untiled stage 2 denoises it, as the official one does) and the decoded frames must be equal bitwise.
 
-The tiny bundle has no distilled checkpoint of its own yet: its dev checkpoint serves as the
-distilled one on both sides (``schema.EMBEDDED_TINY_DISTILLED_CHECKPOINT``); the recipe is what is
-compared.
+Both sides load the tiny bundle's own distilled checkpoint.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ def bundle(tmp_path_factory):
 @pytest.fixture(scope="module")
 def spec(bundle) -> ModelSpec:
     """The distilled recipe's model: a checkpoint, Gemma and the upsampler; no distilled LoRA."""
-    return ModelSpec(checkpoint_path=bundle.checkpoint_path, gemma_root=bundle.gemma_root, spatial_upsampler_path=bundle.spatial_upsampler_path)
+    return ModelSpec(checkpoint_path=bundle.distilled_checkpoint_path, gemma_root=bundle.gemma_root, spatial_upsampler_path=bundle.spatial_upsampler_path)
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +60,7 @@ def reference_side(bundle):
         from ltx_pipelines import distilled as reference_module
 
         pipeline = reference_module.DistilledPipeline(
-            distilled_checkpoint_path=bundle.checkpoint_path,
+            distilled_checkpoint_path=bundle.distilled_checkpoint_path,
             gemma_root=bundle.gemma_root,
             spatial_upsampler_path=bundle.spatial_upsampler_path,
             loras=[],

@@ -7,6 +7,7 @@ import pytest
 from mgpu_backend.ltx.schema import (
     DISTILLED_SIGMAS,
     EMBEDDED_TINY,
+    EMBEDDED_TINY_DISTILLED,
     NO_GUIDANCE,
     STAGE_2_SIGMAS,
     TDP_UPSCALE_SIGMAS,
@@ -85,5 +86,6 @@ def test_distilled_requests_that_cannot_run_say_what_to_change():
 
 def test_the_embedded_distilled_spec_names_no_lora():
     spec = ModelSpec.embedded_tiny_for("distilled")
-    assert spec.distilled_lora is None and spec.checkpoint_path == EMBEDDED_TINY and spec.spatial_upsampler_path == EMBEDDED_TINY
+    assert spec.distilled_lora is None and spec.checkpoint_path == EMBEDDED_TINY_DISTILLED and spec.spatial_upsampler_path == EMBEDDED_TINY
+    assert spec.names_embedded
     assert ModelSpec.embedded_tiny_for("two-stage") == ModelSpec.embedded_tiny()

@@ -728,21 +728,21 @@ def distilled_handle(**overrides):
 
 
 def test_loader_pipeline_choice_builds_the_distilled_spec_and_the_handle_carries_it(fake_api):
-    from mgpu_backend.ltx.schema import EMBEDDED_TINY, ModelSpec
+    from mgpu_backend.ltx.schema import EMBEDDED_TINY, EMBEDDED_TINY_DISTILLED, ModelSpec
 
     required = NODES["MGPULoadCheckpoint"].INPUT_TYPES()["required"]
     assert required["pipeline"][0] == ["two-stage", "distilled"] and required["pipeline"][1]["default"] == "two-stage"
     fake_api["load"].result = {"seconds": 0.1}
     (handle,) = node("MGPULoadCheckpoint").load(
         model_nodes.EMBEDDED, model_nodes.NO_FILE, 1.0, model_nodes.EMBEDDED, model_nodes.EMBEDDED,
-        "all", "sharded", "auto", "bfloat16", "distilled", unique_id="4",
+        "all", "sharded", "auto", "bfloat16", pipeline="distilled", unique_id="4",
     )  # fmt: skip
     assert handle["pipeline"] == "distilled"
-    assert ModelSpec.from_wire(handle["spec"]) == ModelSpec(EMBEDDED_TINY, EMBEDDED_TINY, EMBEDDED_TINY) == ModelSpec.embedded_tiny_for("distilled")
+    assert ModelSpec.from_wire(handle["spec"]) == ModelSpec(EMBEDDED_TINY_DISTILLED, EMBEDDED_TINY, EMBEDDED_TINY) == ModelSpec.embedded_tiny_for("distilled")
     assert fake_api["load"].calls[0][0] == (handle["spec"],)
     with pytest.raises(ValueError, match="the distilled pipeline runs the distilled checkpoint with no distilled LoRA.*set distilled_lora to '\\(none\\)'"):
         node("MGPULoadCheckpoint").load(model_nodes.EMBEDDED, model_nodes.EMBEDDED, 1.0, model_nodes.EMBEDDED, model_nodes.EMBEDDED,
-                                        "all", "sharded", "auto", "bfloat16", "distilled")  # fmt: skip
+                                        "all", "sharded", "auto", "bfloat16", pipeline="distilled")  # fmt: skip
     assert len(fake_api["load"].calls) == 1
 
 

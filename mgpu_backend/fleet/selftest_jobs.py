@@ -7,6 +7,9 @@ knobs to make one rank fail or hang so tests and ``doctor`` can check fault hand
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import json
 import time
 
 import torch
@@ -59,3 +62,30 @@ def fill(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
     values = ctx.shared_output("values", (numel,)) if ctx.rank == 0 else torch.empty(numel)
     values.fill_(float(ctx.rank + 1))
     return {"fill_seconds": time.perf_counter() - started}, {"values": values}
+
+
+MAX_MODULE_NAMES = 16
+
+
+@job("modules")
+def modules(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
+    """Where each named module is imported from on every rank (its file, or the import error), so a
+    test or ``doctor`` can tell which copy of a package the fleet runs."""
+    names = fields.get("names")
+    if (
+        not isinstance(names, list)
+        or not 0 < len(names) <= MAX_MODULE_NAMES
+        or not all(isinstance(name, str) and all(part.isidentifier() for part in name.split(".")) for name in names)
+    ):
+        raise JobInputError(f"names must be a list of 1 to {MAX_MODULE_NAMES} dotted module names, got {names!r}")
+    here = {}
+    for name in names:
+        try:
+            here[name] = getattr(importlib.import_module(name), "__file__", None) or "(built in)"
+        except Exception as exc:  # noqa: BLE001 - the answer is which error, not a failed job
+            here[name] = f"ImportError: {type(exc).__name__}: {exc}"
+    digest = hashlib.sha256(json.dumps(here, sort_keys=True).encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    every_rank = ctx.control.all_gather(mine.unsqueeze(0), dim=0).flatten().tolist() if ctx.world_size > 1 else [mine.item()]
+    differing = [rank for rank, value in enumerate(every_rank) if value != every_rank[0]]
+    return {"modules": here, "ranks_differing_from_rank_0": differing}, {}

@@ -37,6 +37,11 @@ PIPELINES = ("two-stage", "distilled")
 DTYPES = ("bfloat16", "float32", "float16")
 GEMMA_MODES = ("sharded", "batch_parallel")
 PARALLEL_PLANS = ("auto", "sp", "guidance", "hybrid")
+QUANTIZATIONS = ("fp8-cast",)
+"""How the transformer's weights may be held besides the load dtype (``None``): ``fp8-cast`` keeps them
+in float8 and upcasts per layer, as the official ``--quantization fp8-cast``."""
+RESIDENCY_POLICIES = ("auto", "all", "minimal")
+"""Which components stay on the GPU between jobs: what fits, everything, or the transformer only."""
 STAGE2_PLANS = ("auto", "sp", "tdp")
 """Stage 2 over the fleet: sequence parallel (faithful, audio denoised), tiled data parallel (audio
 frozen), or the planner's choice (``guidance_parallel.plan_stage2``)."""
@@ -54,10 +59,10 @@ EMBEDDED_TINY = "embedded:tiny"
 """A model spec path that names the embedded tiny random-weight bundle: the ranks make it (or find it
 in their cache) and put the real paths in place, so that the ComfyUI process writes no model file."""
 
-EMBEDDED_TINY_DISTILLED_CHECKPOINT = EMBEDDED_TINY
-"""The checkpoint of the embedded tiny distilled model: for now the tiny bundle's dev checkpoint
-stands in for a distilled one (random weights either way; the recipe, not the weights, is what runs).
-The one place to switch once the bundle ships its own tiny distilled checkpoint."""
+EMBEDDED_TINY_DISTILLED = "embedded:tiny-distilled"
+"""A checkpoint path that names the embedded tiny bundle's distilled checkpoint (its own weights,
+the dev checkpoint's layout), resolved on the ranks like ``EMBEDDED_TINY``."""
+EMBEDDED_NAMES = (EMBEDDED_TINY, EMBEDDED_TINY_DISTILLED)
 
 CONTEXT_MISSING = "context missing"
 """Start of the job error a rank raises when a request names a prompt digest it does not hold (the
@@ -73,6 +78,27 @@ class RequestError(ValueError):
 
 class ModelFileError(ValueError):
     """A model file or folder that cannot be used; the message names it and says what to do."""
+
+
+def parse_quantization(value) -> str | None:
+    """The ``quantization`` option, checked: None or one of ``QUANTIZATIONS``."""
+    if value is None or value in QUANTIZATIONS:
+        return value
+    allowed = ", ".join(repr(name) for name in QUANTIZATIONS)
+    raise ModelFileError(
+        f"quantization must be null (weights in the load dtype) or one of {allowed}, got {value!r}; "
+        "'fp8-cast' keeps the transformer in float8 (about half the memory), as the official --quantization fp8-cast"
+    )
+
+
+def parse_residency(value) -> str:
+    """The ``residency`` option, checked: one of ``RESIDENCY_POLICIES``."""
+    if value in RESIDENCY_POLICIES:
+        return value
+    raise ModelFileError(
+        f"residency must be one of {', '.join(RESIDENCY_POLICIES)}, got {value!r}: 'auto' keeps what fits, "
+        "'all' keeps every component on the GPU, 'minimal' keeps only the transformer"
+    )
 
 
 # --- Field readers: one message style for every request -------------------------------------------
@@ -242,7 +268,8 @@ def pixel_geometry(latent_frames: int, latent_height: int, latent_width: int) ->
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The files of one LTX-2 model. Small and JSON-able: it travels in the MGPU model handle.
+    """The files of one LTX-2 model and how each GPU holds them (``quantization``, ``residency``).
+    Small and JSON-able: it travels in the MGPU model handle, so every job names the same model.
 
     A path may be ``EMBEDDED_TINY``: the embedded tiny bundle's file of that role, resolved on the
     ranks (``resolve_embedded``)."""
@@ -253,6 +280,8 @@ class ModelSpec:
     distilled_lora: str | None = None
     distilled_lora_strength: float = DISTILLED_LORA_STRENGTH
     loras: tuple[tuple[str, float], ...] = ()
+    quantization: str | None = None
+    residency: str = "auto"
 
     @classmethod
     def embedded_tiny(cls, spatial_upsampler: bool = True, distilled_lora: bool = True, distilled_lora_strength: float = DISTILLED_LORA_STRENGTH) -> ModelSpec:
@@ -270,7 +299,7 @@ class ModelSpec:
         """The embedded tiny bundle as ``pipeline`` loads it: the two-stage recipe with its distilled
         LoRA; the distilled recipe with the distilled checkpoint and no LoRA."""
         if pipeline == "distilled":
-            return replace(cls.embedded_tiny(distilled_lora=False), checkpoint_path=EMBEDDED_TINY_DISTILLED_CHECKPOINT)
+            return replace(cls.embedded_tiny(distilled_lora=False), checkpoint_path=EMBEDDED_TINY_DISTILLED)
         return cls.embedded_tiny()
 
     @classmethod
@@ -284,14 +313,14 @@ class ModelSpec:
 
     @property
     def names_embedded(self) -> bool:
-        return EMBEDDED_TINY in (self.checkpoint_path, self.gemma_root, self.spatial_upsampler_path, self.distilled_lora)
+        return any(path in EMBEDDED_NAMES for path in (self.checkpoint_path, self.gemma_root, self.spatial_upsampler_path, self.distilled_lora))
 
     def resolve_embedded(self, bundle) -> ModelSpec:
         """This spec with every ``EMBEDDED_TINY`` path replaced by the file of ``bundle`` (a
         ``TinyBundle``: ``checkpoint_path``, ``gemma_root``, ``spatial_upsampler_path``,
-        ``distilled_lora_path``). The embedded checkpoint only works with its own Gemma, and the
-        other way round."""
-        if (self.checkpoint_path == EMBEDDED_TINY) != (self.gemma_root == EMBEDDED_TINY):
+        ``distilled_lora_path``, ``distilled_checkpoint_path`` for ``EMBEDDED_TINY_DISTILLED``). The
+        embedded checkpoints only work with their own Gemma, and the other way round."""
+        if (self.checkpoint_path in EMBEDDED_NAMES) != (self.gemma_root == EMBEDDED_TINY):
             raise ModelFileError(
                 "the embedded tiny checkpoint only works with its own text encoder: name both checkpoint_path and "
                 f"gemma_root {EMBEDDED_TINY!r}, or real files for both"
@@ -300,9 +329,10 @@ class ModelSpec:
         def resolved(path, real):
             return real if path == EMBEDDED_TINY else path
 
+        checkpoint = bundle.distilled_checkpoint_path if self.checkpoint_path == EMBEDDED_TINY_DISTILLED else bundle.checkpoint_path
         return replace(
             self,
-            checkpoint_path=resolved(self.checkpoint_path, bundle.checkpoint_path),
+            checkpoint_path=checkpoint if self.checkpoint_path in EMBEDDED_NAMES else self.checkpoint_path,
             gemma_root=resolved(self.gemma_root, bundle.gemma_root),
             spatial_upsampler_path=resolved(self.spatial_upsampler_path, bundle.spatial_upsampler_path),
             distilled_lora=resolved(self.distilled_lora, bundle.distilled_lora_path),
@@ -316,6 +346,8 @@ class ModelSpec:
             "distilled_lora": self.distilled_lora,
             "distilled_lora_strength": self.distilled_lora_strength,
             "loras": [[path, strength] for path, strength in self.loras],
+            "quantization": self.quantization,
+            "residency": self.residency,
         }
 
     to_json = to_wire
@@ -358,6 +390,8 @@ class ModelSpec:
             distilled_lora=data.get("distilled_lora"),
             distilled_lora_strength=float(strength),
             loras=tuple(parsed_loras),
+            quantization=parse_quantization(data.get("quantization")),
+            residency=parse_residency(data.get("residency", "auto")),
         )
 
     @classmethod
@@ -376,12 +410,13 @@ class ModelSpec:
             files.append(("distilled LoRA", self.distilled_lora))
         files += [("LoRA", path) for path, _ in self.loras]
         for role, path in files:
-            if path != EMBEDDED_TINY and not Path(path).is_file():
+            if path not in EMBEDDED_NAMES and not Path(path).is_file():
                 raise ModelFileError(f"{role} file {path} does not exist; check the path (or download the file there)")
-        if self.gemma_root != EMBEDDED_TINY and not Path(self.gemma_root).is_dir():
+        if self.gemma_root != EMBEDDED_TINY and not Path(self.gemma_root).is_dir() and not Path(self.gemma_root).is_file():
             raise ModelFileError(
-                f"Gemma folder {self.gemma_root} does not exist; point gemma_root at the folder holding the "
-                "Gemma-3 text encoder (config.json, model*.safetensors, tokenizer.model)"
+                f"Gemma folder {self.gemma_root} does not exist (nor a file of that name); point gemma_root at the "
+                "Gemma-3 Hugging Face folder (config.json, model*.safetensors, tokenizer.model) or at ComfyUI's single "
+                "file (models/text_encoders/gemma_3_12B_it.safetensors)"
             )
 
 

@@ -84,9 +84,9 @@ def cmd_rank(args: argparse.Namespace) -> int:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from mgpu_backend.bundles.tiny import make_tiny_bundle
 
-    bundle = make_tiny_bundle(args.directory)
-    print(f"tiny LTX-2 bundle (random weights) in {bundle.root}:")
-    for name in ("checkpoint_path", "distilled_lora_path", "spatial_upsampler_path", "gemma_root"):
+    bundle = make_tiny_bundle(args.directory, args.version)
+    print(f"tiny LTX-{bundle.version} bundle (random weights) in {bundle.root}:")
+    for name in ("checkpoint_path", "distilled_checkpoint_path", "distilled_lora_path", "spatial_upsampler_path", "gemma_root"):
         print(f"  {name}: {getattr(bundle, name)}")
     return 0
 
@@ -116,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = commands.add_parser("make-tiny", help="write the deterministic tiny LTX-2 bundle (random weights) to DIR")
     tiny.add_argument("directory")
+    from mgpu_backend.bundles.configs import VERSIONS
+
+    tiny.add_argument(
+        "--version",
+        choices=VERSIONS,
+        default=VERSIONS[0],
+        help="model version whose file layout the bundle follows: 2.0 (19B layout, default) or 2.3 (22B layout)",
+    )
     tiny.set_defaults(func=cmd_make_tiny)
 
     from mgpu_backend.tools.comfy_queue import add_queue_parser

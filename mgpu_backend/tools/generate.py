@@ -16,10 +16,11 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from dataclasses import replace
 
 import torch
 
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MODEL_VERSIONS, OFFICIAL, PIPELINES, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_UPSCALE_SIGMAS, ModelSpec, defaults_for, stage2_default_sigmas
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MODEL_VERSIONS, OFFICIAL, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_UPSCALE_SIGMAS, ModelSpec, defaults_for, stage2_default_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -57,11 +58,13 @@ def add_generate_parser(commands) -> None:
     model.add_argument("--pipeline", choices=PIPELINES, default="two-stage", help="recipe: two-stage (dev checkpoint + distilled LoRA, guided, default) or distilled (distilled checkpoint, 8 + 3 unguided steps)")
     model.add_argument("--checkpoint-path", help="LTX-2 dev checkpoint (.safetensors) of the two-stage pipeline")
     model.add_argument("--distilled-checkpoint-path", help="LTX-2 distilled checkpoint (.safetensors) of the distilled pipeline")
-    model.add_argument("--gemma-root", help="Gemma-3 text encoder folder")
+    model.add_argument("--gemma-root", help="Gemma-3 text encoder: a Hugging Face folder or ComfyUI's single file (gemma_3_12B_it.safetensors)")
     model.add_argument("--distilled-lora", nargs="+", metavar=("PATH", "STRENGTH"), help="distilled LoRA for stage 2, optional strength (default 1.0)")
     model.add_argument("--spatial-upsampler-path", help="spatial 2x latent upsampler (.safetensors)")
     model.add_argument("--lora", nargs="+", action="append", metavar=("PATH", "STRENGTH"), help="a user LoRA (repeatable)")
     model.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype (default bfloat16, as the official pipeline)")
+    model.add_argument("--quantization", choices=QUANTIZATIONS, help="fp8-cast: transformer weights in float8, upcast per layer (about half its memory; as the official --quantization fp8-cast). Default: none")
+    model.add_argument("--residency", choices=RESIDENCY_POLICIES, default=RESIDENCY_POLICIES[0], help="what stays on each GPU between jobs: auto (what fits), all, minimal (the transformer only) (default auto)")
     model.add_argument("--model-version", choices=MODEL_VERSIONS, default="2.0", help="LTX-2 version whose official defaults apply (default 2.0)")
 
     job = parser.add_argument_group("generation")
@@ -162,6 +165,8 @@ def _flag_value(args, flag: str):
 
 def build_spec(args) -> tuple[dict, bool]:
     """The model spec JSON, and whether it is the embedded tiny bundle (named, not written here)."""
+    from mgpu_backend.ltx.loading import ModelFileError, validate_model_files
+
     pipeline = args.pipeline
     wanted = RECIPE_MODEL_FLAGS[pipeline]
     other = sorted({flag for flags in RECIPE_MODEL_FLAGS.values() for flag in flags} - set(wanted))
@@ -170,24 +175,30 @@ def build_spec(args) -> tuple[dict, bool]:
         hint = "the distilled checkpoint needs no distilled LoRA" if pipeline == "distilled" else "use --pipeline distilled for it"
         raise SystemExit(f"error: {', '.join(foreign)} does not apply to --pipeline {pipeline} ({hint}); drop it")
     given = [_flag_value(args, flag) for flag in wanted]
+    held = {"quantization": args.quantization, "residency": args.residency}
     if not any(given):
-        return ModelSpec.embedded_tiny_for(pipeline).to_wire(), True
+        return replace(ModelSpec.embedded_tiny_for(pipeline), **held).to_wire(), True
     missing = [flag for flag, value in zip(wanted, given, strict=True) if not value]
     if missing:
         raise SystemExit(f"error: a real model needs {', '.join(missing)} too (or omit all model flags for the tiny bundle)")
     loras = [(lora[0], float(lora[1]) if len(lora) > 1 else 1.0) for lora in args.lora or []]
     if pipeline == "distilled":
-        spec = ModelSpec(args.distilled_checkpoint_path, args.gemma_root, args.spatial_upsampler_path, loras=tuple(loras))
-        return spec.to_wire(), False
-    strength = float(args.distilled_lora[1]) if len(args.distilled_lora) > 1 else DISTILLED_LORA_STRENGTH
-    spec = ModelSpec(
-        checkpoint_path=args.checkpoint_path,
-        gemma_root=args.gemma_root,
-        spatial_upsampler_path=args.spatial_upsampler_path,
-        distilled_lora=args.distilled_lora[0],
-        distilled_lora_strength=strength,
-        loras=tuple(loras),
-    )
+        spec = ModelSpec(args.distilled_checkpoint_path, args.gemma_root, args.spatial_upsampler_path, loras=tuple(loras), **held)
+    else:
+        strength = float(args.distilled_lora[1]) if len(args.distilled_lora) > 1 else DISTILLED_LORA_STRENGTH
+        spec = ModelSpec(
+            checkpoint_path=args.checkpoint_path,
+            gemma_root=args.gemma_root,
+            spatial_upsampler_path=args.spatial_upsampler_path,
+            distilled_lora=args.distilled_lora[0],
+            distilled_lora_strength=strength,
+            loras=tuple(loras),
+            **held,
+        )
+    try:  # from the files' headers: a wrong file stops here, before a fleet starts
+        validate_model_files(spec)
+    except ModelFileError as error:
+        raise SystemExit(f"error: {error}") from None
     return spec.to_wire(), False
 
 
