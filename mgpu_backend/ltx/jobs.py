@@ -524,6 +524,13 @@ def upscale_tiling(ctx: JobContext, request: UpscaleRequest, video_grid: tuple[i
     raise JobInputError(f"the {video_grid[1]}x{video_grid[2]} latent is too small for {tiles[0]}x{tiles[1]} tiles: {last_error}")
 
 
+STAGE2_AUDIO = {
+    True: "denoised in stage 2 (every rank saw the whole video and audio, as the official pipelines)",
+    False: "the stage-1 audio, unchanged (kept by design under TDP, where a tile's audio sees one tile of the video)",
+}
+"""The upscale result's ``audio`` field: what the returned audio latent is."""
+
+
 @ltx_job("upscale")
 def upscale(ctx: JobContext, args: dict, tensors: dict):
     """Stage 2: spatial 2x, then the recipe's refinement over TDP tiles (audio frozen) or sequence
@@ -545,12 +552,12 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
         params.validate()
         image = _image(tensors)
         stage2_grid = (video_latent.shape[2], video_latent.shape[3] * 2, video_latent.shape[4] * 2)
-        video_heads, audio_heads = resident.attention_heads()
+        dims = TransformerDims.from_checkpoint(resident.spec.checkpoint_path)
+        # Heads from the checkpoint's header: asking the transformer would swap its LoRA set back and forth.
         plan = plan_stage2(ctx.world_size, math.prod(stage2_grid), request.pipeline, request.parallel, tiles_given=request.tiles is not None,
-                           attention_heads=video_heads, audio_attention_heads=audio_heads)  # fmt: skip
+                           attention_heads=dims.video_heads, audio_attention_heads=dims.audio_heads)  # fmt: skip
         ctx.log(plan.reason)
         tiling = upscale_tiling(ctx, request, stage2_grid) if plan.technique == "tdp" else None
-        dims = TransformerDims.from_checkpoint(resident.spec.checkpoint_path)
         check_generation_fits(params, ctx.device, dims, resident.dtype, sp_degree=plan.sp_degree, weights_resident=True)
         (positive,) = prompt_contexts(ctx, tensors, [("positive", request.positive_digest)])
     upsampled = upsample_video(resident, video_latent)
@@ -573,12 +580,6 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
     }
     return fields, {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
 
-
-STAGE2_AUDIO = {
-    True: "denoised in stage 2 (every rank saw the whole video and audio, as the official pipelines)",
-    False: "the stage-1 audio, unchanged (TDP: a tile's audio saw one tile of the video)",
-}
-"""The upscale result's ``audio`` field: what the returned audio latent is."""
 
 
 def decode_tiling(request: DecodeRequest) -> TilingConfig:

@@ -1,7 +1,8 @@
 """The LTX-2 two-stage generation, one rank's side: stage 1, the 2x upsampler, stage 2.
 
 The computation is one of the two official text/image-to-video recipes of ltx-pipelines 1.0.0,
-rebuilt on ltx-core 1.0.0 so that the parallel techniques can plug into it:
+rebuilt on ltx-core 1.0.0 so that the parallel techniques can plug into it (``schema.DEFAULTS``
+holds each recipe's values):
 
 - the two-stage recipe (``TI2VidTwoStagesPipeline``): stage 1 on the dev checkpoint with full
   guidance over ltx-core's LTX2Scheduler sigmas; stage 2 with the distilled LoRA fused;
@@ -9,6 +10,8 @@ rebuilt on ltx-core 1.0.0 so that the parallel techniques can plug into it:
   distilled sigmas with one positive-only pass per step (no guidance: the neutral guider returns
   the conditional prediction unchanged), stage 2 on the same transformer with no LoRA
   (``refine_stage2(lora_set="none")``).
+
+The functions, shared by both recipes:
 
 - ``sample_stage1``: from noise at half the output size, Euler steps over the recipe's sigmas
   (``GenerationParams.stage1_sigmas``, or LTX2Scheduler's over ``num_inference_steps``), with the
