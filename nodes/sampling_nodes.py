@@ -173,11 +173,12 @@ class TDPUpscale:
     CATEGORY = CATEGORY
     RETURN_TYPES = ("LATENT",)
     RETURN_NAMES = ("av_latent",)
-    OUTPUT_TOOLTIPS = ("The refined video latent at twice the size, with the input audio latent unchanged.",)
+    OUTPUT_TOOLTIPS = ("The refined video latent at twice the size, with the input audio latent unchanged (tdp) or the re-denoised audio (sp).",)
     FUNCTION = "upscale"
     DESCRIPTION = (
         "LTX-2 stage 2 on all GPUs: the upsampled latent is cut into overlapping tiles refined on different GPUs "
-        "and blended. An upscaler only: the audio of stage 1 is passed through unchanged."
+        "and blended. An upscaler only: the audio of stage 1 is passed through unchanged. With the distilled recipe "
+        "it may instead run sequence parallel (faithful to one GPU, audio re-denoised), as stage2_parallel and the planner decide."
     )
 
     @classmethod
