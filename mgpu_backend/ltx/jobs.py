@@ -48,7 +48,7 @@ import torch
 from ltx_core.components.guiders import MultiModalGuiderParams
 from ltx_core.model.video_vae import SpatialTilingConfig, TemporalTilingConfig, TilingConfig
 
-from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
+from mgpu_backend.fleet.jobs import JobContext, JobInputError, job, keep_across_replacement
 from mgpu_backend.parallel.batched_passes import batch_passes_wanted
 from mgpu_backend.parallel.compiled_blocks import compile_blocks_wanted
 from mgpu_backend.parallel.cuda_graphs import cuda_graphs_wanted
@@ -175,6 +175,11 @@ class ResidentModel:
         velocity_model = self.transformer("none").velocity_model
         block = velocity_model.transformer_blocks[0]
         return block.attn1.heads, block.audio_attn1.heads
+
+
+# A rank that survives the replacement of a dead peer keeps the resident model: the next job reads
+# only what the replacement must load.
+keep_across_replacement("model")
 
 
 def resident_model(ctx: JobContext, request) -> ResidentModel:

@@ -53,6 +53,7 @@ imports ltx-pipelines, and never talks to other ranks except through ``Comm``.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass
 
@@ -238,8 +239,44 @@ class TransformerWeightTracker:
     def transformer(self, loader, lora_set: str) -> X0Model:
         """The working transformer with the stage's LoRA set (``"none"`` or ``"distilled"``) fused:
         what ``loader.transformer(lora_set)`` builds, without building anything after the first call."""
+        fresh = self._model is None or loader is not self._loader
+        if self.comm.world_size > 1:
+            # A rank that replaced a dead one builds while the survivors kept theirs: they agree on
+            # it here, so that all of them run the same collectives from now on.
+            flags = self.comm.all_gather(torch.tensor([int(fresh)], dtype=torch.int64, device=loader.device), dim=0).tolist()
+            if 0 < sum(flags) < len(flags):
+                self._rejoin(loader, fresh, survivor=flags.index(0))
         self.build(loader)
         return self.apply(stage_lora_set(loader.spec, lora_set))
+
+    def _rejoin(self, loader, fresh: bool, survivor: int) -> None:
+        """Collective, when some ranks build their transformer and the others kept theirs: the kept
+        ones run the layout check the builders run, then every rank takes the survivors' LoRA set
+        and goes back to the clean weights together (from the owners' clean shards: the builders'
+        shards are clean from the file), so that the next ``apply`` is the same on every rank."""
+        if fresh:
+            self.build(loader)
+        else:
+            self._check_same_model_on_every_rank(self._working, loader.device)
+        applied = json.dumps([[path, strength] for path, strength in self._applied]).encode()
+        length = self.comm.broadcast(torch.tensor([len(applied)], dtype=torch.int64, device=loader.device), src=survivor)
+        buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=loader.device)
+        if self.comm.rank == survivor:
+            buffer.copy_(torch.frombuffer(bytearray(applied), dtype=torch.uint8))
+        kept_set = _normalised([(path, strength) for path, strength in json.loads(bytes(self.comm.broadcast(buffer, src=survivor).cpu().tolist()))])
+        if not kept_set:
+            return
+        if self.no_lora_swap:  # no clean copy to go back to: the survivors build theirs again
+            if not fresh:
+                self._drop()
+                self.build(loader)
+            else:
+                self._check_same_model_on_every_rank(self._working, loader.device)
+            return
+        if fresh:
+            loras = [LoraStateDictWithStrength(self._loader.lora_state_dict(path), strength) for path, strength in kept_set]
+            self._applied, self._touched = kept_set, frozenset(fp8.lora_targets(self._working, loras))
+        self.apply(())
 
     def apply(self, lora_set) -> X0Model:
         """Make the working copy hold the clean weights with ``lora_set`` fused; return the model."""

@@ -18,24 +18,32 @@ def _add_socket(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from mgpu_backend.fleet.addresses import Address
-    from mgpu_backend.fleet.controller import DeviceSpec
+    from mgpu_backend.fleet.addresses import Address, AddressError
+    from mgpu_backend.fleet.controller import DeviceSpec, JobFailed
     from mgpu_backend.fleet.server import Server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         devices = DeviceSpec.parse(args.gpus, args.cpu_ranks)
-    except ValueError as exc:
+        address = Address.parse(args.socket)
+    except (ValueError, AddressError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server = Server(
-        Address.parse(args.socket),
-        devices,
-        idle_timeout=args.idle_timeout,
-        parent_pid=args.parent_pid,
-        rank_timeout=args.rank_timeout,
-    )
-    server.serve_forever()
+    server = Server(address, devices, idle_timeout=args.idle_timeout, parent_pid=args.parent_pid, rank_timeout=args.rank_timeout)
+    try:
+        server.listen()  # before any rank starts: a bad socket path costs nothing
+    except (OSError, AddressError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(f"error: cannot listen on {address}: {reason}; choose another --socket path (or tcp://127.0.0.1:PORT)", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # another server already listens there
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        server.serve_forever()
+    except JobFailed as exc:  # the ranks could not start
+        print(f"error: the fleet's ranks did not start: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
