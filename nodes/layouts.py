@@ -49,9 +49,15 @@ DTYPES = ("bfloat16", "float32")  # the loader's choices (the fleet also takes f
 # --- MGPU_MODEL -----------------------------------------------------------------------------------
 
 
-def make_model_handle(spec: dict, *, dtype: str, gemma_mode: str, parallel: str, gpus: str) -> dict:
-    """The MGPU_MODEL value: what every later node sends to the fleet with its job."""
-    return {"spec": spec, "dtype": dtype, "gemma_mode": gemma_mode, "parallel": parallel, "gpus": gpus}
+def make_model_handle(spec: dict, *, dtype: str, gemma_mode: str, parallel: str, gpus: str, pipeline: str = "two-stage") -> dict:
+    """The MGPU_MODEL value: what every later node sends to the fleet with its job. ``pipeline`` is
+    the recipe the files are for (``schema.PIPELINES``); the sampling nodes take its defaults."""
+    return {"spec": spec, "dtype": dtype, "gemma_mode": gemma_mode, "parallel": parallel, "gpus": gpus, "pipeline": pipeline}
+
+
+def handle_pipeline(handle: dict) -> str:
+    """The recipe of a model handle (handles made before recipes existed are two-stage)."""
+    return handle.get("pipeline", "two-stage")
 
 
 def check_model_handle(model) -> dict:

@@ -1,7 +1,8 @@
 """Load Checkpoint MGPU (files + fleet options -> MGPU_MODEL) and MGPU Fleet Control.
 
 The loader picks files from ComfyUI's model folders (checkpoints, loras, latent_upscale_models,
-text_encoders), builds the model spec, and loads it into every rank right away so that a wrong
+text_encoders) and the recipe they are for (``pipeline``: two-stage = the dev checkpoint plus the
+distilled LoRA; distilled = the distilled checkpoint, no LoRA), builds the model spec, and loads it into every rank right away so that a wrong
 file fails here and not three nodes later. Its output is a small handle, not a model: the weights
 live in the fleet processes. It never touches the weights itself.
 """
@@ -13,7 +14,7 @@ import os
 from dataclasses import replace
 
 from mgpu_backend.ltx import api
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, QUANTIZATIONS, RESIDENCY_POLICIES, ModelSpec, validate_dtype_with_loras
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, ModelSpec, validate_dtype_with_loras
 
 from .fleet_admin import format_status, status_snapshot, stop_fleet, unload_models
 from .fleet_job import FleetJob, prompt_server
@@ -92,9 +93,17 @@ def _resolve_gemma(name: str) -> str:
 
 
 def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: float, spatial_upsampler: str, gemma: str,
-               quantization: str = NO_QUANTIZATION, residency: str = RESIDENCY_POLICIES[0]) -> dict:  # fmt: skip
+               quantization: str = NO_QUANTIZATION, residency: str = RESIDENCY_POLICIES[0], pipeline: str = "two-stage") -> dict:  # fmt: skip
     """The ModelSpec JSON for the chosen files; the embedded tiny bundle is one set, never mixed, and
-    named symbolically: the fleet makes (or finds) its files, nothing is written in this process."""
+    named symbolically: the fleet makes (or finds) its files, nothing is written in this process.
+    The distilled recipe takes no distilled LoRA (its checkpoint is the distilled model)."""
+    if pipeline not in PIPELINES:
+        raise ValueError(f"pipeline must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
+    if pipeline == "distilled" and distilled_lora != NO_FILE:
+        raise ValueError(
+            f"the distilled pipeline runs the distilled checkpoint with no distilled LoRA, but distilled_lora is {distilled_lora!r}; "
+            f"set distilled_lora to {NO_FILE!r} (or pipeline to two-stage with the dev checkpoint)"
+        )
     if ckpt_name == EMBEDDED:
         if gemma != EMBEDDED:
             raise ValueError(f"the embedded tiny checkpoint only works with its own text encoder: set gemma to {EMBEDDED!r}")
@@ -107,6 +116,8 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
             spatial_upsampler=spatial_upsampler == EMBEDDED, distilled_lora=distilled_lora == EMBEDDED,
             distilled_lora_strength=distilled_lora_strength,
         )  # fmt: skip
+        if pipeline == "distilled":
+            spec = replace(spec, checkpoint_path=ModelSpec.embedded_tiny_for(pipeline).checkpoint_path)
         return replace(spec, quantization=None if quantization == NO_QUANTIZATION else quantization, residency=residency).to_wire()
     embedded = [name for name, value in (("distilled_lora", distilled_lora), ("spatial_upsampler", spatial_upsampler), ("gemma", gemma)) if value == EMBEDDED]
     if embedded:
@@ -142,8 +153,8 @@ class LoadCheckpointMGPU:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "ckpt_name": ([EMBEDDED, *model_file_choices("checkpoints")], {"default": EMBEDDED, "tooltip": "The LTX-2 checkpoint from models/checkpoints, e.g. ltx-2-19b-dev.safetensors. The embedded tiny entry needs no download (random weights: noise out) and is for trying the graph."}),
-                "distilled_lora": ([EMBEDDED, NO_FILE, *model_file_choices("loras")], {"default": EMBEDDED, "tooltip": "The distilled LoRA TDP Upscale refines with, from models/loras, e.g. ltx-2-19b-distilled-lora-384.safetensors. (none) if you only run SP Sampler."}),
+                "ckpt_name": ([EMBEDDED, *model_file_choices("checkpoints")], {"default": EMBEDDED, "tooltip": "The LTX-2 checkpoint from models/checkpoints: ltx-2-19b-dev.safetensors for the two-stage pipeline, ltx-2-19b-distilled.safetensors for the distilled one. The embedded tiny entry needs no download (random weights: noise out) and is for trying the graph."}),
+                "distilled_lora": ([EMBEDDED, NO_FILE, *model_file_choices("loras")], {"default": EMBEDDED, "tooltip": "Two-stage pipeline: the distilled LoRA TDP Upscale refines with, from models/loras, e.g. ltx-2-19b-distilled-lora-384.safetensors. (none) if you only run SP Sampler, and always (none) for the distilled pipeline."}),
                 "distilled_lora_strength": ("FLOAT", {"default": DISTILLED_LORA_STRENGTH, "min": 0.0, "max": 2.0, "step": 0.05, "tooltip": f"Strength of the distilled LoRA in stage 2. The official pipeline uses {DISTILLED_LORA_STRENGTH}."}),
                 "spatial_upsampler": ([EMBEDDED, NO_FILE, *model_file_choices("latent_upscale_models")], {"default": EMBEDDED, "tooltip": "The 2x latent upsampler TDP Upscale needs, from models/latent_upscale_models, e.g. ltx-2-spatial-upscaler-x2-1.0.safetensors. (none) if you only run SP Sampler."}),
                 "gemma": ([EMBEDDED, *gemma_folder_choices()], {"default": EMBEDDED, "tooltip": "The Gemma 3 12B text encoder in models/text_encoders: ComfyUI's single file (gemma_3_12B_it.safetensors, or its fp8 scaled or fp4_mixed version, dequantized to bf16 on load) or a Hugging Face folder (config.json, tokenizer, safetensors shards), e.g. gemma-3-12b-it-qat-q4_0-unquantized."}),
@@ -153,6 +164,7 @@ class LoadCheckpointMGPU:
                 "dtype": (list(DTYPES), {"default": DTYPES[0], "tooltip": "Compute precision in the fleet. bfloat16 is what LTX-2 is made for; float32 doubles the memory and is for checking results."}),
                 "quantization": ([NO_QUANTIZATION, *QUANTIZATIONS], {"default": NO_QUANTIZATION, "tooltip": "fp8-cast keeps the transformer weights in float8 on every GPU (about half its memory) and upcasts them per layer, as the official --quantization fp8-cast; outputs differ slightly from bfloat16. Lightricks' -fp8 checkpoints load either way."}),
                 "residency": (list(RESIDENCY_POLICIES), {"default": RESIDENCY_POLICIES[0], "tooltip": "What stays on each GPU between jobs. auto keeps what fits the GPU and builds the rest per stage (Gemma first); all keeps everything (fastest warm runs, most memory); minimal keeps only the transformer."}),
+                "pipeline": (list(PIPELINES), {"default": PIPELINES[0], "tooltip": "The recipe the checkpoint is for. two-stage: the dev checkpoint, 40 guided steps (up to 4 passes each), then TDP Upscale with the distilled LoRA. distilled: the distilled checkpoint, 8 unguided steps, then 3 in stage 2, no LoRA (20x fewer stage-1 transformer passes). SP Sampler and TDP Upscale take this recipe's steps, sigmas and guidance."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -174,10 +186,10 @@ class LoadCheckpointMGPU:
         return True
 
     def load(self, ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, gpus, gemma_mode, parallel, dtype,
-             quantization=NO_QUANTIZATION, residency=RESIDENCY_POLICIES[0], unique_id=None):  # fmt: skip
+             quantization=NO_QUANTIZATION, residency=RESIDENCY_POLICIES[0], pipeline="two-stage", unique_id=None):  # fmt: skip
         gpus = parse_gpus(gpus)
-        spec = build_spec(ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, quantization, residency)
-        handle = make_model_handle(spec, dtype=dtype, gemma_mode=gemma_mode, parallel=parallel, gpus=gpus)
+        spec = build_spec(ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, quantization, residency, pipeline)
+        handle = make_model_handle(spec, dtype=dtype, gemma_mode=gemma_mode, parallel=parallel, gpus=gpus, pipeline=pipeline)
         job = FleetJob(unique_id, "Load Checkpoint MGPU")
         # Takes effect when this process starts the fleet; 'all' leaves the choice to the server
         # (every visible GPU, or one CPU rank without CUDA).

@@ -3,11 +3,16 @@
 Each checks its inputs (sizes, frame counts, sigmas, tiles) with a message that says what to
 change before anything is sent, calls ``mgpu_backend.ltx.api`` and returns an AV LATENT in ComfyUI's
 LTX-2 layout. Widget defaults and the input checks come from ``mgpu_backend.ltx.schema``, the one
-place the official values are written. How the work is split over GPUs (sequence parallel, guidance
+place the official values are written. The recipe comes with the model handle (Load Checkpoint
+MGPU's ``pipeline``): for the distilled recipe SP Sampler ignores its steps and guidance widgets
+(the recipe's 8 fixed sigmas, one unguided pass per step) and says so on the node, and TDP Upscale's
+empty sigmas mean the recipe's tail. How the work is split over GPUs (sequence parallel, guidance
 parallel, tiled data parallel) is decided in the fleet, never here.
 """
 
 from __future__ import annotations
+
+import logging
 
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.api import parse_tiles
@@ -16,17 +21,21 @@ from mgpu_backend.ltx.schema import (
     OFFICIAL,
     PARALLEL_PLANS,
     SEED_MAX,
+    STAGE2_PLANS,
     TDP_OVERLAP,
     TDP_UPSCALE_SIGMAS,
     VIDEO_SPATIAL_COMPRESSION,
+    defaults_for,
+    stage2_default_sigmas,
     validate_generation,
     validate_upscale_sigmas,
 )
 
-from .fleet_job import FleetJob
+from .fleet_job import FleetJob, prompt_server
 from .layouts import (
     MODEL_TYPE,
     check_model_handle,
+    handle_pipeline,
     conditioning_contexts,
     first_frame,
     latent_frame_rate,
@@ -34,6 +43,8 @@ from .layouts import (
     split_latent,
 )
 from .model_nodes import CATEGORY
+
+log = logging.getLogger("comfyui-mgpu")
 
 FROM_LOADER = "(from loader)"
 MAX_FRAMES = 1025  # the widget's range: about 40 s at 24 fps
@@ -51,9 +62,12 @@ def parse_stg_blocks(text: str) -> tuple[int, ...] | None:
     return tuple(int(part) for part in parts) or None
 
 
-def parse_sigmas(text: str, force_from_noise: bool) -> tuple[float, ...]:
+def parse_sigmas(text: str, force_from_noise: bool, pipeline: str = "two-stage") -> tuple[float, ...]:
     """'0.625, 0.4, 0.0' -> a strictly decreasing schedule in [0, 1] that does not start from noise
-    (sigma 1.0) unless forced: TDP refines an upsampled latent, it does not generate one."""
+    (sigma 1.0) unless forced: TDP refines an upsampled latent, it does not generate one. Empty: the
+    recipe's default (``schema.stage2_default_sigmas``)."""
+    if not text.strip():
+        return stage2_default_sigmas(pipeline)
     try:
         sigmas = tuple(float(part) for part in text.replace(";", ",").split(",") if part.strip())
     except ValueError:
@@ -63,6 +77,15 @@ def parse_sigmas(text: str, force_from_noise: bool) -> tuple[float, ...]:
 
 
 DEFAULT_SIGMAS = ", ".join(map(str, TDP_UPSCALE_SIGMAS))
+DISTILLED_IGNORED = ("steps", "video_cfg", "audio_cfg", "stg_scale", "stg_blocks", "rescale", "modality_scale", "negative")
+
+
+def node_note(node_id, text: str) -> None:
+    """A line of text on the node (where this ComfyUI shows progress text), and in the log."""
+    log.info(text)
+    server = prompt_server()
+    if server is not None and hasattr(server, "send_progress_text") and node_id is not None:
+        server.send_progress_text(text, node_id)
 
 
 class SPSampler:
@@ -121,10 +144,19 @@ class SPSampler:
 
     def sample(self, model, positive, negative, width, height, length, frame_rate, seed, steps, video_cfg, audio_cfg, stg_scale, stg_blocks, rescale, modality_scale, parallel, image=None, compile_blocks=False, unique_id=None):
         handle = check_model_handle(model)
+        pipeline = handle_pipeline(handle)
+        distilled = pipeline == "distilled"
         validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate)
         blocks = parse_stg_blocks(stg_blocks)
-        positive_contexts, negative_contexts = conditioning_contexts(positive, "positive"), conditioning_contexts(negative, "negative")
+        positive_contexts = conditioning_contexts(positive, "positive")
+        negative_contexts = None if distilled else conditioning_contexts(negative, "negative")
         shared = {"stg_scale": stg_scale, "rescale_scale": rescale, "modality_scale": modality_scale, "stg_blocks": blocks}
+        video_guidance, audio_guidance = api.Guidance(cfg_scale=video_cfg, **shared), api.Guidance(cfg_scale=audio_cfg, **shared)
+        if distilled:
+            steps, video_guidance, audio_guidance = None, None, None
+            recipe = defaults_for(pipeline=pipeline)
+            node_note(unique_id, f"distilled pipeline: {recipe.steps} fixed distilled steps, one unguided pass each; "
+                                 f"{', '.join(DISTILLED_IGNORED)} are ignored")  # fmt: skip
         job = FleetJob(unique_id, "SP Sampler")
         video_latent, audio_latent = job.call(
             api.sample,
@@ -137,11 +169,12 @@ class SPSampler:
             frame_rate=frame_rate,
             seed=seed,
             steps=steps,
-            video_guidance=api.Guidance(cfg_scale=video_cfg, **shared),
-            audio_guidance=api.Guidance(cfg_scale=audio_cfg, **shared),
+            video_guidance=video_guidance,
+            audio_guidance=audio_guidance,
             image=first_frame(image),
             parallel=handle["parallel"] if parallel == FROM_LOADER else parallel,
             compile_blocks=bool(compile_blocks),
+            pipeline=pipeline,
             dtype=handle["dtype"],
         )
         return (make_av_latent(video_latent, audio_latent, frame_rate, stages=1),)
@@ -153,11 +186,12 @@ class TDPUpscale:
     CATEGORY = CATEGORY
     RETURN_TYPES = ("LATENT",)
     RETURN_NAMES = ("av_latent",)
-    OUTPUT_TOOLTIPS = ("The refined video latent at twice the size, with the input audio latent unchanged.",)
+    OUTPUT_TOOLTIPS = ("The refined video latent at twice the size, with the input audio latent unchanged (tdp) or the re-denoised audio (sp).",)
     FUNCTION = "upscale"
     DESCRIPTION = (
         "LTX-2 stage 2 on all GPUs: the upsampled latent is cut into overlapping tiles refined on different GPUs "
-        "and blended. An upscaler only: the audio of stage 1 is passed through unchanged."
+        "and blended. An upscaler only: the audio of stage 1 is passed through unchanged. With the distilled recipe "
+        "it may instead run sequence parallel (faithful to one GPU, audio re-denoised), as stage2_parallel and the planner decide."
     )
 
     @classmethod
@@ -168,7 +202,7 @@ class TDPUpscale:
                 "av_latent": ("LATENT", {"tooltip": "The stage-1 AV LATENT from SP Sampler (or LTXVConcatAVLatent)."}),
                 "positive": ("CONDITIONING", {"tooltip": "Positive conditioning from MGPU Text Encode (stage 2 uses no negative prompt)."}),
                 "seed": ("INT", {"default": OFFICIAL.seed, "min": 0, "max": SEED_MAX, "control_after_generate": True, "tooltip": "Seed of the noise added back at the first sigma."}),
-                "sigmas": ("STRING", {"default": DEFAULT_SIGMAS, "tooltip": "Refinement schedule, strictly decreasing in [0, 1], comma separated. Higher first sigma: more change. Starting at 1.0 is refused unless force_from_noise."}),
+                "sigmas": ("STRING", {"default": "", "tooltip": f"Refinement schedule, strictly decreasing in [0, 1], comma separated. Empty: the loader's recipe (two-stage: {DEFAULT_SIGMAS}; distilled: the official tail {', '.join(map(str, stage2_default_sigmas('distilled')))}). Higher first sigma: more change. Starting at 1.0 is refused unless force_from_noise."}),
                 "tiles": ("STRING", {"default": "auto", "tooltip": "Tile counts as HxW (height x width), e.g. 2x2, or auto for a balanced split over the GPUs. More tiles than GPUs is fine."}),
                 "overlap": ("INT", {"default": TDP_OVERLAP, "min": 0, "max": 64, "tooltip": "Overlap between neighbouring tiles in latent cells (32 output pixels each). More overlap hides seams and costs time."}),
                 "frame_rate": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 120.0, "step": 0.01, "tooltip": "0: the frame rate SP Sampler recorded in the latent. Set it only for a latent from native nodes (the rate it was sampled at)."}),
@@ -176,6 +210,7 @@ class TDPUpscale:
             },
             "optional": {
                 "image": ("IMAGE", {"tooltip": "The first-frame image of image-to-video, to keep the first frame anchored at full size."}),
+                "stage2_parallel": (list(STAGE2_PLANS), {"default": STAGE2_PLANS[0], "tooltip": "tdp: tiles on different GPUs, the stage-1 audio passes through. sp: sequence parallel over all GPUs, faithful to the one-GPU pipeline including the re-denoised audio. auto: tdp for the two-stage recipe; for distilled, sp when each GPU keeps enough video tokens, else tdp."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -193,10 +228,11 @@ class TDPUpscale:
             return str(error)
         return True
 
-    def upscale(self, model, av_latent, positive, seed, sigmas, tiles, overlap, frame_rate, force_from_noise, image=None, unique_id=None):
+    def upscale(self, model, av_latent, positive, seed, sigmas, tiles, overlap, frame_rate, force_from_noise, image=None, stage2_parallel="auto", unique_id=None):
         handle = check_model_handle(model)
-        spec = handle["spec"]
-        missing = [label for key, label in (("spatial_upsampler_path", "spatial_upsampler"), ("distilled_lora", "distilled_lora")) if not spec.get(key)]
+        spec, pipeline = handle["spec"], handle_pipeline(handle)
+        needed = (("spatial_upsampler_path", "spatial_upsampler"),) + ((("distilled_lora", "distilled_lora"),) if pipeline == "two-stage" else ())
+        missing = [label for key, label in needed if not spec.get(key)]
         if missing:
             raise ValueError(f"TDP Upscale needs {' and '.join(missing)}; choose them in Load Checkpoint MGPU")
         video_latent, audio_latent = split_latent(av_latent, "av_latent")
@@ -207,9 +243,11 @@ class TDPUpscale:
             )
         rate = latent_frame_rate(av_latent, frame_rate, "av_latent")
         positive_contexts = conditioning_contexts(positive, "positive")
-        schedule, tile_counts = parse_sigmas(sigmas, force_from_noise), parse_tiles(tiles)
-        job = FleetJob(unique_id, "TDP Upscale")
-        refined_video, _ = job.call(
+        schedule, tile_counts = parse_sigmas(sigmas, force_from_noise, pipeline), parse_tiles(tiles)
+        if stage2_parallel == "sp" and tile_counts is not None:
+            raise ValueError(f"tiles {tiles!r} apply to stage2_parallel tdp only; set tiles to auto for sp")
+        job, fields = FleetJob(unique_id, "TDP Upscale"), {}
+        refined_video, refined_audio = job.call(
             api.upscale,
             spec,
             video_latent,
@@ -222,8 +260,14 @@ class TDPUpscale:
             overlap=overlap,
             image=first_frame(image),
             force_from_noise=force_from_noise,
+            pipeline=pipeline,
+            parallel=stage2_parallel,
+            fields=fields,
             dtype=handle["dtype"],
         )
-        # Stage 2 must not change the audio (TDP's audio is context only). Reusing the input tensor
-        # makes that exact, whatever precision the round trip through the fleet used.
+        node_note(unique_id, f"{fields.get('plan', 'stage 2')}; audio: {fields.get('audio', 'the stage-1 audio')}")
+        if fields.get("stage2_parallel") == "sp":
+            return (make_av_latent(refined_video, refined_audio, rate, stages=2),)  # denoised over the whole latent: faithful
+        # TDP must not change the audio (its audio is context only). Reusing the input tensor makes
+        # that exact, whatever precision the round trip through the fleet used.
         return (make_av_latent(refined_video, audio_latent, rate, stages=2),)

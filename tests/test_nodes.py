@@ -167,7 +167,9 @@ def test_sampler_widget_defaults_are_the_official_ltx_2_values():
     assert {name: defaults[name] for name in expected} == expected
     assert (expected["width"], expected["audio_cfg"]) == (768, 7.0)
     upscale = NODES["MGPUTDPUpscale"].INPUT_TYPES()["required"]
-    assert upscale["sigmas"][1]["default"] == "0.625, 0.4, 0.0" and upscale["force_from_noise"][1]["default"] is False
+    assert upscale["sigmas"][1]["default"] == "" and upscale["force_from_noise"][1]["default"] is False
+    assert sampling_nodes.parse_sigmas("", False) == (0.625, 0.4, 0.0) == sampling_nodes.parse_sigmas("", False, "two-stage")
+    assert sampling_nodes.parse_sigmas(" ", False, "distilled") == official_stage_2_sigmas()
     assert upscale["tiles"][1]["default"] == "auto" and upscale["overlap"][1]["default"] == 4
 
 
@@ -191,7 +193,7 @@ def test_loader_names_the_embedded_bundle_and_returns_a_self_describing_handle(f
         " 1, 0 ", "batch_parallel", "hybrid", "float32", unique_id="4",
     )  # fmt: skip
     expected_spec = ModelSpec(EMBEDDED_TINY, EMBEDDED_TINY, None, EMBEDDED_TINY, 0.8).to_wire()
-    assert handle == {"spec": expected_spec, "dtype": "float32", "gemma_mode": "batch_parallel", "parallel": "hybrid", "gpus": "1,0"}
+    assert handle == {"spec": expected_spec, "dtype": "float32", "gemma_mode": "batch_parallel", "parallel": "hybrid", "gpus": "1,0", "pipeline": "two-stage"}
     assert fake_api["configure"].calls == [((), {"gpus": "1,0"})]
     ((args, kwargs),) = fake_api["load"].calls
     assert args == (expected_spec,) and kwargs["dtype"] == "float32"
@@ -709,3 +711,74 @@ def test_the_comfyui_side_imports_no_model_code_and_writes_no_bundle(tmp_path):
     assert (sample["positive_digest"], sample["negative_digest"], upscale["positive_digest"]) == ("d" * 64, "e" * 64, "d" * 64)
     assert [tensors for op, _, tensors in report["sent"] if op in ("sample", "upscale")] == [[], ["audio_latent", "video_latent"]]
     assert sample["audio_guidance"]["cfg_scale"] == 7.0 and sample["steps"] == 3
+
+
+# --- the distilled recipe -------------------------------------------------------------------------
+
+
+def official_stage_2_sigmas():
+    from ltx_pipelines.utils.constants import STAGE_2_DISTILLED_SIGMA_VALUES
+
+    return tuple(STAGE_2_DISTILLED_SIGMA_VALUES)
+
+
+def distilled_handle(**overrides):
+    handle = tiny_handle(distilled_lora=None, **overrides)
+    return {**handle, "pipeline": "distilled"}
+
+
+def test_loader_pipeline_choice_builds_the_distilled_spec_and_the_handle_carries_it(fake_api):
+    from mgpu_backend.ltx.schema import EMBEDDED_TINY, EMBEDDED_TINY_DISTILLED, ModelSpec
+
+    required = NODES["MGPULoadCheckpoint"].INPUT_TYPES()["required"]
+    assert required["pipeline"][0] == ["two-stage", "distilled"] and required["pipeline"][1]["default"] == "two-stage"
+    fake_api["load"].result = {"seconds": 0.1}
+    (handle,) = node("MGPULoadCheckpoint").load(
+        model_nodes.EMBEDDED, model_nodes.NO_FILE, 1.0, model_nodes.EMBEDDED, model_nodes.EMBEDDED,
+        "all", "sharded", "auto", "bfloat16", pipeline="distilled", unique_id="4",
+    )  # fmt: skip
+    assert handle["pipeline"] == "distilled"
+    assert ModelSpec.from_wire(handle["spec"]) == ModelSpec(EMBEDDED_TINY_DISTILLED, EMBEDDED_TINY, EMBEDDED_TINY) == ModelSpec.embedded_tiny_for("distilled")
+    assert fake_api["load"].calls[0][0] == (handle["spec"],)
+    with pytest.raises(ValueError, match="the distilled pipeline runs the distilled checkpoint with no distilled LoRA.*set distilled_lora to '\\(none\\)'"):
+        node("MGPULoadCheckpoint").load(model_nodes.EMBEDDED, model_nodes.EMBEDDED, 1.0, model_nodes.EMBEDDED, model_nodes.EMBEDDED,
+                                        "all", "sharded", "auto", "bfloat16", pipeline="distilled")  # fmt: skip
+    assert len(fake_api["load"].calls) == 1
+
+
+def test_sp_sampler_with_a_distilled_model_sends_the_recipe_defaults_and_no_negative(fake_api, monkeypatch):
+    notes = []
+    monkeypatch.setattr(sampling_nodes, "node_note", lambda node_id, text: notes.append((node_id, text)))
+    fake_api["sample"].result = (torch.zeros(1, 128, 2, 2, 3), torch.zeros(1, 8, 7, 16))
+    node("MGPUSPSampler").sample(distilled_handle(), mgpu_conditioning(1), mgpu_conditioning(2), **SAMPLER_INPUTS, unique_id="9")
+    ((args, kwargs),) = fake_api["sample"].calls
+    assert args[2] is None, "the distilled recipe runs no unconditional pass: no negative prompt goes to the fleet"
+    assert kwargs["pipeline"] == "distilled" and kwargs["steps"] is None
+    assert kwargs["video_guidance"] is None and kwargs["audio_guidance"] is None
+    assert (kwargs["width"], kwargs["height"], kwargs["seed"]) == (96, 64, 7)
+    assert notes == [("9", "distilled pipeline: 8 fixed distilled steps, one unguided pass each; steps, video_cfg, audio_cfg, "
+                           "stg_scale, stg_blocks, rescale, modality_scale, negative are ignored")]  # fmt: skip
+
+
+def test_tdp_upscale_with_a_distilled_model_needs_no_lora_runs_the_official_tail_and_keeps_sp_audio(fake_api, monkeypatch):
+    monkeypatch.setattr(sampling_nodes, "node_note", lambda node_id, text: None)
+    latent, video, audio = av_latent(frame_rate=24.0)
+    refined_video, refined_audio = torch.randn(1, 128, 2, 4, 6), audio + 0.5
+
+    def fleet_upscale(*args, fields=None, parallel="auto", **kwargs):
+        fields.update(stage2_parallel="sp" if parallel == "sp" else "tdp", plan="stage-2 plan", audio="...")
+        return refined_video, refined_audio
+
+    fake_api["upscale"].result = fleet_upscale
+    inputs = {**UPSCALE_INPUTS, "sigmas": ""}
+    (sp_result,) = node("MGPUTDPUpscale").upscale(distilled_handle(), latent, mgpu_conditioning(3), **inputs, stage2_parallel="sp")
+    kwargs = fake_api["upscale"].calls[0][1]
+    assert kwargs["pipeline"] == "distilled" and kwargs["parallel"] == "sp" and kwargs["sigmas"] == official_stage_2_sigmas()
+    assert torch.equal(sp_result["samples"].unbind()[1], refined_audio), "under SP the fleet's re-denoised audio is the result"
+    (tdp_result,) = node("MGPUTDPUpscale").upscale(distilled_handle(), latent, mgpu_conditioning(3), **inputs, stage2_parallel="tdp")
+    assert torch.equal(tdp_result["samples"].unbind()[1], audio), "under TDP the stage-1 audio passes through"
+    with pytest.raises(ValueError, match="needs spatial_upsampler;"):
+        node("MGPUTDPUpscale").upscale(distilled_handle(spatial_upsampler_path=None), latent, mgpu_conditioning(3), **inputs)
+    with pytest.raises(ValueError, match="tiles '2x2' apply to stage2_parallel tdp only"):
+        node("MGPUTDPUpscale").upscale(distilled_handle(), latent, mgpu_conditioning(3), **{**inputs, "tiles": "2x2"}, stage2_parallel="sp")
+    assert len(fake_api["upscale"].calls) == 2

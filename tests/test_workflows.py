@@ -57,7 +57,7 @@ def widget_value_problem(kind: str, allowed, value) -> str | None:
 
 def model_file_problem(value) -> str | None:
     """Loader file combos list the user's files; the examples must name the official files or the tiny bundle."""
-    known = set(builder.OFFICIAL_FILES.values()) | {builder.EMBEDDED}
+    known = set(builder.OFFICIAL_FILES.values()) | set(builder.DISTILLED_FILES.values()) | {builder.EMBEDDED}
     return None if value in known else f"{value!r} is neither an official LTX-2 file name nor the embedded bundle"
 
 
@@ -230,3 +230,59 @@ def test_ui_graphs_sit_where_comfyui_lists_custom_node_templates():
     assert UI_FILES and all(path.parent.name == "workflows" for path in UI_FILES)
     assert all("nodes" in read(path) for path in UI_FILES)
     assert all("nodes" not in read(path) for path in API_FILES)
+
+
+# --- model metadata, descriptions, layout, the distilled examples ----------------------------------------
+
+
+LOADER_FILE_FOLDERS = {"ckpt_name": "checkpoints", "distilled_lora": "loras", "spatial_upsampler": "latent_upscale_models", "gemma": "text_encoders"}
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda path: path.name)
+def test_ui_loader_carries_comfyui_model_metadata_for_every_file_it_names(path):
+    graph = read(path)
+    (loader,) = [node for node in graph["nodes"] if node["type"] == "MGPULoadCheckpoint"]
+    widgets = dict(zip([name for name, _, _ in SCHEMAS["MGPULoadCheckpoint"]["widgets"]], loader["widgets_values"], strict=True))
+    named = {widgets[name]: folder for name, folder in LOADER_FILE_FOLDERS.items() if widgets[name] not in (builder.EMBEDDED, builder.NO_FILE)}
+    models = loader["properties"].get("models", [])
+    assert {model["name"]: model["directory"] for model in models} == named, path.name
+    for model in models:
+        assert set(model) == {"name", "url", "directory"}
+        assert model["url"].startswith("https://huggingface.co/") and model["url"].endswith("/" + model["name"]), model
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda path: path.name)
+def test_ui_graph_has_a_one_line_description(path):
+    description = read(path)["extra"]["description"]
+    assert description.strip() and "\n" not in description and len(description) <= 160, description
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda path: path.name)
+def test_no_node_overlaps_another_title_bars_included(path):
+    boxes = [
+        (node["id"], node["pos"][0], node["pos"][1] - builder.NODE_TITLE_HEIGHT, node["pos"][0] + node["size"][0], node["pos"][1] + node["size"][1])
+        for node in read(path)["nodes"]
+    ]  # fmt: skip
+    overlapping = [
+        (first[0], second[0])
+        for index, first in enumerate(boxes) for second in boxes[index + 1:]
+        if first[1] < second[3] and second[1] < first[3] and first[2] < second[4] and second[2] < first[4]
+    ]  # fmt: skip
+    assert overlapping == [], f"{path.name}: nodes overlap: {overlapping}"
+
+
+def test_distilled_examples_load_the_distilled_checkpoint_and_run_the_recipe_defaults():
+    from mgpu_backend.ltx.schema import defaults_for
+
+    recipe = defaults_for("2.0", "distilled")
+    for name in ("ltx2_t2v_distilled", "ltx2_i2v_distilled"):
+        prompt = read(WORKFLOWS / "api" / f"{name}.json")
+        by_type = {node["class_type"]: node["inputs"] for node in prompt.values()}
+        loader = by_type["MGPULoadCheckpoint"]
+        assert loader["pipeline"] == "distilled" and loader["ckpt_name"] == "ltx-2-19b-distilled.safetensors" and loader["distilled_lora"] == "(none)"
+        sampler = by_type["MGPUSPSampler"]
+        assert (sampler["width"], sampler["height"], sampler["length"], sampler["steps"]) == (recipe.stage1_width, recipe.stage1_height, recipe.num_frames, recipe.steps)
+        assert (sampler["video_cfg"], sampler["stg_scale"], sampler["modality_scale"]) == (1.0, 0.0, 1.0)
+        assert by_type["MGPUTDPUpscale"]["sigmas"] == "" and by_type["MGPUTDPUpscale"]["stage2_parallel"] == "auto"
+    i2v = read(WORKFLOWS / "api" / "ltx2_i2v_distilled.json")
+    assert sorted(node["class_type"] for node in i2v.values() if isinstance(node["inputs"].get("image"), list)) == ["MGPUSPSampler", "MGPUTDPUpscale"]

@@ -57,13 +57,35 @@ API_ONLY_WIDGETS = {"upload"}
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 
 EMBEDDED = "(embedded tiny LTX-2, random weights)"
+NO_FILE = "(none)"
 OFFICIAL_FILES = {
     "ckpt_name": "ltx-2-19b-dev.safetensors",
     "distilled_lora": "ltx-2-19b-distilled-lora-384.safetensors",
     "spatial_upsampler": "ltx-2-spatial-upscaler-x2-1.0.safetensors",
-    "gemma": "gemma-3-12b-it-qat-q4_0-unquantized",
+    "gemma": "gemma_3_12B_it.safetensors",  # ComfyUI's single-file Gemma, as its own LTX-2 templates use
 }
+DISTILLED_FILES = {**OFFICIAL_FILES, "ckpt_name": "ltx-2-19b-distilled.safetensors", "distilled_lora": NO_FILE}
 TINY_FILES = {name: EMBEDDED for name in OFFICIAL_FILES}
+
+# Where ComfyUI's frontend downloads each official file from, and into which models folder: the
+# loader node's ``properties.models``, as in ComfyUI's own LTX-2 templates (comfyui-workflow-templates).
+LTX_2_FILES = "https://huggingface.co/Lightricks/LTX-2/resolve/main/"
+MODEL_SOURCES = {
+    "ltx-2-19b-dev.safetensors": (LTX_2_FILES + "ltx-2-19b-dev.safetensors", "checkpoints"),
+    "ltx-2-19b-distilled.safetensors": (LTX_2_FILES + "ltx-2-19b-distilled.safetensors", "checkpoints"),
+    "ltx-2-19b-distilled-lora-384.safetensors": (LTX_2_FILES + "ltx-2-19b-distilled-lora-384.safetensors", "loras"),
+    "ltx-2-spatial-upscaler-x2-1.0.safetensors": (LTX_2_FILES + "ltx-2-spatial-upscaler-x2-1.0.safetensors", "latent_upscale_models"),
+    "gemma_3_12B_it.safetensors": ("https://huggingface.co/Comfy-Org/ltx-2/resolve/main/split_files/text_encoders/gemma_3_12B_it.safetensors", "text_encoders"),
+}
+NODE_TITLE_HEIGHT = 30  # the frontend draws a node's title bar above its ``pos``
+
+
+def model_metadata(files: dict) -> list[dict]:
+    """ComfyUI's model entries for the loader's file inputs (none for the embedded bundle)."""
+    return [
+        {"name": name, "url": MODEL_SOURCES[name][0], "directory": MODEL_SOURCES[name][1]}
+        for name in files.values() if name in MODEL_SOURCES
+    ]  # fmt: skip
 
 
 def load_pack():
@@ -128,6 +150,7 @@ class Node:
     links: dict = field(default_factory=dict)  # input name -> (source node id, source slot)
     size: tuple[int, int] = (320, 200)
     title: str | None = None
+    models: list = field(default_factory=list)  # ComfyUI's model metadata of the node's file inputs
 
 
 def _api_value(node: Node, name: str):
@@ -166,7 +189,7 @@ def execution_order(nodes: list[Node]) -> list[int]:
     return placed
 
 
-def to_ui(nodes: list[Node], schemas: dict) -> dict:
+def to_ui(nodes: list[Node], schemas: dict, description: str = "") -> dict:
     links, link_ids = [], {}
     for node in nodes:
         for name, (source, slot) in node.links.items():
@@ -214,7 +237,8 @@ def to_ui(nodes: list[Node], schemas: dict) -> dict:
         ui_node = {
             "id": node.id, "type": node.type, "pos": list(node.pos), "size": list(node.size), "flags": {},
             "order": order, "mode": 0, "inputs": inputs, "outputs": outputs,
-            "properties": {"Node name for S&R": node.type}, "widgets_values": widgets_values,
+            "properties": {"Node name for S&R": node.type, **({"models": node.models} if node.models else {})},
+            "widgets_values": widgets_values,
         }  # fmt: skip
         if node.title:
             ui_node["title"] = node.title
@@ -230,7 +254,7 @@ def to_ui(nodes: list[Node], schemas: dict) -> dict:
         "links": links,
         "groups": [],
         "config": {},
-        "extra": {"ds": {"scale": 0.75, "offset": [40, 40]}},
+        "extra": {"ds": {"scale": 0.75, "offset": [40, 40]}, "description": description},
         "version": 0.4,
     }
 
@@ -241,39 +265,53 @@ Stage 1 (**SP Sampler**) generates video and audio at {stage1} with sequence par
 stage 2 (**TDP Upscale**) doubles it to {final} and refines it tile by tile on the GPUs;
 **Distributed VAE Decode** decodes the tiles on the GPUs.
 
-Files (ComfyUI/models): checkpoints/ltx-2-19b-dev.safetensors,
-loras/ltx-2-19b-distilled-lora-384.safetensors,
-latent_upscale_models/ltx-2-spatial-upscaler-x2-1.0.safetensors,
-text_encoders/gemma-3-12b-it-qat-q4_0-unquantized/ (the whole Hugging Face folder).
+{recipe}
+
+Files (ComfyUI/models): {files}.
 
 No weights yet? Choose "(embedded tiny LTX-2, random weights)" in every file box of the loader
 to try the graph (the output is noise). Frames must be 8k+1; the fleet panel is in the sidebar (MGPU).
 """
 
 
-def two_stage_graph(files: dict, *, prompt: str | None = None, width: int, height: int, length: int, steps: int, prefix: str, image: bool, overlap: int = 4) -> list[Node]:
+RECIPES = {
+    "two-stage": "The two-stage recipe: the dev checkpoint, 40 steps of up to 4 guided passes, then 3 steps with the distilled LoRA.",
+    "distilled": "The distilled recipe: the distilled checkpoint, 8 unguided steps (one pass each; the sampler's steps and guidance widgets are ignored), then the 3-step tail, no LoRA.",
+}
+# The official LTX-2.0 guidance the two-stage sampler shows, and the neutral values of the distilled recipe.
+SAMPLER_GUIDANCE = {
+    "two-stage": {"video_cfg": 3.0, "audio_cfg": 7.0, "stg_scale": 1.0, "rescale": 0.7, "modality_scale": 3.0},
+    "distilled": {"video_cfg": 1.0, "audio_cfg": 1.0, "stg_scale": 0.0, "rescale": 0.0, "modality_scale": 1.0},
+}
+
+
+def two_stage_graph(files: dict, *, prompt: str | None = None, width: int, height: int, length: int, steps: int, prefix: str, image: bool,
+                    overlap: int = 4, pipeline: str = "two-stage") -> list[Node]:  # fmt: skip
     default_positive, negative = default_prompts()
     x = 40
+    listed = ", ".join(f"{MODEL_SOURCES[name][1]}/{name}" for name in files.values() if name in MODEL_SOURCES)
+    note = NOTE_TWO_STAGE.format(stage1=f"{width}x{height}", final=f"{2 * width}x{2 * height}", recipe=RECIPES[pipeline], files=listed or "none (the embedded bundle)")
+    sigmas = "0.625, 0.4, 0.0" if pipeline == "two-stage" else ""  # empty: the recipe's own tail
     nodes = [
-        Node(1, "MGPULoadCheckpoint", (x, 60), {**files, "distilled_lora_strength": 1.0, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto", "dtype": "bfloat16", "quantization": "none", "residency": "auto"}, size=(380, 340)),
+        Node(1, "MGPULoadCheckpoint", (x, 60), {**files, "distilled_lora_strength": 1.0, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto", "dtype": "bfloat16",
+                                                "quantization": "none", "residency": "auto", "pipeline": pipeline}, size=(380, 380), models=model_metadata(files)),
         Node(2, "MGPUTextEncode", (x + 420, 60), {"positive": prompt or default_positive, "negative": negative, "free_gemma": False}, {"model": (1, 0)}, size=(420, 360)),
-        Node(3, "PrimitiveFloat", (x, 420), {"value": 24.0}, size=(260, 60), title="Frame rate"),
+        Node(3, "PrimitiveFloat", (x, 490), {"value": 24.0}, size=(260, 60), title="Frame rate"),
         Node(
             4, "MGPUSPSampler", (x + 880, 60),
             {"width": width, "height": height, "length": length, "frame_rate": 24.0, "seed": 10, "steps": steps,
-             "video_cfg": 3.0, "audio_cfg": 7.0, "stg_scale": 1.0, "stg_blocks": "", "rescale": 0.7,
-             "modality_scale": 3.0, "parallel": "(from loader)", "compile_blocks": False},
+             **SAMPLER_GUIDANCE[pipeline], "stg_blocks": "", "parallel": "(from loader)", "compile_blocks": False},
             {"model": (1, 0), "positive": (2, 0), "negative": (2, 1), "frame_rate": (3, 0)}, size=(340, 480),
         ),
         Node(
             5, "MGPUTDPUpscale", (x + 1260, 60),
-            {"seed": 10, "sigmas": "0.625, 0.4, 0.0", "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False},
-            {"model": (1, 0), "av_latent": (4, 0), "positive": (2, 0)}, size=(340, 300),
+            {"seed": 10, "sigmas": sigmas, "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False, "stage2_parallel": "auto"},
+            {"model": (1, 0), "av_latent": (4, 0), "positive": (2, 0)}, size=(340, 330),
         ),
         Node(6, "MGPUDistributedVAEDecode", (x + 1640, 60), {"seed": 10, "spatial_tile_pixels": 512, "temporal_tile_frames": 64}, {"model": (1, 0), "av_latent": (5, 0)}, size=(340, 200)),
         Node(7, "CreateVideo", (x + 1640, 320), {"fps": 24.0}, {"images": (6, 0), "audio": (6, 1), "fps": (3, 0)}, size=(300, 100)),
         Node(8, "SaveVideo", (x + 2020, 60), {"filename_prefix": prefix, "format": "mp4", "codec": "h264"}, {"video": (7, 0)}, size=(480, 520)),
-        Node(9, "MarkdownNote", (x, 520), {"text": NOTE_TWO_STAGE.format(stage1=f"{width}x{height}", final=f"{2 * width}x{2 * height}")}, size=(800, 300)),
+        Node(9, "MarkdownNote", (x, 880), {"text": note}, size=(800, 320)),
     ]  # fmt: skip
     if image:
         nodes.append(Node(10, "LoadImage", (x + 420, 460), {"image": "example.png", "upload": "image"}, size=(320, 360)))
@@ -295,9 +333,13 @@ def default_prompts() -> tuple[str, str]:
     return text_nodes.DEFAULT_PROMPT, text_nodes.DEFAULT_NEGATIVE_PROMPT
 
 
+# LTX-2.3 examples are left out: the nodes do not yet carry a model version, so a 2.3 checkpoint
+# would run with LTX-2.0's defaults (40 steps, STG block 29) from these graphs.
 WORKFLOWS = {
     "ltx2_t2v_two_stage": lambda: two_stage_graph(OFFICIAL_FILES, width=768, height=512, length=121, steps=40, prefix="video/ltx2_t2v_mgpu", image=False),
     "ltx2_i2v_two_stage": lambda: two_stage_graph(OFFICIAL_FILES, width=768, height=512, length=121, steps=40, prefix="video/ltx2_i2v_mgpu", image=True, prompt=IMAGE_PROMPT),
+    "ltx2_t2v_distilled": lambda: two_stage_graph(DISTILLED_FILES, width=768, height=512, length=121, steps=8, prefix="video/ltx2_t2v_distilled_mgpu", image=False, pipeline="distilled"),
+    "ltx2_i2v_distilled": lambda: two_stage_graph(DISTILLED_FILES, width=768, height=512, length=121, steps=8, prefix="video/ltx2_i2v_distilled_mgpu", image=True, prompt=IMAGE_PROMPT, pipeline="distilled"),
     # The embedded random-weight bundle at a tiny size: tries the whole graph with no download,
     # and is what the e2e test queues. Its stage-2 latent is 4x6 cells, so tiles overlap by 1 cell
     # to fit 2x2 tiles on 4 ranks.
@@ -305,9 +347,18 @@ WORKFLOWS = {
 }
 
 
+DESCRIPTIONS = {
+    "ltx2_t2v_two_stage": "LTX-2.0 text to video on all GPUs, two-stage recipe: 768x512 sampled, 1536x1024 out, 121 frames with audio.",
+    "ltx2_i2v_two_stage": "LTX-2.0 image to video on all GPUs, two-stage recipe: the image is the first frame; 1536x1024, 121 frames with audio.",
+    "ltx2_t2v_distilled": "LTX-2.0 text to video on all GPUs, distilled recipe: 8 + 3 unguided steps; 1536x1024, 121 frames with audio.",
+    "ltx2_i2v_distilled": "LTX-2.0 image to video on all GPUs, distilled recipe: the image is the first frame; 8 + 3 unguided steps.",
+    "ltx2_t2v_tiny": "The whole two-stage graph on the embedded tiny random-weight bundle (no download; the output is noise).",
+}
+
+
 def build(name: str, schemas: dict) -> tuple[dict, dict]:
     nodes = WORKFLOWS[name]()
-    return to_ui(nodes, schemas), to_api(nodes, schemas)
+    return to_ui(nodes, schemas, DESCRIPTIONS[name]), to_api(nodes, schemas)
 
 
 def main() -> None:

@@ -168,7 +168,7 @@ def encode(
 def sample(
     spec: dict,
     positive: PromptEncoding | tuple[torch.Tensor, torch.Tensor],
-    negative: PromptEncoding | tuple[torch.Tensor, torch.Tensor],
+    negative: PromptEncoding | tuple[torch.Tensor, torch.Tensor] | None,
     *,
     width: int | None = None,
     height: int | None = None,
@@ -183,11 +183,15 @@ def sample(
     cuda_graphs: bool | None = None,
     compile_blocks: bool = False,
     model_version: str = "2.0",
+    pipeline: str = "two-stage",
     dtype: str = "bfloat16",
     progress: Progress = None,
     should_cancel: ShouldCancel = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1: full-frame generation from noise at width x height (sequence/guidance parallel).
+
+    ``pipeline`` "distilled" runs the distilled recipe's stage 1 (8 fixed sigmas, one positive-only
+    pass per step): ``negative`` may then be None, and steps and guidance default to the recipe's.
 
     Arguments left as None take the schema's official defaults of ``model_version``; a guidance's
     fields left as None too. ``cuda_graphs`` replays each pass's forward from a captured CUDA graph
@@ -195,10 +199,13 @@ def sample(
     shards of high SP degrees). ``compile_blocks`` also compiles the transformer blocks with
     torch.compile for this job (GPU ranks; a compile of tens of seconds per new shape, then fused
     kernels: worth it on a warm fleet at SP degree 4+)."""
-    prompts = {"positive": _encoding(positive), "negative": _encoding(negative)}
+    prompts = {"positive": _encoding(positive)}
+    if negative is not None:
+        prompts["negative"] = _encoding(negative)
     request = SampleRequest.from_wire({
-        "spec": spec, "dtype": dtype, "model_version": model_version, "parallel": parallel, "compile_blocks": compile_blocks,
-        "positive_digest": prompts["positive"].digest, "negative_digest": prompts["negative"].digest,
+        "spec": spec, "dtype": dtype, "model_version": model_version, "pipeline": pipeline, "parallel": parallel,
+        "compile_blocks": compile_blocks, "positive_digest": prompts["positive"].digest,
+        "negative_digest": prompts["negative"].digest if "negative" in prompts else None,
         **_given(width=width, height=height, num_frames=num_frames, frame_rate=frame_rate, seed=seed, steps=steps, cuda_graphs=cuda_graphs),
         **_given(video_guidance=video_guidance and video_guidance.to_wire(), audio_guidance=audio_guidance and audio_guidance.to_wire()),
     })  # fmt: skip
@@ -221,26 +228,35 @@ def upscale(
     image: torch.Tensor | None = None,
     force_from_noise: bool = False,
     model_version: str = "2.0",
+    pipeline: str = "two-stage",
+    parallel: str = "auto",
     dtype: str = "bfloat16",
     progress: Progress = None,
     should_cancel: ShouldCancel = None,
+    fields: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 2: 2x spatial upsample, then tiled data parallel refinement with the distilled LoRA.
+    """Stage 2: 2x spatial upsample, then the recipe's refinement (two-stage: the distilled LoRA;
+    distilled: the distilled checkpoint as it is), tiled data parallel or sequence parallel.
 
-    Returns the refined video latent and the stage-1 audio latent unchanged (frozen by design).
-    ``tiles`` is (height tiles, width tiles); None picks a balanced split over the fleet. Arguments
-    left as None take the schema's defaults (sigmas ``schema.TDP_UPSCALE_SIGMAS``).
+    Returns the refined video latent and the audio latent: the stage-1 audio unchanged under TDP
+    (frozen by design), the re-denoised audio under SP (``parallel`` "sp", or the planner's choice
+    for the distilled recipe: ``schema.STAGE2_PLANS``). ``tiles`` is (height tiles, width tiles), TDP
+    only; None picks a balanced split over the fleet. Arguments left as None take the schema's
+    defaults (sigmas ``schema.stage2_default_sigmas(pipeline)``). ``fields``, when given, receives
+    the job's result fields (the plan, and what the audio is).
     """
     prompts = {"positive": _encoding(positive)}
     request = UpscaleRequest.from_wire({
-        "spec": spec, "dtype": dtype, "model_version": model_version, "force_from_noise": force_from_noise,
-        "positive_digest": prompts["positive"].digest,
+        "spec": spec, "dtype": dtype, "model_version": model_version, "pipeline": pipeline, "parallel": parallel,
+        "force_from_noise": force_from_noise, "positive_digest": prompts["positive"].digest,
         **_given(frame_rate=frame_rate, seed=seed, sigmas=sigmas and list(sigmas), tiles=tiles and list(tiles), overlap=overlap),
     })  # fmt: skip
     tensors = {"video_latent": video_latent, "audio_latent": audio_latent}
     if image is not None:
         tensors["image"] = image
     result = run_naming_prompts(request, tensors, prompts, progress, should_cancel)
+    if fields is not None:
+        fields.update(result.fields)
     return result.tensors["video_latent"], result.tensors["audio_latent"]
 
 

@@ -6,7 +6,14 @@ heavy work, so the fleet stays as it was), then runs the stage functions of ``st
 
 - sample: the stage-1 plan from ``guidance_parallel``, applied by ``parallelize.parallelize_stage1``
   (sequence parallel inside guidance groups, and the single-rank speed-ups), undone after the stage;
-- upscale: ``parallelize.parallelize_stage2``, tiled data parallel around the stage-2 transformer;
+- upscale: the stage-2 plan from ``guidance_parallel.plan_stage2``, applied by
+  ``parallelize.parallelize_stage2``: tiled data parallel around the stage-2 transformer (audio
+  frozen) or sequence parallel inside it (audio denoised);
+
+Both recipes of ``schema.PIPELINES`` run: ``two-stage`` (the dev checkpoint; stage 2 fuses the
+distilled LoRA) and ``distilled`` (the distilled checkpoint, no LoRA: the working transformer never
+swaps; stage 1 one positive-only pass per step over the fixed distilled sigmas, so the sample job
+needs no negative prompt). ``check_recipe_files`` refuses a spec that does not fit the recipe.
 - decode: the distributed decoder, frames written straight into shared memory on rank 0.
 
 Every job reads its arguments with the request type of ``schema`` (``SampleRequest.from_wire`` ...),
@@ -29,6 +36,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import math
 import os
 import time
 from collections import OrderedDict
@@ -46,7 +54,7 @@ from mgpu_backend.parallel.compiled_blocks import compile_blocks_wanted
 from mgpu_backend.parallel.cuda_graphs import cuda_graphs_wanted
 from mgpu_backend.parallel.distributed_gemma import encode_prompts_distributed, last_encode_stats, release_text_encoders
 from mgpu_backend.parallel.distributed_decode import decoded_images_shape, distributed_decode_images, last_decode_stats
-from mgpu_backend.parallel.guidance_parallel import plan_stage1
+from mgpu_backend.parallel.guidance_parallel import plan_stage1, plan_stage2
 from mgpu_backend.parallel.weight_tracker import TransformerWeightTracker
 from mgpu_backend.parallel.tiled_data_parallel import DimensionTiling, TileCounts, VideoTilePlan, balanced_tile_split
 from mgpu_backend.ltx.decode import decode_audio
@@ -242,13 +250,29 @@ def stage1_params(request: SampleRequest, layer_count: int) -> GenerationParams:
         seed=request.seed, num_inference_steps=request.steps,
         video_guider=guider_params(request.video_guidance, official.video_guidance, layer_count),
         audio_guider=guider_params(request.audio_guidance, official.audio_guidance, layer_count),
-        two_stage=False,
+        two_stage=False, stage1_sigmas=official.stage1_sigmas,
     )  # fmt: skip
 
 
-def refuse_pipelines_not_served(request) -> None:
-    if request.pipeline != "two-stage":
-        raise JobInputError(f"the fleet runs the two-stage pipeline only for now, not {request.pipeline!r}; use pipeline 'two-stage'")
+STAGE2_LORA_SETS = {"two-stage": "distilled", "distilled": "none"}
+"""The LoRA set of stage 2 per recipe: the two-stage recipe fuses the distilled LoRA into the dev
+checkpoint; the distilled recipe runs its distilled checkpoint as stage 1 did (no swap)."""
+
+
+def check_recipe_files(request, spec: ModelSpec) -> None:
+    """Refuse a spec that cannot run the request's recipe, naming the file to add or drop."""
+    if request.op == "upscale" and spec.spatial_upsampler_path is None:
+        raise JobInputError("stage 2 needs the spatial upsampler; set spatial_upsampler_path in the model spec")
+    if request.pipeline == "two-stage" and request.op == "upscale" and spec.distilled_lora is None:
+        raise JobInputError(
+            "the two-stage pipeline's stage 2 needs the distilled LoRA; set distilled_lora, or use pipeline 'distilled' "
+            "with the distilled checkpoint (which needs no LoRA)"
+        )
+    if request.pipeline == "distilled" and spec.distilled_lora is not None:
+        raise JobInputError(
+            "the distilled pipeline runs the distilled checkpoint as it is, with no distilled LoRA; leave distilled_lora "
+            "out of the model spec (or use pipeline 'two-stage' with the dev checkpoint and the LoRA)"
+        )
 
 
 class PromptCache:
@@ -435,7 +459,7 @@ def sample(ctx: JobContext, args: dict, tensors: dict):
     """Stage 1: full-frame generation from noise, sequence/guidance parallel (faithful)."""
     with input_errors():
         request = SampleRequest.from_wire(args)
-        refuse_pipelines_not_served(request)
+        check_recipe_files(request, request.spec)
     resident = resident_model(ctx, request)
     layers = resident.layer_count()
     with input_errors():
@@ -447,11 +471,15 @@ def sample(ctx: JobContext, args: dict, tensors: dict):
         dims = TransformerDims.from_checkpoint(resident.spec.checkpoint_path)
         cuda_graphs = cuda_graphs_wanted(request.cuda_graphs, ctx.device)
         compile_blocks = compile_blocks_wanted(request.compile_blocks, ctx.device)
-        positive, negative = prompt_contexts(ctx, tensors, [("positive", request.positive_digest), ("negative", request.negative_digest)])
+        wanted = [("positive", request.positive_digest)]
+        if "unconditional" in active_passes(params.video_guider, params.audio_guider):
+            wanted.append(("negative", request.negative_digest))
+        positive, *rest = prompt_contexts(ctx, tensors, wanted)
+        negative = rest[0] if rest else None  # no unconditional pass (the distilled recipe): no negative prompt
     return run_stage1(ctx, resident, params, positive, negative, image, request.parallel, dims, cuda_graphs, request.batch_passes, compile_blocks)
 
 
-def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: TextContext, negative: TextContext,
+def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: TextContext, negative: TextContext | None,
                image: torch.Tensor | None, mode: str, dims: TransformerDims, cuda_graphs: bool = True,
                batch_passes: str | bool = "auto", compile_blocks: bool = False):  # fmt: skip
     """Plan, memory check and the stage-1 loop under ``parallelize_stage1``: shared by ``sample`` and
@@ -466,7 +494,8 @@ def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: Te
     transformer = resident.transformer("none")
     with parallelize_stage1(transformer, plan, ctx.comm, ctx.device, options, stage1_cache(ctx.state), ctx.log) as stage:
         video, audio = sample_stage1(
-            resident, params, _moved(positive, resident), _moved(negative, resident), image, pass_runner=stage.runner, on_step=_progress(ctx, "stage1")
+            resident, params, _moved(positive, resident), negative and _moved(negative, resident), image, pass_runner=stage.runner,
+            on_step=_progress(ctx, "stage1"),
         )
     return stage.fields(), {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
 
@@ -500,12 +529,20 @@ def upscale_tiling(ctx: JobContext, request: UpscaleRequest, video_grid: tuple[i
     raise JobInputError(f"the {video_grid[1]}x{video_grid[2]} latent is too small for {tiles[0]}x{tiles[1]} tiles: {last_error}")
 
 
+STAGE2_AUDIO = {
+    True: "denoised in stage 2 (every rank saw the whole video and audio, as the official pipelines)",
+    False: "the stage-1 audio, unchanged (kept by design under TDP, where a tile's audio sees one tile of the video)",
+}
+"""The upscale result's ``audio`` field: what the returned audio latent is."""
+
+
 @ltx_job("upscale")
 def upscale(ctx: JobContext, args: dict, tensors: dict):
-    """Stage 2: spatial 2x, then the distilled-LoRA refinement over TDP tiles; audio stays frozen."""
+    """Stage 2: spatial 2x, then the recipe's refinement over TDP tiles (audio frozen) or sequence
+    parallel (audio denoised, as the official pipelines), as ``plan_stage2`` decides."""
     with input_errors():
         request = UpscaleRequest.from_wire(args)
-        refuse_pipelines_not_served(request)
+        check_recipe_files(request, request.spec)
     resident = resident_model(ctx, request)
     with input_errors():
         video_latent = _video_latent(tensors, "TDP Upscale")
@@ -520,20 +557,34 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
         params.validate()
         image = _image(tensors)
         stage2_grid = (video_latent.shape[2], video_latent.shape[3] * 2, video_latent.shape[4] * 2)
-        tiling = upscale_tiling(ctx, request, stage2_grid)
         dims = TransformerDims.from_checkpoint(resident.spec.checkpoint_path)
-        check_generation_fits(params, ctx.device, dims, resident.dtype, weights_resident=True)
+        # Heads from the checkpoint's header: asking the transformer would swap its LoRA set back and forth.
+        plan = plan_stage2(ctx.world_size, math.prod(stage2_grid), request.pipeline, request.parallel, tiles_given=request.tiles is not None,
+                           attention_heads=dims.video_heads, audio_attention_heads=dims.audio_heads)  # fmt: skip
+        ctx.log(plan.reason)
+        tiling = upscale_tiling(ctx, request, stage2_grid) if plan.technique == "tdp" else None
+        check_generation_fits(params, ctx.device, dims, resident.dtype, sp_degree=plan.sp_degree, weights_resident=True)
         (positive,) = prompt_contexts(ctx, tensors, [("positive", request.positive_digest)])
     upsampled = upsample_video(resident, video_latent)
     ctx.step("upsample", 1, 1)
-    stage2_transformer = resident.transformer("distilled")  # the same working copy stage 1 used, clean again
-    with parallelize_stage2(stage2_transformer, ctx.comm, tiling, stage2_grid, ctx.log) as wrapper:
+    lora_set = STAGE2_LORA_SETS[request.pipeline]
+    stage2_transformer = resident.transformer(lora_set)  # the same working copy stage 1 used, clean again
+    sequence_parallel = plan.technique == "sp"
+    with parallelize_stage2(stage2_transformer, ctx.comm, tiling, stage2_grid, ctx.log, sequence_parallel=sequence_parallel) as wrapper:
         video, audio = refine_stage2(
             resident, params, upsampled, audio_latent.float(), _moved(positive, resident), image,
             sigmas=sigmas, transformer_wrapper=wrapper, on_step=_progress(ctx, "stage2"),
+            lora_set=lora_set, denoise_audio=plan.denoises_audio,
         )  # fmt: skip
-    tiles = "untiled" if tiling is None else tiling.describe()
-    return {"tiling": tiles}, {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
+    fields = {
+        "tiling": "untiled" if tiling is None else tiling.describe(),
+        "stage2_parallel": plan.technique,
+        "sp_degree": plan.sp_degree,
+        "plan": plan.reason,
+        "audio": STAGE2_AUDIO[plan.denoises_audio],
+    }
+    return fields, {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
+
 
 
 def decode_tiling(request: DecodeRequest) -> TilingConfig:

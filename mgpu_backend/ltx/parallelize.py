@@ -16,8 +16,10 @@ Stage 1 (``parallelize_stage1``), in this order:
    own passes, which is batched passes (``apply_batched_passes``), CUDA graphs
    (``apply_cuda_graphs``) or one pass after another.
 
-Stage 2 (``parallelize_stage2``): tiled data parallel (``apply_tiled_data_parallel``) when the job
-tiles, on a transformer that carries nothing of stage 1.
+Stage 2 (``parallelize_stage2``), on a transformer that carries nothing of stage 1: the stage-2
+plan's technique (``guidance_parallel.plan_stage2``), either tiled data parallel
+(``apply_tiled_data_parallel``) when the job tiles, or sequence parallel over the whole fleet
+(``apply_sequence_parallel``, undone when the stage ends), never both.
 
 The exclusions, stated once (``parallelize_stage1`` / ``parallelize_stage2`` enforce them):
 
@@ -46,6 +48,7 @@ This module never edits ltx-core and never talks to other ranks except through t
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -315,15 +318,34 @@ def parallelize_stage2(
     tiling: TileCounts | None,
     video_grid: tuple[int, int, int],
     job_log: JobLog | None = None,
+    sequence_parallel: bool = False,
 ) -> Iterator[Callable | None]:
-    """Apply stage 2's technique: tiled data parallel over ``comm`` when ``tiling`` is given.
+    """Apply stage 2's technique: tiled data parallel over ``comm`` when ``tiling`` is given, or
+    sequence parallel over all of ``comm`` with ``sequence_parallel`` (then ``tiling`` must be None).
 
-    Yields the ``transformer_wrapper`` for ``refine_stage2`` (None when untiled). ``transformer``
-    must carry nothing of stage 1 (TDP never with SP, see the module docstring). TDP wraps the
-    model without changing it, so there is nothing to undo; the wrapper serves this stage only.
+    Yields the ``transformer_wrapper`` for ``refine_stage2`` (None when untiled or SP: the model
+    itself runs). ``transformer`` must carry nothing of stage 1 (TDP never with SP, see the module
+    docstring). TDP wraps the model without changing it, so there is nothing to undo; SP is removed
+    when the stage ends, error or not.
     """
-    _require_clean(transformer, "stage 2", "TDP never runs with sequence parallel: each tile is the whole transformer on one rank")
+    _require_clean(transformer, "stage 2", "stage 2 applies TDP or SP itself: each TDP tile is the whole transformer on one rank")
     say = _announcer("stage 2", job_log)
+    if sequence_parallel:
+        if tiling is not None:
+            raise ValueError("stage 2 runs tiled data parallel or sequence parallel, not both; drop the tiling for SP")
+        if comm.world_size == 1:
+            say(SEQUENCE_PARALLEL, "one rank runs the whole latent", applied=False)
+            yield None
+            return
+        apply_sequence_parallel(transformer, comm)
+        try:
+            say(SEQUENCE_PARALLEL, f"video tokens split {comm.world_size} ways, about "
+                                   f"{-(-math.prod(video_grid) // comm.world_size)} per rank, all-to-all around attention")  # fmt: skip
+            yield None
+        finally:
+            remove_sequence_parallel(transformer)
+            log.info("stage 2: undone on the transformer: %s", SEQUENCE_PARALLEL)
+        return
     if tiling is None:
         say(TILED_DATA_PARALLEL, "untiled, every rank runs the whole latent", applied=False)
         yield None

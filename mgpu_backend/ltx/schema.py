@@ -42,6 +42,9 @@ QUANTIZATIONS = ("fp8-cast",)
 in float8 and upcasts per layer, as the official ``--quantization fp8-cast``."""
 RESIDENCY_POLICIES = ("auto", "all", "minimal")
 """Which components stay on the GPU between jobs: what fits, everything, or the transformer only."""
+STAGE2_PLANS = ("auto", "sp", "tdp")
+"""Stage 2 over the fleet: sequence parallel (faithful, audio denoised), tiled data parallel (audio
+frozen), or the planner's choice (``guidance_parallel.plan_stage2``)."""
 AFTER_STAGES = (0, 1, 2)  # stages that drew noise from the job's generator before the decoder
 
 DISTILLED_LORA_STRENGTH = 1.0  # ltx_pipelines.utils.constants.DEFAULT_LORA_STRENGTH
@@ -56,6 +59,11 @@ MAX_PROMPT_CHARS = 20_000
 EMBEDDED_TINY = "embedded:tiny"
 """A model spec path that names the embedded tiny random-weight bundle: the ranks make it (or find it
 in their cache) and put the real paths in place, so that the ComfyUI process writes no model file."""
+
+EMBEDDED_TINY_DISTILLED = "embedded:tiny-distilled"
+"""A checkpoint path that names the embedded tiny bundle's distilled checkpoint (its own weights,
+the dev checkpoint's layout), resolved on the ranks like ``EMBEDDED_TINY``."""
+EMBEDDED_NAMES = (EMBEDDED_TINY, EMBEDDED_TINY_DISTILLED)
 
 CONTEXT_MISSING = "context missing"
 """Start of the job error a rank raises when a request names a prompt digest it does not hold (the
@@ -332,6 +340,14 @@ class ModelSpec:
         )
 
     @classmethod
+    def embedded_tiny_for(cls, pipeline: str) -> ModelSpec:
+        """The embedded tiny bundle as ``pipeline`` loads it: the two-stage recipe with its distilled
+        LoRA; the distilled recipe with the distilled checkpoint and no LoRA."""
+        if pipeline == "distilled":
+            return replace(cls.embedded_tiny(distilled_lora=False), checkpoint_path=EMBEDDED_TINY_DISTILLED)
+        return cls.embedded_tiny()
+
+    @classmethod
     def tiny(cls) -> ModelSpec:
         """The embedded tiny bundle with its real paths, made in the cache folder on first use.
 
@@ -342,14 +358,14 @@ class ModelSpec:
 
     @property
     def names_embedded(self) -> bool:
-        return EMBEDDED_TINY in (self.checkpoint_path, self.gemma_root, self.spatial_upsampler_path, self.distilled_lora)
+        return any(path in EMBEDDED_NAMES for path in (self.checkpoint_path, self.gemma_root, self.spatial_upsampler_path, self.distilled_lora))
 
     def resolve_embedded(self, bundle) -> ModelSpec:
         """This spec with every ``EMBEDDED_TINY`` path replaced by the file of ``bundle`` (a
         ``TinyBundle``: ``checkpoint_path``, ``gemma_root``, ``spatial_upsampler_path``,
-        ``distilled_lora_path``). The embedded checkpoint only works with its own Gemma, and the
-        other way round."""
-        if (self.checkpoint_path == EMBEDDED_TINY) != (self.gemma_root == EMBEDDED_TINY):
+        ``distilled_lora_path``, ``distilled_checkpoint_path`` for ``EMBEDDED_TINY_DISTILLED``). The
+        embedded checkpoints only work with their own Gemma, and the other way round."""
+        if (self.checkpoint_path in EMBEDDED_NAMES) != (self.gemma_root == EMBEDDED_TINY):
             raise ModelFileError(
                 "the embedded tiny checkpoint only works with its own text encoder: name both checkpoint_path and "
                 f"gemma_root {EMBEDDED_TINY!r}, or real files for both"
@@ -358,9 +374,10 @@ class ModelSpec:
         def resolved(path, real):
             return real if path == EMBEDDED_TINY else path
 
+        checkpoint = bundle.distilled_checkpoint_path if self.checkpoint_path == EMBEDDED_TINY_DISTILLED else bundle.checkpoint_path
         return replace(
             self,
-            checkpoint_path=resolved(self.checkpoint_path, bundle.checkpoint_path),
+            checkpoint_path=checkpoint if self.checkpoint_path in EMBEDDED_NAMES else self.checkpoint_path,
             gemma_root=resolved(self.gemma_root, bundle.gemma_root),
             spatial_upsampler_path=resolved(self.spatial_upsampler_path, bundle.spatial_upsampler_path),
             distilled_lora=resolved(self.distilled_lora, bundle.distilled_lora_path),
@@ -438,7 +455,7 @@ class ModelSpec:
             files.append(("distilled LoRA", self.distilled_lora))
         files += [("LoRA", path) for path, _ in self.loras]
         for role, path in files:
-            if path != EMBEDDED_TINY and not Path(path).is_file():
+            if path not in EMBEDDED_NAMES and not Path(path).is_file():
                 raise ModelFileError(f"{role} file {path} does not exist; check the path (or download the file there)")
         if self.gemma_root != EMBEDDED_TINY and not Path(self.gemma_root).is_dir() and not Path(self.gemma_root).is_file():
             raise ModelFileError(
@@ -590,6 +607,12 @@ def defaults_for(model_version: str = "2.0", pipeline: str = "two-stage") -> Pip
     return DEFAULTS[(model_version, pipeline)]
 
 
+def stage2_default_sigmas(pipeline: str) -> tuple[float, ...]:
+    """Stage 2's default schedule: the distilled recipe runs the official 3-step tail (its stage 2 is
+    part of the recipe); the two-stage graph's TDP Upscale starts lower (``TDP_UPSCALE_SIGMAS``)."""
+    return STAGE_2_SIGMAS if pipeline == "distilled" else TDP_UPSCALE_SIGMAS
+
+
 OFFICIAL = defaults_for()
 """The LTX-2.0 two-stage defaults: what the running jobs use today."""
 
@@ -717,6 +740,12 @@ class SampleRequest:
         version = _choice(data, "model_version", "2.0", MODEL_VERSIONS)
         pipeline = _choice(data, "pipeline", "two-stage", PIPELINES)
         official = defaults_for(version, pipeline)
+        steps = integer_field(data, "steps", official.steps, 1, MAX_STEPS)
+        if official.stage1_sigmas is not None and steps != official.steps:
+            raise RequestError(
+                f"the {pipeline} pipeline runs its {official.steps} fixed sigmas {list(official.stage1_sigmas)}, so steps must "
+                f"be {official.steps}, got {steps}; leave steps out (or use the two-stage pipeline for another step count)"
+            )
         batch_passes = data.get("batch_passes", "auto")
         if batch_passes != "auto" and not isinstance(batch_passes, bool):
             raise RequestError(f'batch_passes must be "auto", true or false, got {batch_passes!r}; leave it out for "auto"')
@@ -730,7 +759,7 @@ class SampleRequest:
             num_frames=integer_field(data, "num_frames", official.num_frames, 1, MAX_FRAMES),
             frame_rate=number_field(data, "frame_rate", official.frame_rate, MIN_FRAME_RATE, MAX_FRAME_RATE),
             seed=integer_field(data, "seed", official.seed, 0, SEED_MAX),
-            steps=integer_field(data, "steps", official.steps, 1, MAX_STEPS),
+            steps=steps,
             video_guidance=Guidance.from_wire(data.get("video_guidance"), "video_guidance", official.video_guidance),
             audio_guidance=Guidance.from_wire(data.get("audio_guidance"), "audio_guidance", official.audio_guidance),
             parallel=_choice(data, "parallel", "auto", PARALLEL_PLANS),
@@ -744,9 +773,13 @@ class SampleRequest:
 
 @dataclass(frozen=True)
 class UpscaleRequest:
-    """Stage 2: 2x spatial upsample, then the distilled-LoRA refinement over TDP tiles; audio frozen.
+    """Stage 2: 2x spatial upsample, then the refinement over the stage-2 sigmas (the distilled LoRA
+    on the dev checkpoint of the two-stage recipe; the distilled checkpoint as it is, no LoRA, in the
+    distilled recipe), tiled data parallel (audio frozen) or sequence parallel (audio denoised).
 
-    ``tiles`` (height tiles, width tiles); None: a balanced split over the fleet."""
+    ``sigmas`` None: the recipe's (two-stage: ``TDP_UPSCALE_SIGMAS``; distilled: the official tail
+    ``STAGE_2_SIGMAS``). ``parallel``: one of ``STAGE2_PLANS``. ``tiles`` (height tiles, width
+    tiles), TDP only; None: a balanced split over the fleet."""
 
     spec: ModelSpec
     dtype: str = "bfloat16"
@@ -754,7 +787,8 @@ class UpscaleRequest:
     pipeline: str = "two-stage"
     frame_rate: float | None = None
     seed: int | None = None
-    sigmas: tuple[float, ...] = TDP_UPSCALE_SIGMAS
+    sigmas: tuple[float, ...] | None = None
+    parallel: str = "auto"
     tiles: tuple[int, int] | None = None
     overlap: int = TDP_OVERLAP
     force_from_noise: bool = False
@@ -768,6 +802,8 @@ class UpscaleRequest:
             object.__setattr__(self, "frame_rate", official.frame_rate)
         if self.seed is None:
             object.__setattr__(self, "seed", official.seed)
+        if self.sigmas is None:
+            object.__setattr__(self, "sigmas", stage2_default_sigmas(self.pipeline))
 
     def to_wire(self) -> dict:
         wire = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -781,14 +817,17 @@ class UpscaleRequest:
         pipeline = _choice(data, "pipeline", "two-stage", PIPELINES)
         official = defaults_for(version, pipeline)
         sigmas = data.get("sigmas")
-        sigmas = TDP_UPSCALE_SIGMAS if sigmas is None else _floats(sigmas, "sigmas")
+        sigmas = stage2_default_sigmas(pipeline) if sigmas is None else _floats(sigmas, "sigmas")
         force_from_noise = bool(_flag(data, "force_from_noise", False))
         validate_upscale_sigmas(sigmas, force_from_noise)
+        parallel = _choice(data, "parallel", "auto", STAGE2_PLANS)
         tiles = data.get("tiles")
         if tiles is not None and (
             not isinstance(tiles, (list, tuple)) or len(tiles) != 2 or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 1 for t in tiles)
         ):
             raise RequestError(f"tiles must be [height_tiles, width_tiles] of positive integers, got {tiles!r}")
+        if tiles is not None and parallel == "sp":
+            raise RequestError(f"tiles {list(tiles)} apply to tiled data parallel only; leave them out with parallel 'sp', or use parallel 'tdp'")
         return cls(
             spec=_spec_of(data, cls.op),
             dtype=_choice(data, "dtype", "bfloat16", DTYPES),
@@ -797,6 +836,7 @@ class UpscaleRequest:
             frame_rate=number_field(data, "frame_rate", official.frame_rate, MIN_FRAME_RATE, MAX_FRAME_RATE),
             seed=integer_field(data, "seed", official.seed, 0, SEED_MAX),
             sigmas=sigmas,
+            parallel=parallel,
             tiles=None if tiles is None else (tiles[0], tiles[1]),
             overlap=integer_field(data, "overlap", TDP_OVERLAP, 0, 64),
             force_from_noise=force_from_noise,

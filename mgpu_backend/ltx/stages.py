@@ -1,16 +1,29 @@
 """The LTX-2 two-stage generation, one rank's side: stage 1, the 2x upsampler, stage 2.
 
-The computation is the official two-stage text/image-to-video pipeline of ltx-pipelines 1.0.0,
-rebuilt on ltx-core 1.0.0 so that the parallel techniques can plug into it:
+The computation is one of the two official text/image-to-video recipes of ltx-pipelines 1.0.0,
+rebuilt on ltx-core 1.0.0 so that the parallel techniques can plug into it (``schema.DEFAULTS``
+holds each recipe's values):
 
-- ``sample_stage1``: from noise at half the output size, Euler steps over ltx-core's LTX2Scheduler
-  sigmas, full multimodal guidance (CFG, STG, modality isolation, rescale, skip_step). Each step's
+- the two-stage recipe (``TI2VidTwoStagesPipeline``): stage 1 on the dev checkpoint with full
+  guidance over ltx-core's LTX2Scheduler sigmas; stage 2 with the distilled LoRA fused;
+- the distilled recipe (``DistilledPipeline``): the distilled checkpoint, stage 1 on the 8 fixed
+  distilled sigmas with one positive-only pass per step (no guidance: the neutral guider returns
+  the conditional prediction unchanged), stage 2 on the same transformer with no LoRA
+  (``refine_stage2(lora_set="none")``).
+
+The functions, shared by both recipes:
+
+- ``sample_stage1``: from noise at half the output size, Euler steps over the recipe's sigmas
+  (``GenerationParams.stage1_sigmas``, or LTX2Scheduler's over ``num_inference_steps``), with the
+  multimodal guidance asked for (CFG, STG, modality isolation, rescale, skip_step). Each step's
   transformer calls are ``GuidancePass`` objects handed to a ``PassRunner``: the sequential runner
   runs them here; the guidance-parallel runner runs them on separate rank groups. The combine step
   only consumes the runner's outputs.
 - ``upsample_video``: the spatial 2x latent upsampler.
-- ``refine_stage2``: the distilled-LoRA transformer at full size on a short sigma schedule, positive
-  prompt only. ``transformer_wrapper`` lets tiled data parallelism wrap the transformer.
+- ``refine_stage2``: the stage-2 transformer at full size on a short sigma schedule, positive
+  prompt only. ``transformer_wrapper`` lets tiled data parallelism wrap the transformer; the audio
+  is the stage-1 audio unchanged (``denoise_audio=False``, TDP's choice) or the re-denoised audio
+  of the official pipelines (``denoise_audio=True``: untiled or sequence parallel).
 
 Latents go in and out in ComfyUI's LTX-2 layout, float32 (see ``latents.py``). Every function here
 is a plain function of tensors: no sockets and no collectives of its own (parallelism lives in the
@@ -109,6 +122,7 @@ class GenerationParams:
     audio_guider: MultiModalGuiderParams = field(default_factory=default_audio_guider)
     image_crf: int = DEFAULT_IMAGE_CRF
     two_stage: bool = True
+    stage1_sigmas: tuple[float, ...] | None = None  # a fixed schedule (the distilled recipe's), else LTX2Scheduler's
 
     def validate(self) -> None:
         validate_generation(
@@ -119,6 +133,19 @@ class GenerationParams:
             num_inference_steps=self.num_inference_steps,
             frame_rate=self.frame_rate,
         )
+        if self.stage1_sigmas is not None:
+            validate_sigmas(self.stage1_sigmas)
+            if len(self.stage1_sigmas) - 1 != self.num_inference_steps:
+                raise ValueError(
+                    f"{len(self.stage1_sigmas) - 1} steps in the fixed stage-1 sigmas but num_inference_steps is "
+                    f"{self.num_inference_steps}; set num_inference_steps to {len(self.stage1_sigmas) - 1}"
+                )
+
+    def stage1_sigma_schedule(self, device: torch.device) -> torch.Tensor:
+        """Stage 1's sigmas, float32: the fixed schedule, or LTX2Scheduler's over the step count."""
+        if self.stage1_sigmas is not None:
+            return torch.tensor(self.stage1_sigmas, dtype=torch.float32, device=device)
+        return LTX2Scheduler().execute(steps=self.num_inference_steps).to(dtype=torch.float32, device=device)
 
     @property
     def stage1(self) -> StageGeometry:
@@ -320,7 +347,7 @@ def sample_stage1(
     loader,
     params: GenerationParams,
     positive: TextContext,
-    negative: TextContext,
+    negative: TextContext | None,
     image: torch.Tensor | None = None,
     pass_runner: PassRunner = SequentialPassRunner(),  # noqa: B008 - stateless
     on_step: OnStep | None = None,
@@ -329,6 +356,7 @@ def sample_stage1(
 
     ``image`` (``[H, W, 3]`` in 0..1) becomes the clean first latent frame at strength 1.0.
     Noise comes from a generator seeded with ``params.seed``: video tokens first, then audio.
+    ``negative`` may be None when no step runs the unconditional pass (the distilled recipe).
     """
     params.validate()
     check_conditioning_image(image)
@@ -342,13 +370,13 @@ def sample_stage1(
         validate_stg_blocks(params.video_guider, layer_count, "video")
         validate_stg_blocks(params.audio_guider, layer_count, "audio")
 
-        sigmas = LTX2Scheduler().execute(steps=params.num_inference_steps).to(dtype=torch.float32, device=device)
+        sigmas = params.stage1_sigma_schedule(device)
         noiser = GaussianNoiser(generator=job_generator(params.seed, device, dtype))
         video_state = initial_state(video_tools, conditionings, noiser, 1.0, dtype, device)
         audio_state = initial_state(audio_tools, [], noiser, 1.0, dtype, device)
 
-        video_guiders = create_multimodal_guider_factory(params.video_guider, negative_context=negative.video_context)
-        audio_guiders = create_multimodal_guider_factory(params.audio_guider, negative_context=negative.audio_context)
+        video_guiders = create_multimodal_guider_factory(params.video_guider, negative_context=None if negative is None else negative.video_context)
+        audio_guiders = create_multimodal_guider_factory(params.audio_guider, negative_context=None if negative is None else negative.audio_context)
         sigma_values = sigmas.tolist()
         previous: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -361,6 +389,8 @@ def sample_stage1(
             )
             if guidance.skip_video and guidance.skip_audio:
                 return previous
+            if guidance.needs_unconditional and negative is None:
+                raise ValueError("the guidance asks for the unconditional pass (cfg_scale != 1) but no negative prompt was given; encode one")
             passes = guidance_passes(guidance, video_state, audio_state, sigmas[step], positive, negative)
             outputs = pass_runner.run(transformer, passes)
             previous = combine_guidance(guidance, passes, outputs, previous)
@@ -406,8 +436,13 @@ def refine_stage2(
     sigmas: torch.Tensor | list[float] | tuple[float, ...] | None = None,
     transformer_wrapper: Callable[[torch.nn.Module], Callable] | None = None,
     on_step: OnStep | None = None,
+    lora_set: str = "distilled",
+    denoise_audio: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Refine the upsampled video at full size with the distilled LoRA; audio passes through.
+    """Refine the upsampled video at full size on the stage-2 transformer; audio passes through.
+
+    ``lora_set``: ``"distilled"`` (the two-stage recipe: the distilled LoRA on the dev checkpoint) or
+    ``"none"`` (the distilled recipe: the distilled checkpoint as stage 1 ran it).
 
     ``video_latent`` is the upsampled stage-1 latent at ``params.height`` x ``params.width``.
     It is noised to ``sigmas[0]`` (default: the official stage-2 schedule ``schema.STAGE_2_SIGMAS``) with the noise the official pipeline uses: the generator seeded with
@@ -418,6 +453,9 @@ def refine_stage2(
     the video attends to it (so the video equals the official one), but the result is dropped:
     the returned audio latent IS ``audio_latent``, unchanged bitwise. The stage-1 audio was
     denoised with full guidance; the stage-2 audio would only be a guidance-free re-run of it.
+    ``denoise_audio=True`` returns the re-denoised audio instead, as the official pipelines do (the
+    distilled recipe untiled or sequence parallel: every rank sees the whole audio and video). TDP
+    must not: a tile's audio attended to that tile's video only.
 
     ``transformer_wrapper(x0_model)`` may return any callable with the X0 model's call signature
     ``(video=, audio=, perturbations=)``; tiled data parallelism uses it to split the video.
@@ -447,7 +485,7 @@ def refine_stage2(
     video_tools, audio_tools = geometry.video_tools(), geometry.audio_tools()
     with torch.inference_mode():
         conditionings = _image_conditionings(loader, params, geometry, image)
-        x0_model = loader.transformer("distilled")
+        x0_model = loader.transformer(lora_set)
         transformer = x0_model if transformer_wrapper is None else transformer_wrapper(x0_model)
 
         noiser = GaussianNoiser(generator=job_generator(params.seed, device, dtype, stages_before=(stage1,)))
@@ -463,5 +501,7 @@ def refine_stage2(
                 perturbations=None,
             )
 
-        video_state, _ = _euler_loop(sigmas, video_state, audio_state, positive_only, on_step)
+        video_state, denoised_audio = _euler_loop(sigmas, video_state, audio_state, positive_only, on_step)
+        if denoise_audio:
+            return state_to_comfy(video_state, video_tools), state_to_comfy(denoised_audio, audio_tools)
         return state_to_comfy(video_state, video_tools), audio_latent

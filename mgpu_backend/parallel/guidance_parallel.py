@@ -20,7 +20,12 @@ passes; ``build_stage1_groups`` creates the subgroups (collectively, once per pl
 SP group to apply ``apply_sequence_parallel`` with; ``apply_guidance_parallel`` gives the pass
 runner for the stage-1 loop, around any runner of the group's own passes (sequential, batched,
 replayed from CUDA graphs). Passes are assigned to groups per step, so the set of active passes may
-change between steps. The stage-1 parallelize entry (``mgpu_backend.ltx.parallelize``) composes
+change between steps. A step of one pass (the distilled recipe: no guidance) leaves nothing to
+split, so the plan is SP over the whole fleet and its reason line says why.
+
+``plan_stage2`` is the planner's other half: stage 2 (one pass per step in both recipes) runs
+sequence parallel or tiled data parallel, by a small rule on the tokens per rank (``Stage2Plan``
+says which, why, and whether the stage's audio is used). The stage-1 parallelize entry (``mgpu_backend.ltx.parallelize``) composes
 these with the other techniques. This module must never import ``ltx_pipelines`` nor talk to other
 ranks except through ``Comm``, and knows nothing of the runner it is given.
 """
@@ -35,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from mgpu_backend.ltx.passes import PASS_NAMES, GuidancePass, PassRunner, SequentialPassRunner
+from mgpu_backend.ltx.schema import STAGE2_PLANS
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.sequence_parallel import check_sp_degree, valid_sp_degrees
 
@@ -122,7 +128,8 @@ def plan_stage1(
     count); steps that run fewer simply leave groups idle. Modes: ``sp`` = all ranks one SP group;
     ``guidance`` = one group per pass as far as the world allows (the fewest groups that give every
     pass its own group, SP inside each); ``hybrid`` = several groups of several ranks; ``auto`` =
-    the cheapest by ``estimated_step_cost`` (ties go to the smaller SP degree).
+    the cheapest by ``estimated_step_cost`` (ties go to the smaller SP degree), one group when a step
+    runs one pass.
     """
     if mode not in PLAN_MODES:
         raise ValueError(f"stage-1 parallel mode must be one of {', '.join(PLAN_MODES)}, got {mode!r}")
@@ -167,13 +174,18 @@ def plan_stage1(
         chosen = min(hybrid, key=by_cost)
         why = "cheapest split with both groups and SP"
     else:
-        chosen = min(layouts, key=by_cost)
-        runner_up = sorted((layout for layout in layouts if layout != chosen), key=by_cost)[:1]
+        # One pass per step leaves nothing for a second group: only one group would ever work.
+        one_group = [layout for layout in layouts if layout[0] == 1]
+        candidates = one_group if pass_count == 1 and one_group else layouts
+        chosen = min(candidates, key=by_cost)
+        runner_up = sorted((layout for layout in candidates if layout != chosen), key=by_cost)[:1]
         why = "estimated cheapest"
         if runner_up:
             other = runner_up[0]
             why += f"; next {other[0]} groups x SP {other[1]} at {cost(other) / cost(chosen):.2f}x"
     guidance_groups, sp_degree = chosen
+    if pass_count == 1 and mode != "guidance":
+        why += "; guidance groups do not apply: one pass per step (no guidance), so every group but one would idle"
     shard_tokens = math.ceil(video_tokens / sp_degree)
     launch_bound = sp_degree > 1 and shard_tokens < LAUNCH_BOUND_SHARD_TOKENS
     launch_note = f" (below the launch-bound ~{LAUNCH_BOUND_SHARD_TOKENS})" if launch_bound else ""
@@ -182,6 +194,83 @@ def plan_stage1(
         f"{pass_count} passes and {video_tokens} video tokens, {shard_tokens} tokens per shard{launch_note}; {why}"
     )
     return Plan(mode, world_size, guidance_groups, sp_degree, video_tokens, pass_count, reason)
+
+
+STAGE2_MODES = STAGE2_PLANS
+# Stage 2 runs SP while each rank's share of the video tokens stays at or above this size; below it
+# SP shards are launch-bound (they stop getting faster) and still pay an all-to-all in every block,
+# while TDP tiles exchange once per step. The stage-1 planning figure, not a stage-2 measurement:
+# re-tune it from bench/ once multi-GPU numbers of both techniques exist.
+STAGE2_SP_MIN_SHARD_TOKENS = LAUNCH_BOUND_SHARD_TOKENS
+
+
+@dataclass(frozen=True)
+class Stage2Plan:
+    """How stage 2 spreads over ``world_size`` ranks: ``technique`` "sp" (sequence parallel over the
+    whole fleet at ``sp_degree``; ``sp_degree`` 1 is one rank running the whole latent) or "tdp"
+    (tiled data parallel: each tile the whole transformer on one rank)."""
+
+    mode: str
+    world_size: int
+    technique: str
+    sp_degree: int
+    video_tokens: int
+    reason: str
+
+    @property
+    def denoises_audio(self) -> bool:
+        """Whether stage 2's audio output is used: under SP every rank sees the whole video and audio,
+        so the re-denoised audio is the official one; a TDP tile's audio saw one tile only."""
+        return self.technique == "sp"
+
+
+def plan_stage2(
+    world_size: int,
+    video_tokens: int,
+    pipeline: str,
+    mode: str = "auto",
+    *,
+    tiles_given: bool = False,
+    attention_heads: int = 32,
+    audio_attention_heads: int | None = 32,
+) -> Stage2Plan:
+    """Choose sequence parallel or tiled data parallel for stage 2.
+
+    ``auto``: the two-stage recipe keeps its TDP Upscale (the graph's upscaler, audio frozen); the
+    distilled recipe (whose stage 2 is part of the recipe) takes SP when the shards per rank stay at
+    or above ``STAGE2_SP_MIN_SHARD_TOKENS`` and the world is a usable SP degree, TDP otherwise; one
+    rank runs the whole latent (SP degree 1). Tiles given by the user mean TDP.
+    """
+    if mode not in STAGE2_MODES:
+        raise ValueError(f"stage-2 parallel mode must be one of {', '.join(STAGE2_MODES)}, got {mode!r}")
+    if world_size < 1 or video_tokens < 1:
+        raise ValueError(f"stage 2 needs at least one rank and one video token, got {world_size} ranks, {video_tokens} tokens")
+    shard_tokens = math.ceil(video_tokens / world_size)
+    usable_sp = world_size in set(valid_sp_degrees(attention_heads, audio_attention_heads))
+    if mode == "sp":
+        check_sp_degree(world_size, attention_heads, audio_attention_heads)
+        technique, why = "sp", "asked for"
+    elif mode == "tdp":
+        technique, why = "tdp", "asked for"
+    elif tiles_given:
+        technique, why = "tdp", "tiles were given"
+    elif pipeline != "distilled":
+        technique, why = "tdp", "the two-stage graph's stage 2 is TDP Upscale"
+    elif world_size == 1:
+        technique, why = "sp", "one rank: the whole latent on it"
+    elif not usable_sp:
+        technique, why = "tdp", f"{world_size} ranks is no usable SP degree for {attention_heads} attention heads"
+    elif shard_tokens >= STAGE2_SP_MIN_SHARD_TOKENS:
+        technique, why = "sp", f"{shard_tokens} tokens per rank, at or above the launch-bound ~{STAGE2_SP_MIN_SHARD_TOKENS}"
+    else:
+        technique, why = "tdp", f"{shard_tokens} tokens per rank would be below the launch-bound ~{STAGE2_SP_MIN_SHARD_TOKENS}"
+    sp_degree = world_size if technique == "sp" else 1
+    audio = "audio denoised in stage 2 (as the official pipelines)" if technique == "sp" else "audio frozen (the stage-1 audio)"
+    what = f"SP degree {sp_degree}" if technique == "sp" else "tiled data parallel"
+    reason = (
+        f"stage-2 plan ({mode}, {pipeline}): {what} on {world_size} ranks for {video_tokens} video tokens; {why}; {audio}"
+    )
+    return Stage2Plan(mode, world_size, technique, sp_degree, video_tokens, reason)
 
 
 # Output dtypes that can travel; the exchange sends every output in one buffer of a common type.

@@ -1,8 +1,11 @@
 """``python -m mgpu_backend generate``: the whole two-stage LTX-2 job from the command line.
 
-Flag names follow the official runner (``ltx_pipelines.ti2vid_two_stages``) where they exist; every
-default is the schema's (``mgpu_backend.ltx.schema``) for the chosen ``--model-version``. Without
-``--checkpoint-path`` it uses the embedded tiny bundle (random weights: the output is noise, but
+Two recipes (``--pipeline``): ``two-stage`` (the default: the dev checkpoint, guided stage 1, stage 2
+with the distilled LoRA) and ``distilled`` (the distilled checkpoint, 8 + 3 unguided steps, no
+LoRA, no negative prompt). Flag names follow the official runners (``ltx_pipelines.ti2vid_two_stages``
+and ``ltx_pipelines.distilled``: ``--distilled-checkpoint-path``) where they exist; every default is
+the schema's (``mgpu_backend.ltx.schema``) for the chosen ``--model-version`` and recipe. Without
+model files it uses the embedded tiny bundle (random weights: the output is noise, but
 every real component runs; the fleet makes or finds its files) at small sizes, and says so. It drives the same fleet jobs as
 the ComfyUI nodes (load, encode, sample, upscale, decode), shows a progress bar per stage, cancels
 cleanly on Ctrl-C, and writes an mp4 with H.264 video and AAC audio.
@@ -24,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, validate_dtype_with_loras, validate_generation, validate_sigmas
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -46,9 +49,9 @@ MULTI_GPU_STAGE2_SIGMAS = TDP_UPSCALE_SIGMAS
 SINGLE_GPU_STAGE2_SIGMAS = STAGE_2_SIGMAS
 
 
-def real_defaults(model_version: str) -> dict:
+def real_defaults(model_version: str, pipeline: str = "two-stage") -> dict:
     """The output size, frames and steps of a real model: the schema's (stage 2 doubles stage 1)."""
-    official = defaults_for(model_version)
+    official = defaults_for(model_version, pipeline)
     return {"height": 2 * official.stage1_height, "width": 2 * official.stage1_width, "num_frames": official.num_frames, "num_inference_steps": official.steps}
 
 
@@ -59,7 +62,9 @@ def _listed(values) -> str:
 def add_generate_parser(commands) -> None:
     parser = commands.add_parser("generate", help="run the two-stage LTX-2 job headless and write an mp4")
     model = parser.add_argument_group("model (omit all to use the embedded tiny bundle with random weights)")
-    model.add_argument("--checkpoint-path", help="LTX-2 checkpoint (.safetensors) (default: none, the tiny bundle)")
+    model.add_argument("--pipeline", choices=PIPELINES, default="two-stage", help="recipe: two-stage (dev checkpoint + distilled LoRA, guided) or distilled (distilled checkpoint, 8 + 3 unguided steps) (default two-stage)")
+    model.add_argument("--checkpoint-path", help="LTX-2 dev checkpoint (.safetensors) of the two-stage pipeline (default: none, the tiny bundle)")
+    model.add_argument("--distilled-checkpoint-path", help="LTX-2 distilled checkpoint (.safetensors) of the distilled pipeline (default: none, the tiny bundle)")
     model.add_argument("--gemma-root", help="Gemma-3 text encoder: a Hugging Face folder or ComfyUI's single file (gemma_3_12B_it.safetensors) (default: none, the tiny bundle)")
     model.add_argument("--distilled-lora", nargs="+", metavar=("PATH", "STRENGTH"), help="distilled LoRA for stage 2 and an optional strength (strength default 1.0; default: none, the tiny bundle)")
     model.add_argument("--spatial-upsampler-path", help="spatial 2x latent upsampler (.safetensors) (default: none, the tiny bundle)")
@@ -86,7 +91,8 @@ def add_generate_parser(commands) -> None:
     job.add_argument("--frame-rate", type=float, default=OFFICIAL.frame_rate, help=f"frames per second, {MIN_FRAME_RATE:g} to {MAX_FRAME_RATE:g} (default {OFFICIAL.frame_rate:g})")
     job.add_argument("--num-inference-steps", type=int, help=f"stage-1 steps (default {real['num_inference_steps']} for 2.0, {real_defaults('2.3')['num_inference_steps']} for 2.3; tiny bundle {tiny['num_inference_steps']})")
     job.add_argument("--image", metavar="PATH", help="image-to-video: condition the first frame on this image (default: none, text-to-video)")
-    job.add_argument("--stage2-sigmas", default=_listed(TDP_UPSCALE_SIGMAS), help=f"stage-2 sigmas (default: TDP Upscale's {_listed(TDP_UPSCALE_SIGMAS)}; the official single-GPU stage 2: {_listed(STAGE_2_SIGMAS)})")
+    job.add_argument("--stage2-sigmas", help=f"stage-2 sigmas (default: two-stage TDP Upscale's {_listed(TDP_UPSCALE_SIGMAS)}; distilled: the official tail {_listed(STAGE_2_SIGMAS)})")
+    job.add_argument("--stage2-parallel", choices=STAGE2_PLANS, default="auto", help="stage 2: sp (sequence parallel, audio denoised as the official pipelines), tdp (tiles, stage-1 audio kept), auto (two-stage: tdp; distilled: the planner's rule) (default auto)")
     job.add_argument("--tiles", default="auto", help="stage-2 TDP tiles HxW (height tiles x width tiles, e.g. 2x2), or 'auto' (default auto: balanced over the fleet; untiled on one rank)")
     job.add_argument("--parallel", choices=("auto", "sp", "guidance", "hybrid"), default="auto", help="stage-1 plan: auto (planned from the fleet), sp, guidance or hybrid (default auto)")
     job.add_argument("--free-gemma", action="store_true", help="give Gemma's GPU memory back after encoding the prompts (for GPUs where memory is tight; default: keep it)")
@@ -241,13 +247,31 @@ def _check_host_memory(height: int, width: int, num_frames: int) -> None:
         )
 
 
+# The model flags of each recipe, in the order a missing one is named.
+RECIPE_MODEL_FLAGS = {
+    "two-stage": ("--checkpoint-path", "--gemma-root", "--spatial-upsampler-path", "--distilled-lora"),
+    "distilled": ("--distilled-checkpoint-path", "--gemma-root", "--spatial-upsampler-path"),
+}
+
+
+def _flag_value(args, flag: str):
+    return getattr(args, flag.lstrip("-").replace("-", "_"))
+
+
 def build_spec(args) -> tuple[dict, bool]:
     """The model spec JSON, and whether it is the embedded tiny bundle (named, not written here)."""
     from safetensors import SafetensorError, safe_open
 
     from mgpu_backend.ltx.loading import validate_model_files
 
-    given = [args.checkpoint_path, args.gemma_root, args.spatial_upsampler_path, args.distilled_lora]
+    pipeline = args.pipeline
+    wanted = RECIPE_MODEL_FLAGS[pipeline]
+    other = sorted({flag for flags in RECIPE_MODEL_FLAGS.values() for flag in flags} - set(wanted))
+    foreign = [flag for flag in other if _flag_value(args, flag)]
+    if foreign:
+        hint = "the distilled checkpoint needs no distilled LoRA" if pipeline == "distilled" else "use --pipeline distilled for it"
+        raise refuse(f"{', '.join(foreign)} does not apply to --pipeline {pipeline} ({hint}); drop it")
+    given = [_flag_value(args, flag) for flag in wanted]
     loras = []
     for lora in args.lora or []:
         if len(lora) > 2:
@@ -255,26 +279,29 @@ def build_spec(args) -> tuple[dict, bool]:
         loras.append((lora[0], _strength(lora, "--lora", 1.0)))
     held = {"quantization": args.quantization, "residency": args.residency, "loras": tuple(loras)}
     if not any(given):
-        spec = replace(ModelSpec.embedded_tiny(), **held)
+        spec = replace(ModelSpec.embedded_tiny_for(pipeline), **held)
         try:  # the bundle itself is made on the ranks; a user LoRA must exist here already
             spec.check_files_exist()
         except ModelFileError as error:
             raise refuse(f"--lora: {error}") from None
         return spec.to_wire(), True
-    missing = [flag for flag, value in zip(("--checkpoint-path", "--gemma-root", "--spatial-upsampler-path", "--distilled-lora"), given) if not value]
+    missing = [flag for flag, value in zip(wanted, given, strict=True) if not value]
     if missing:
         raise refuse(f"a real model needs {', '.join(missing)} too (or omit all model flags for the tiny bundle)")
-    if len(args.distilled_lora) > 2:
-        raise refuse(f"--distilled-lora takes a path and an optional strength, got {' '.join(args.distilled_lora)}")
-    strength = _strength(args.distilled_lora, "--distilled-lora", DISTILLED_LORA_STRENGTH)
-    spec = ModelSpec(
-        checkpoint_path=args.checkpoint_path,
-        gemma_root=args.gemma_root,
-        spatial_upsampler_path=args.spatial_upsampler_path,
-        distilled_lora=args.distilled_lora[0],
-        distilled_lora_strength=strength,
-        **held,
-    )
+    if pipeline == "distilled":
+        spec = ModelSpec(args.distilled_checkpoint_path, args.gemma_root, args.spatial_upsampler_path, **held)
+    else:
+        if len(args.distilled_lora) > 2:
+            raise refuse(f"--distilled-lora takes a path and an optional strength, got {' '.join(args.distilled_lora)}")
+        strength = _strength(args.distilled_lora, "--distilled-lora", DISTILLED_LORA_STRENGTH)
+        spec = ModelSpec(
+            checkpoint_path=args.checkpoint_path,
+            gemma_root=args.gemma_root,
+            spatial_upsampler_path=args.spatial_upsampler_path,
+            distilled_lora=args.distilled_lora[0],
+            distilled_lora_strength=strength,
+            **held,
+        )
     try:  # from the files' headers: a wrong file stops here, before a fleet starts
         validate_model_files(spec)
     except ModelFileError as error:
@@ -306,7 +333,7 @@ def check_inputs(args, spec: dict) -> dict:
         EncodeRequest.from_wire({"spec": spec, "prompts": [prompt, negative], "dtype": args.dtype})
         validate_generation(args.height, args.width, args.num_frames, two_stage=True, num_inference_steps=args.num_inference_steps, frame_rate=args.frame_rate, seed=args.seed)
         validate_dtype_with_loras(args.dtype, spec["distilled_lora"] is not None, bool(spec["loras"]))
-        sigmas = _parse_floats(args.stage2_sigmas, "--stage2-sigmas")
+        sigmas = stage2_default_sigmas(args.pipeline) if args.stage2_sigmas is None else _parse_floats(args.stage2_sigmas, "--stage2-sigmas")
         validate_sigmas(sigmas)
     except (RequestError, ModelFileError) as error:
         raise refuse(_in_flag_names(str(error))) from None
@@ -398,13 +425,34 @@ def describe_fleet_error(exc) -> str:
     return f"error{exc.where}: {exc}\n{exc.traceback}"
 
 
+GUIDANCE_FLAGS = tuple(
+    f"{modality}_{name}" for modality in ("video", "audio")
+    for name in ("cfg_guidance_scale", "stg_guidance_scale", "rescale_scale", "modality_scale", "skip_step", "stg_blocks")
+)  # fmt: skip
+
+
+def check_distilled_flags(args) -> None:
+    """The distilled recipe runs no guidance and its fixed 8 sigmas: refuse flags it would ignore."""
+    set_flags = ["--" + name.replace("_", "-") for name in GUIDANCE_FLAGS if getattr(args, name) is not None]
+    if set_flags:
+        raise refuse(f"{', '.join(set_flags)} do(es) not apply to --pipeline distilled (one unguided pass per step); drop them")
+    steps = defaults_for(args.model_version, "distilled").steps
+    if args.num_inference_steps is not None and args.num_inference_steps != steps:
+        raise refuse(f"--pipeline distilled runs its {steps} fixed distilled sigmas; drop --num-inference-steps (got {args.num_inference_steps})")
+
+
 def run_generate(args) -> int:
     from mgpu_backend.ltx import api
     from mgpu_backend.fleet.client import FleetCancelled, FleetError
     from mgpu_backend.tools.media import write_mp4
 
     spec, tiny = build_spec(args)
-    defaults = TINY_DEFAULTS if tiny else real_defaults(args.model_version)
+    distilled = args.pipeline == "distilled"
+    if distilled:
+        check_distilled_flags(args)
+    defaults = dict(TINY_DEFAULTS) if tiny else real_defaults(args.model_version, args.pipeline)
+    if distilled:
+        defaults["num_inference_steps"] = defaults_for(args.model_version, "distilled").steps
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -412,7 +460,8 @@ def run_generate(args) -> int:
     if tiny:
         print(
             "No checkpoint given: using the embedded tiny LTX-2 bundle (random weights; the video is noise, every "
-            f"real component runs) at {args.height}x{args.width} (height x width), {args.num_frames} frames, {args.num_inference_steps} steps.",
+            f"real component runs) at {args.height}x{args.width} (height x width), {args.num_frames} frames, {args.num_inference_steps} steps, "
+            f"{args.pipeline} pipeline.",
             file=sys.stderr,
         )
     image = inputs["image"]
@@ -444,18 +493,25 @@ def run_generate(args) -> int:
         loaded = api.load(spec, **common)
         progress.close()
         print(f"model on the fleet ({loaded['bytes_read'] / 2**20:.1f} MiB read from disk since it was loaded)", file=sys.stderr)
-        positive, negative = api.encode(spec, [inputs["prompt"], inputs["negative"]], free_gemma=args.free_gemma, **common)
+        # The distilled recipe runs no unconditional pass: no negative prompt to encode.
+        prompts = [inputs["prompt"]] if distilled else [inputs["prompt"], inputs["negative"]]
+        positive, *negative = api.encode(spec, prompts, free_gemma=args.free_gemma, **common)
         video, audio = api.sample(
-            spec, positive, negative, width=args.width // 2, height=args.height // 2, num_frames=args.num_frames,
-            frame_rate=args.frame_rate, seed=args.seed, steps=args.num_inference_steps, video_guidance=video_guidance,
-            audio_guidance=audio_guidance, image=image, parallel=args.parallel, cuda_graphs=args.cuda_graphs,
-            compile_blocks=args.compile_blocks, model_version=args.model_version, **common,
+            spec, positive, negative[0] if negative else None, width=args.width // 2, height=args.height // 2,
+            num_frames=args.num_frames, frame_rate=args.frame_rate, seed=args.seed, steps=args.num_inference_steps,
+            video_guidance=None if distilled else video_guidance, audio_guidance=None if distilled else audio_guidance,
+            image=image, parallel=args.parallel, cuda_graphs=args.cuda_graphs, compile_blocks=args.compile_blocks,
+            model_version=args.model_version, pipeline=args.pipeline, **common,
         )  # fmt: skip
         stage1_video, stage1_audio = video, audio
+        stage2_fields: dict = {}
         video, audio = api.upscale(
             spec, video, audio, positive, frame_rate=args.frame_rate, seed=args.seed, sigmas=inputs["sigmas"], tiles=inputs["tiles"],
-            image=image, model_version=args.model_version, **common,
+            image=image, model_version=args.model_version, pipeline=args.pipeline, parallel=args.stage2_parallel,
+            fields=stage2_fields, **common,
         )  # fmt: skip
+        progress.close()
+        print(f"{stage2_fields.get('plan', 'stage 2')}; audio: {stage2_fields.get('audio', '?')}", file=sys.stderr)
         frames, waveform, sample_rate = api.decode(spec, video, audio, seed=args.seed, frame_rate=args.frame_rate, **common)
         progress.close()
     except FleetCancelled:
