@@ -170,8 +170,12 @@ class FleetClient:
         on_progress: Callable[[dict], None] | None = None,
         on_log: Callable[[str], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
+        on_preview: Callable[[dict, torch.Tensor], None] | None = None,
     ) -> JobResult:
-        """Run one job to its end. Raises FleetCancelled or FleetError; the fleet stays usable."""
+        """Run one job to its end. Raises FleetCancelled or FleetError; the fleet stays usable.
+
+        ``on_preview(fields, frames)`` receives the job's live previews (``protocol.preview_frames``);
+        a malformed one is dropped with a line to ``on_log``: a preview is never worth the job."""
         inline, shared = shm.split_for_transfer(tensors or {})
         protocol.send_message(self.sock, Message("submit", {"op": op, "args": args or {}}, inline, shm=shared))
         job_id: str | None = None
@@ -188,6 +192,14 @@ class FleetClient:
                 job_id = message.job
             elif message.type == "progress" and on_progress is not None:
                 on_progress(message.fields)
+            elif message.type == "preview" and on_preview is not None:
+                try:
+                    frames = protocol.preview_frames(message)
+                except protocol.ProtocolError as exc:
+                    if on_log is not None:
+                        on_log(f"preview dropped: {exc}")
+                    continue
+                on_preview(message.fields, frames)
             elif message.type == "log" and on_log is not None:
                 on_log(f"[rank {message.fields.get('rank')}] {message.fields.get('text', '')}")
             elif message.type == "error":

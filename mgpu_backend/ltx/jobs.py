@@ -53,6 +53,7 @@ from mgpu_backend.ltx.decode import decode_audio
 from mgpu_backend.ltx.latents import StageGeometry, job_generator
 from mgpu_backend.ltx.loading import ModelLoader
 from mgpu_backend.ltx.parallelize import Stage1Options, parallelize_stage1, parallelize_stage2, stage1_cache
+from mgpu_backend.ltx.previews import stage_previews, step_reporter
 from mgpu_backend.ltx.schema import CONTEXT_MISSING, PROMPT_CACHE_ENTRIES, VIDEO_LATENT_CHANNELS, DecodeRequest, EncodeRequest, LoadRequest, ModelFileError, ModelSpec, SampleRequest, UnloadRequest, UpscaleRequest, pixel_geometry, validate_stg_blocks
 from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, guider_params, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
 from mgpu_backend.ltx.text import TextContext
@@ -325,6 +326,11 @@ def _progress(ctx: JobContext, stage: str) -> Callable[[int, int], None]:
     return lambda step, total: ctx.step(stage, step, total)
 
 
+def _stage_steps(ctx: JobContext, resident, stage: str, preview_every: int):
+    """A denoising stage's step callback: progress and cancel, plus live previews when asked for."""
+    return step_reporter(ctx, stage, stage_previews(ctx, resident, preview_every), preview_every)
+
+
 # -- jobs --------------------------------------------------------------------------------------
 
 
@@ -427,12 +433,13 @@ def sample(ctx: JobContext, args: dict, tensors: dict):
         cuda_graphs = cuda_graphs_wanted(request.cuda_graphs, ctx.device)
         compile_blocks = compile_blocks_wanted(request.compile_blocks, ctx.device)
         positive, negative = prompt_contexts(ctx, tensors, [("positive", request.positive_digest), ("negative", request.negative_digest)])
-    return run_stage1(ctx, resident, params, positive, negative, image, request.parallel, dims, cuda_graphs, request.batch_passes, compile_blocks)
+    return run_stage1(ctx, resident, params, positive, negative, image, request.parallel, dims, cuda_graphs, request.batch_passes, compile_blocks,
+                      request.preview_every)  # fmt: skip
 
 
 def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: TextContext, negative: TextContext,
                image: torch.Tensor | None, mode: str, dims: TransformerDims, cuda_graphs: bool = True,
-               batch_passes: str | bool = "auto", compile_blocks: bool = False):  # fmt: skip
+               batch_passes: str | bool = "auto", compile_blocks: bool = False, preview_every: int = 0):  # fmt: skip
     """Plan, memory check and the stage-1 loop under ``parallelize_stage1``: shared by ``sample`` and
     the benchmark job."""
     passes = active_passes(params.video_guider, params.audio_guider)
@@ -443,9 +450,10 @@ def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: Te
         options = Stage1Options(cuda_graphs=cuda_graphs, batch_passes=batched, compile_blocks=compile_blocks)
         check_generation_fits(params, ctx.device, dims, resident.dtype, sp_degree=plan.sp_degree, weights_resident=True)
     transformer = resident.transformer("none")
+    on_step = _stage_steps(ctx, resident, "stage1", preview_every)
     with parallelize_stage1(transformer, plan, ctx.comm, ctx.device, options, stage1_cache(ctx.state), ctx.log) as stage:
         video, audio = sample_stage1(
-            resident, params, _moved(positive, resident), _moved(negative, resident), image, pass_runner=stage.runner, on_step=_progress(ctx, "stage1")
+            resident, params, _moved(positive, resident), _moved(negative, resident), image, pass_runner=stage.runner, on_step=on_step
         )
     return stage.fields(), {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
 
@@ -506,10 +514,11 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
     upsampled = upsample_video(resident, video_latent)
     ctx.step("upsample", 1, 1)
     stage2_transformer = resident.transformer("distilled")  # the same working copy stage 1 used, clean again
+    on_step = _stage_steps(ctx, resident, "stage2", request.preview_every)
     with parallelize_stage2(stage2_transformer, ctx.comm, tiling, stage2_grid, ctx.log) as wrapper:
         video, audio = refine_stage2(
             resident, params, upsampled, audio_latent.float(), _moved(positive, resident), image,
-            sigmas=sigmas, transformer_wrapper=wrapper, on_step=_progress(ctx, "stage2"),
+            sigmas=sigmas, transformer_wrapper=wrapper, on_step=on_step,
         )  # fmt: skip
     tiles = "untiled" if tiling is None else tiling.describe()
     return {"tiling": tiles}, {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
@@ -556,7 +565,10 @@ def decode(ctx: JobContext, args: dict, tensors: dict):
     decoder = resident.video_decoder()
     out = ctx.shared_output("frames", decoded_images_shape(decoder, video_latent.shape)) if ctx.rank == 0 else None
     with torch.inference_mode():
-        frames_out = distributed_decode_images(decoder, video_latent.to(ctx.device, resident.dtype), tiling, ctx.comm, generator, out=out)
+        # One progress step per decoded tile, counted over all ranks (also the cancel point).
+        frames_out = distributed_decode_images(
+            decoder, video_latent.to(ctx.device, resident.dtype), tiling, ctx.comm, generator, out=out, on_tiles=_progress(ctx, "decode")
+        )
     stats = last_decode_stats()
     if stats is not None:
         peak = stats.device_peak_bytes if stats.device_peak_bytes is not None else stats.assembly_peak_bytes
@@ -564,7 +576,6 @@ def decode(ctx: JobContext, args: dict, tensors: dict):
             f"decode: {stats.tiles_decoded}/{stats.tiles_total} tiles on this rank, {stats.decode_seconds:.2f} s decoding, "
             f"{stats.reduce_seconds:.2f} s blending, peak {peak / 2**20:.1f} MiB"
         )
-    ctx.step("decode", 1, 2)
     result, out_tensors = {"frames": int(frames_out.shape[0]) if frames_out is not None else 0}, {}
     if ctx.rank == 0:
         out_tensors["frames"] = frames_out
@@ -572,7 +583,8 @@ def decode(ctx: JobContext, args: dict, tensors: dict):
             waveform, sample_rate = decode_audio(resident, audio_latent.float())
             out_tensors["waveform"] = waveform.cpu()
             result["sample_rate"] = sample_rate
-    ctx.step("decode", 2, 2)
+    if audio_latent is not None:
+        ctx.step("audio decode", 1, 1)
     return result, out_tensors
 
 

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MODEL_VERSIONS, OFFICIAL, STAGE_2_SIGMAS, TDP_UPSCALE_SIGMAS, ModelSpec, defaults_for
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MODEL_VERSIONS, OFFICIAL, PREVIEW_EVERY, STAGE_2_SIGMAS, TDP_UPSCALE_SIGMAS, ModelSpec, defaults_for
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -78,6 +78,8 @@ def add_generate_parser(commands) -> None:
     job.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the stage-1 forward eagerly instead of replaying captured CUDA graphs (GPU only)")
     job.add_argument("--compile-blocks", action="store_true", help="torch.compile the transformer blocks for stage 1 (GPU only; tens of seconds of compile per new shape, then faster small shards: for SP degree 4+)")
     job.add_argument("--debug-dump", metavar="PATH", help="write stage latents, frames (uint8) and waveform to this safetensors file")
+    job.add_argument("--preview-dir", metavar="DIR", help="write the live previews of stages 1 and 2 (latent-to-RGB strips of a few frames) there as PNGs")
+    job.add_argument("--preview-every", type=int, default=PREVIEW_EVERY, help=f"steps per preview with --preview-dir (default {PREVIEW_EVERY}: every step)")
 
     # Unset guidance flags take the schema's official values of --model-version (shown: 2.0's).
     guidance = parser.add_argument_group("guidance (default: the official values of the model version)")
@@ -124,6 +126,26 @@ class StageProgress:
         if self.stage is not None:
             self.stream.write("\n")
             self.stage = None
+
+
+class PreviewWriter:
+    """``--preview-dir``: each live preview as ``<stage>_step<NNN>.png`` (the frames side by side)."""
+
+    def __init__(self, directory: str) -> None:
+        from pathlib import Path
+
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.written = 0
+
+    def __call__(self, fields: dict, frames: torch.Tensor) -> None:
+        from PIL import Image
+
+        from mgpu_backend.ltx.previews import side_by_side
+
+        name = f"{fields['stage']}_step{int(fields['step']):03d}.png"
+        Image.fromarray(side_by_side(frames).numpy()).save(self.directory / name)
+        self.written += 1
 
 
 def _parse_floats(text: str, name: str) -> tuple[float, ...]:
@@ -209,6 +231,10 @@ def run_generate(args) -> int:
     signal.signal(signal.SIGINT, on_interrupt)
     progress = StageProgress()
     common = dict(progress=progress, should_cancel=lambda: cancelled["flag"], dtype=args.dtype)
+    if args.preview_every < 0:
+        raise SystemExit(f"error: --preview-every must be 0 (no previews) or more steps, got {args.preview_every}")
+    previews = PreviewWriter(args.preview_dir) if args.preview_dir and args.preview_every > 0 else None
+    denoising = dict(preview=previews, preview_every=args.preview_every)
     started = time.perf_counter()
     try:
         loaded = api.load(spec, **common)
@@ -219,12 +245,12 @@ def run_generate(args) -> int:
             spec, positive, negative, width=args.width // 2, height=args.height // 2, num_frames=args.num_frames,
             frame_rate=args.frame_rate, seed=args.seed, steps=args.num_inference_steps, video_guidance=video_guidance,
             audio_guidance=audio_guidance, image=image, parallel=args.parallel, cuda_graphs=args.cuda_graphs,
-            compile_blocks=args.compile_blocks, model_version=args.model_version, **common,
+            compile_blocks=args.compile_blocks, model_version=args.model_version, **common, **denoising,
         )  # fmt: skip
         stage1_video, stage1_audio = video, audio
         video, audio = api.upscale(
             spec, video, audio, positive, frame_rate=args.frame_rate, seed=args.seed, sigmas=sigmas, tiles=tiles,
-            image=image, model_version=args.model_version, **common,
+            image=image, model_version=args.model_version, **common, **denoising,
         )  # fmt: skip
         frames, waveform, sample_rate = api.decode(spec, video, audio, seed=args.seed, frame_rate=args.frame_rate, **common)
         progress.close()
@@ -241,6 +267,8 @@ def run_generate(args) -> int:
         return 1
     output = write_mp4(args.output, frames, args.frame_rate, waveform, sample_rate)
     print(f"wrote {output} ({frames.shape[0]} frames {frames.shape[2]}x{frames.shape[1]}, audio {sample_rate} Hz) in {time.perf_counter() - started:.1f} s")
+    if previews is not None:
+        print(f"{previews.written} live previews in {previews.directory}")
     if args.debug_dump:
         from safetensors.torch import save_file
 
