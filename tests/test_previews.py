@@ -212,18 +212,18 @@ def test_upscale_sends_stage2_previews_and_the_latents_equal_previews_off(fleet,
 
 def test_decode_progress_counts_every_tile_and_never_goes_back(fleet, spec, prompts):
     positive, negative = prompts
-    video, audio = api.sample(spec, positive, negative, **{**SAMPLE, "steps": 1})
+    video, audio = api.sample(spec, positive, negative, **{**SAMPLE, "width": 192, "height": 128, "steps": 1})
     events = []
-    # 64-pixel, 16-frame tiles of a 96x64x17 video: 2 x 3 spatial x 2 temporal tiles.
-    frames, _, _ = api.decode(spec, video, audio, after_stages=1, spatial_tile_pixels=64, temporal_tile_frames=16, progress=events.append)
+    # 64-pixel tiles without overlap of a 192x128 video: 2 x 3 tiles, 3 rounds on 2 ranks.
+    frames, _, _ = api.decode(spec, video, audio, after_stages=1, spatial_tile_pixels=64, progress=events.append)
     decode = [(event["step"], event["total"]) for event in events if event["stage"] == "decode"]
     decoder = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16).video_decoder()
-    tiling = TilingConfig(SpatialTilingConfig(64, 0), TemporalTilingConfig(16, 6))
+    tiling = TilingConfig(SpatialTilingConfig(64, 0), TemporalTilingConfig(64, 24))  # what the decode job builds
     tiles = len(decoder._prepare_tiles(video.to(torch.bfloat16), tiling))
-    assert tiles > 2 and decode[-1] == (tiles, tiles) and {total for _, total in decode} == {tiles}
+    assert tiles == 6 and decode[-1] == (tiles, tiles) and {total for _, total in decode} == {tiles}
     steps = [step for step, _ in decode]
     assert steps == sorted(steps) and steps == [min(2 * round_, tiles) for round_ in range(1, len(steps) + 1)]
-    assert [event["stage"] for event in events][-1] == "audio decode" and frames.shape == (17, 64, 96, 3)
+    assert [event["stage"] for event in events][-1] == "audio decode" and frames.shape == (17, 128, 192, 3)
 
 
 # --- the node's side ---------------------------------------------------------------------------------
