@@ -182,9 +182,12 @@ class FleetJob:
         """``function(*args, progress=..., should_cancel=..., **kwargs)``, its fleet exceptions
         mapped as ComfyUI expects them: an interrupt, or a RuntimeError with the fleet's message."""
         callbacks = {"progress": self.progress, "should_cancel": self.should_cancel}
-        if "preview" in inspect.signature(function).parameters:
+        parameters = inspect.signature(function).parameters
+        if "preview" in parameters:
             every, self._preview_size = preview_setting()
-            callbacks.update(preview=self.preview if every > 0 else None, preview_every=every)
+            callbacks["preview"] = self.preview if every > 0 else None
+            if "preview_every" in parameters:
+                callbacks["preview_every"] = every
         try:
             return function(*args, **callbacks, **kwargs)
         except FleetCancelled as exc:
