@@ -322,8 +322,9 @@ def _video_latent(tensors: dict, what: str) -> torch.Tensor:
     return latent.float()
 
 
-def _progress(ctx: JobContext, stage: str) -> Callable[[int, int], None]:
-    return lambda step, total: ctx.step(stage, step, total)
+def _progress(ctx: JobContext, stage: str) -> Callable[..., None]:
+    """Progress and cancel only; it also serves as a stage's ``on_step`` (which adds the step's x0)."""
+    return lambda step, total, video_x0=None: ctx.step(stage, step, total)
 
 
 def _stage_steps(ctx: JobContext, resident, stage: str, preview_every: int):
