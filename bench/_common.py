@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from mgpu_backend.ltx.diagnostics import materialize_random_  # noqa: E402,F401 - one recipe for random weights
+from mgpu_backend.bundles.random_weights import materialize_random_  # noqa: E402,F401 - one recipe for random weights
 
 
 def log(message: str) -> None:

@@ -41,7 +41,7 @@ from _common import (  # noqa: I001 - _common puts the repository on sys.path fi
 from step import TINY_OVERRIDES  # the one tiny transformer of the step benches
 from ltx_core.model.video_vae import VideoDecoderConfigurator
 
-from mgpu_backend.bundles.full_size import FULL_SIZE_VIDEO_VAE_CONFIG
+from mgpu_backend.bundles.configs import FULL_SIZE_VIDEO_VAE_CONFIG, VIDEO_VAE_CONFIG
 from mgpu_backend.ltx.diagnostics import random_transformer, random_transformer_inputs
 from mgpu_backend.ltx.latents import StageGeometry, state_to_comfy
 from mgpu_backend.ltx.previews import fit_latent_rgb
@@ -52,12 +52,40 @@ TEXT_TOKENS = 128
 
 
 def random_decoder(tiny: bool, device: torch.device, dtype: torch.dtype, seed: int):
-    from mgpu_backend.bundles.tiny import VIDEO_VAE_CONFIG
-
     config = VIDEO_VAE_CONFIG if tiny else FULL_SIZE_VIDEO_VAE_CONFIG
     with torch.device("meta"):
         decoder = VideoDecoderConfigurator.from_config({"vae": config})
     return materialize_random_(decoder, device, dtype, seed).eval()
+
+
+def time_fit(tiny: bool, device: torch.device, dtype: torch.dtype, seed: int):
+    """Milliseconds of the one-off fit (cold, as a rank first does it) and the fitted projection."""
+    decoder = random_decoder(tiny, device, dtype, seed)
+    fit_ms = time_calls(lambda: fit_latent_rgb(decoder, device, dtype), device, warmup=0, repeats=1)[0]
+    return fit_ms, fit_latent_rgb(decoder, device, dtype)
+
+
+def measure_size(model, factors, config: dict, size: tuple[int, int, int], device: torch.device, dtype: torch.dtype, args) -> list[str]:
+    """One table row: a transformer pass and a preview at ``size`` (width, height, frames)."""
+    width, height, frames = size
+    geometry = StageGeometry(height, width, frames, 24.0)
+    video, audio = random_transformer_inputs(geometry, geometry, TEXT_TOKENS, config["transformer"]["caption_channels"], 0.5, device, dtype, args.seed)
+    tools = geometry.video_tools()
+    state = tools.create_initial_state(device, dtype, torch.zeros(tools.target_shape.to_torch_shape(), device=device, dtype=dtype))
+    log(f"{width}x{height}x{frames}: {video.latent.shape[1]} video tokens")
+    with torch.inference_mode():
+        video_x0, _ = model(video=video, audio=audio, perturbations=None)
+        pass_ms = median(time_calls(lambda: model(video=video, audio=audio, perturbations=None), device, args.warmup, args.repeats))
+
+        def preview():
+            return factors.preview(state_to_comfy(replace(state, latent=video_x0), tools))
+
+        strip = preview()
+        preview_ms = median(time_calls(preview, device, args.warmup, max(args.repeats, 10)))
+    return [
+        f"{width}x{height}x{frames}", str(video.latent.shape[1]), f"{pass_ms:.1f}", f"{preview_ms:.2f}",
+        f"{100 * preview_ms / pass_ms:.3f}%", "x".join(map(str, strip.shape)), f"{strip.numel() / 1e3:.1f}",
+    ]  # fmt: skip
 
 
 def measure(args) -> str:
@@ -70,32 +98,8 @@ def measure(args) -> str:
 
     log(f"building the random transformer ({'tiny' if args.tiny else '19B'}) and video decoder on {device}")
     model = random_transformer(config, device, dtype, args.seed)
-    decoder = random_decoder(args.tiny, device, dtype, args.seed)
-    fit_ms = time_calls(lambda: fit_latent_rgb(decoder, device, dtype), device, warmup=1, repeats=1)[0]
-    factors = fit_latent_rgb(decoder, device, dtype)
-    del decoder
-
-    rows = []
-    for width, height, frames in sizes:
-        geometry = StageGeometry(height, width, frames, 24.0)
-        video, audio = random_transformer_inputs(geometry, geometry, TEXT_TOKENS, config["transformer"]["caption_channels"], 0.5, device, dtype, args.seed)
-        tools = geometry.video_tools()
-        state = tools.create_initial_state(device, dtype, torch.zeros(tools.target_shape.to_torch_shape(), device=device, dtype=dtype))
-        log(f"{width}x{height}x{frames}: {video.latent.shape[1]} video tokens")
-        with torch.inference_mode():
-            video_x0, _ = model(video=video, audio=audio, perturbations=None)
-            pass_ms = median(time_calls(lambda: model(video=video, audio=audio, perturbations=None), device, args.warmup, args.repeats))
-
-            def preview():
-                return factors.preview(state_to_comfy(replace(state, latent=video_x0), tools))
-
-            strip = preview()
-            preview_ms = median(time_calls(preview, device, args.warmup, max(args.repeats, 10)))
-        rows.append([
-            f"{width}x{height}x{frames}", str(video.latent.shape[1]), f"{pass_ms:.1f}", f"{preview_ms:.2f}",
-            f"{100 * preview_ms / pass_ms:.3f}%", "x".join(map(str, strip.shape)), f"{strip.numel() / 1e3:.1f}", f"{fit_ms:.0f}",
-        ])  # fmt: skip
-        del video, audio, video_x0
+    fit_ms, factors = time_fit(args.tiny, device, dtype, args.seed)
+    rows = [measure_size(model, factors, config, size, device, dtype, args) + [f"{fit_ms:.0f}"] for size in sizes]
     headers = ["size (WxHxF)", "video tokens", "transformer pass ms", "preview ms", "preview / pass", "preview uint8", "KB to host", "one-off fit ms"]
     return markdown_table(headers, rows)
 

@@ -193,7 +193,7 @@ class FleetJob:
         except FleetCancelled as exc:
             raise self._interrupt(exc) from None
         except FleetError as exc:
-            where = f" (rank {exc.rank})" if exc.rank is not None else ""
+            where = exc.where  # no rank on an input error: every rank finds it alike
             if exc.traceback:
                 log.error("%s failed in the fleet%s:\n%s", self.title, where, exc.traceback)
             raise RuntimeError(f"{self.title}: {exc}{where}") from None

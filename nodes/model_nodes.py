@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import replace
 
 from mgpu_backend.ltx import api
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, ModelSpec
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, QUANTIZATIONS, RESIDENCY_POLICIES, ModelSpec, validate_dtype_with_loras
 
 from .fleet_admin import format_status, status_snapshot, stop_fleet, unload_models
 from .fleet_job import FleetJob, prompt_server
@@ -23,6 +24,7 @@ log = logging.getLogger("comfyui-mgpu")
 CATEGORY = "MGPU/LTX-2"
 EMBEDDED = "(embedded tiny LTX-2, random weights)"
 NO_FILE = "(none)"
+NO_QUANTIZATION = "none"
 
 
 def _folder_paths():
@@ -45,10 +47,10 @@ def model_file_choices(folder: str) -> list[str]:
 
 
 def gemma_folder_choices() -> list[str]:
-    """Hugging Face model folders (with a config.json) inside the text_encoders folders.
+    """Gemma choices inside the text_encoders folders: Hugging Face model folders (with a config.json)
+    and single .safetensors files in ComfyUI's own layout (e.g. gemma_3_12B_it.safetensors).
 
-    ltx-core reads Gemma from its folder (config, tokenizer, safetensors shards), so folders are
-    listed here, not the single files ComfyUI's own text encoder loaders take.
+    A file that is not a Gemma-3 text encoder is refused with a clear message when the model loads.
     """
     folder_paths = _folder_paths()
     if folder_paths is None:
@@ -58,7 +60,7 @@ def gemma_folder_choices() -> list[str]:
         if not os.path.isdir(base):
             continue
         for entry in os.listdir(base):
-            if os.path.isfile(os.path.join(base, entry, "config.json")):
+            if os.path.isfile(os.path.join(base, entry, "config.json")) or entry.endswith(".safetensors"):
                 names.add(entry)
     return sorted(names)
 
@@ -80,15 +82,17 @@ def _resolve_gemma(name: str) -> str:
     bases = folder_paths.get_folder_paths("text_encoders") if folder_paths is not None else [""]
     for base in bases:
         path = os.path.join(base, name)
-        if os.path.isfile(os.path.join(path, "config.json")):
+        if os.path.isfile(os.path.join(path, "config.json")) or (name.endswith(".safetensors") and os.path.isfile(path)):
             return os.path.abspath(path)
     raise ValueError(
-        f"Gemma folder {name!r} has no config.json in any text_encoders folder; put the Hugging Face folder "
-        "(e.g. gemma-3-12b-it-qat-q4_0-unquantized) in models/text_encoders"
+        f"Gemma {name!r} is neither a folder with a config.json nor a .safetensors file in any text_encoders folder; "
+        "put ComfyUI's gemma_3_12B_it.safetensors or the Hugging Face folder (e.g. gemma-3-12b-it-qat-q4_0-unquantized) "
+        "in models/text_encoders"
     )
 
 
-def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: float, spatial_upsampler: str, gemma: str) -> dict:
+def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: float, spatial_upsampler: str, gemma: str,
+               quantization: str = NO_QUANTIZATION, residency: str = RESIDENCY_POLICIES[0]) -> dict:  # fmt: skip
     """The ModelSpec JSON for the chosen files; the embedded tiny bundle is one set, never mixed, and
     named symbolically: the fleet makes (or finds) its files, nothing is written in this process."""
     if ckpt_name == EMBEDDED:
@@ -103,7 +107,7 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
             spatial_upsampler=spatial_upsampler == EMBEDDED, distilled_lora=distilled_lora == EMBEDDED,
             distilled_lora_strength=distilled_lora_strength,
         )  # fmt: skip
-        return spec.to_wire()
+        return replace(spec, quantization=None if quantization == NO_QUANTIZATION else quantization, residency=residency).to_wire()
     embedded = [name for name, value in (("distilled_lora", distilled_lora), ("spatial_upsampler", spatial_upsampler), ("gemma", gemma)) if value == EMBEDDED]
     if embedded:
         raise ValueError(
@@ -118,6 +122,8 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
         spatial_upsampler_path=None if spatial_upsampler == NO_FILE else _resolve_file("latent_upscale_models", spatial_upsampler),
         distilled_lora=None if distilled_lora == NO_FILE else _resolve_file("loras", distilled_lora),
         distilled_lora_strength=distilled_lora_strength,
+        quantization=None if quantization == NO_QUANTIZATION else quantization,
+        residency=residency,
     )
     return spec.to_wire()
 
@@ -140,18 +146,37 @@ class LoadCheckpointMGPU:
                 "distilled_lora": ([EMBEDDED, NO_FILE, *model_file_choices("loras")], {"default": EMBEDDED, "tooltip": "The distilled LoRA TDP Upscale refines with, from models/loras, e.g. ltx-2-19b-distilled-lora-384.safetensors. (none) if you only run SP Sampler."}),
                 "distilled_lora_strength": ("FLOAT", {"default": DISTILLED_LORA_STRENGTH, "min": 0.0, "max": 2.0, "step": 0.05, "tooltip": f"Strength of the distilled LoRA in stage 2. The official pipeline uses {DISTILLED_LORA_STRENGTH}."}),
                 "spatial_upsampler": ([EMBEDDED, NO_FILE, *model_file_choices("latent_upscale_models")], {"default": EMBEDDED, "tooltip": "The 2x latent upsampler TDP Upscale needs, from models/latent_upscale_models, e.g. ltx-2-spatial-upscaler-x2-1.0.safetensors. (none) if you only run SP Sampler."}),
-                "gemma": ([EMBEDDED, *gemma_folder_choices()], {"default": EMBEDDED, "tooltip": "The Gemma 3 text encoder FOLDER (Hugging Face layout: config.json, tokenizer, safetensors shards) inside models/text_encoders, e.g. gemma-3-12b-it-qat-q4_0-unquantized."}),
+                "gemma": ([EMBEDDED, *gemma_folder_choices()], {"default": EMBEDDED, "tooltip": "The Gemma 3 12B text encoder in models/text_encoders: ComfyUI's single file (gemma_3_12B_it.safetensors, or its fp8 scaled or fp4_mixed version, dequantized to bf16 on load) or a Hugging Face folder (config.json, tokenizer, safetensors shards), e.g. gemma-3-12b-it-qat-q4_0-unquantized."}),
                 "gpus": ("STRING", {"default": "all", "tooltip": "GPUs the fleet runs on: 'all' or a list like 0,1. Applies when the fleet starts; after changing it press Restart in the MGPU panel."}),
                 "gemma_mode": (list(GEMMA_MODES), {"default": GEMMA_MODES[0], "tooltip": "sharded: one Gemma copy split over the GPUs (least memory). batch_parallel: a copy per GPU, prompts encoded in parallel (faster, needs Gemma to fit on one GPU)."}),
                 "parallel": (list(PARALLEL_PLANS), {"default": PARALLEL_PLANS[0], "tooltip": "How SP Sampler spreads a step over the GPUs: sp splits the video tokens (sequence parallel), guidance runs the guidance passes on different GPUs, hybrid does both, auto lets the planner choose from GPU count and size."}),
                 "dtype": (list(DTYPES), {"default": DTYPES[0], "tooltip": "Compute precision in the fleet. bfloat16 is what LTX-2 is made for; float32 doubles the memory and is for checking results."}),
+                "quantization": ([NO_QUANTIZATION, *QUANTIZATIONS], {"default": NO_QUANTIZATION, "tooltip": "fp8-cast keeps the transformer weights in float8 on every GPU (about half its memory) and upcasts them per layer, as the official --quantization fp8-cast; outputs differ slightly from bfloat16. Lightricks' -fp8 checkpoints load either way."}),
+                "residency": (list(RESIDENCY_POLICIES), {"default": RESIDENCY_POLICIES[0], "tooltip": "What stays on each GPU between jobs. auto keeps what fits the GPU and builds the rest per stage (Gemma first); all keeps everything (fastest warm runs, most memory); minimal keeps only the transformer."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
-    def load(self, ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, gpus, gemma_mode, parallel, dtype, unique_id=None):
+    @classmethod
+    def VALIDATE_INPUTS(cls, distilled_lora=None, dtype=None):
+        """ComfyUI runs this before queueing: float32 with the distilled LoRA would fail only in stage 2.
+        (Naming an input here skips ComfyUI's own choice check for it, so that is done here too; an
+        input fed by a link is None here.)"""
+        if dtype is not None and dtype not in DTYPES:
+            return f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}"
+        if distilled_lora is not None and distilled_lora not in (EMBEDDED, NO_FILE, *model_file_choices("loras")):
+            return f"distilled_lora {distilled_lora!r} is not in models/loras; pick one of the listed files, or (none)"
+        try:
+            if dtype is not None and distilled_lora is not None:
+                validate_dtype_with_loras(dtype, distilled_lora != NO_FILE)
+        except ValueError as error:
+            return str(error)
+        return True
+
+    def load(self, ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, gpus, gemma_mode, parallel, dtype,
+             quantization=NO_QUANTIZATION, residency=RESIDENCY_POLICIES[0], unique_id=None):  # fmt: skip
         gpus = parse_gpus(gpus)
-        spec = build_spec(ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma)
+        spec = build_spec(ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, quantization, residency)
         handle = make_model_handle(spec, dtype=dtype, gemma_mode=gemma_mode, parallel=parallel, gpus=gpus)
         job = FleetJob(unique_id, "Load Checkpoint MGPU")
         # Takes effect when this process starts the fleet; 'all' leaves the choice to the server

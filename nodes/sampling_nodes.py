@@ -106,6 +106,19 @@ class SPSampler:
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, width=None, height=None, length=None, frame_rate=None, seed=None, steps=None, stg_blocks=None):
+        """ComfyUI runs this before queueing: a bad size or frame count is refused at once. An input fed
+        by a link has no value yet (None here) and is checked when the node runs."""
+        try:
+            if None not in (width, height, length):
+                validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate, seed=seed)
+            if stg_blocks is not None:
+                parse_stg_blocks(stg_blocks)
+        except ValueError as error:
+            return str(error)
+        return True
+
     def sample(self, model, positive, negative, width, height, length, frame_rate, seed, steps, video_cfg, audio_cfg, stg_scale, stg_blocks, rescale, modality_scale, parallel, image=None, compile_blocks=False, unique_id=None):
         handle = check_model_handle(model)
         validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate)
@@ -166,6 +179,19 @@ class TDPUpscale:
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, sigmas=None, tiles=None, force_from_noise=None):
+        """ComfyUI runs this before queueing: a bad schedule or tiling is refused before stage 1 runs
+        (an input fed by a link is None here, checked when the node runs)."""
+        try:
+            if sigmas is not None:
+                parse_sigmas(sigmas, bool(force_from_noise))
+            if tiles is not None:
+                parse_tiles(tiles)
+        except ValueError as error:
+            return str(error)
+        return True
 
     def upscale(self, model, av_latent, positive, seed, sigmas, tiles, overlap, frame_rate, force_from_noise, image=None, unique_id=None):
         handle = check_model_handle(model)

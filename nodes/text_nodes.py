@@ -8,6 +8,7 @@ the fleet keeps both under. Nothing here runs Gemma: the fleet does.
 from __future__ import annotations
 
 from mgpu_backend.ltx import api
+from mgpu_backend.ltx.schema import MAX_PROMPT_CHARS
 
 from .fleet_job import FleetJob
 from .layouts import MODEL_TYPE, check_model_handle, make_conditioning
@@ -21,6 +22,8 @@ DEFAULT_NEGATIVE_PROMPT = (
     "blurry, low quality, distorted anatomy, flickering, jittery motion, watermark, text overlay, "
     "muffled or distorted audio, silence"
 )
+
+EMPTY_PROMPT = "the positive prompt is empty; describe the video and its sound"
 
 
 class MGPUTextEncode:
@@ -50,10 +53,21 @@ class MGPUTextEncode:
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
+    @classmethod
+    def VALIDATE_INPUTS(cls, positive=None, negative=None):
+        """ComfyUI runs this before queueing: an empty or overlong prompt is refused before any load
+        (a prompt fed by a link is None here, checked when the node runs)."""
+        if positive is not None and not positive.strip():
+            return EMPTY_PROMPT
+        longest = max((len(prompt) for prompt in (positive, negative) if prompt is not None), default=0)
+        if longest > MAX_PROMPT_CHARS:
+            return f"a prompt has {longest} characters; the limit is {MAX_PROMPT_CHARS}: shorten it"
+        return True
+
     def encode(self, model, positive, negative, free_gemma=False, unique_id=None):
         handle = check_model_handle(model)
         if not positive.strip():
-            raise ValueError("the positive prompt is empty; describe the video and its sound")
+            raise ValueError(EMPTY_PROMPT)
         job = FleetJob(unique_id, "MGPU Text Encode")
         positive_encoding, negative_encoding = job.call(
             api.encode, handle["spec"], [positive, negative], dtype=handle["dtype"], gemma_mode=handle["gemma_mode"],

@@ -67,3 +67,24 @@ def wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
             return []
         time.sleep(0.2)
     return [pid for pid in pids if pid_alive(pid)]
+
+
+def token_of(socket_path: Path) -> str:
+    return (socket_path.parent / (socket_path.name + ".token")).read_text()
+
+
+def raw_handshake(sock, token: str):
+    """The client's side of the handshake by hand, proving ``token`` whatever the server shows;
+    returns the server's last reply (``welcome`` or an ``error``)."""
+    import secrets
+
+    from mgpu_backend.fleet import protocol
+
+    client_nonce = secrets.token_hex(32)
+    protocol.send_message(sock, protocol.Message("hello", {"version": protocol.PROTOCOL_VERSION, "nonce": client_nonce}))
+    challenge = protocol.recv_message(sock)
+    if challenge.type != "challenge":
+        return challenge
+    proof = protocol.handshake_proof(token, "client", client_nonce, challenge.fields["nonce"])
+    protocol.send_message(sock, protocol.Message("auth", {"proof": proof}))
+    return protocol.recv_message(sock)

@@ -31,7 +31,7 @@ def test_generate_refuses_sizes_that_are_not_multiples_of_64_before_starting_any
     completed = cli("generate", "--prompt", "x", "--height", "100", "--output", str(tmp_path / "o.mp4"), "--cpu-ranks", "1",
                     env_extra={"MGPU_CACHE_DIR": str(tmp_path / "cache")})  # fmt: skip
     assert completed.returncode != 0
-    assert "height and width must be multiples of 64" in completed.stderr
+    assert "error: --height must be a multiple of 64 for the two-stage graph (stage 1 runs at half size), got 100; use 128" in completed.stderr
     assert not (tmp_path / "o.mp4").exists()
 
 

@@ -98,10 +98,11 @@ def _max_abs_diff(ours: list[list[torch.Tensor]], theirs: list[list[torch.Tensor
 
 
 def _gemma_weight_bytes(gemma_root: str) -> int:
+    """Bytes of Gemma's text stack in the folder: what the fleet loads (no vision tower, no lm_head)."""
     total = 0
     for path in Path(gemma_root).rglob("model*.safetensors"):
         with safe_open(str(path), framework="pt") as f:
-            total += sum(f.get_tensor(key).nbytes for key in f.keys())
+            total += sum(f.get_tensor(key).nbytes for key in f.keys() if key.startswith("language_model.model."))
     return total
 
 
@@ -146,7 +147,7 @@ def test_second_encode_reuses_the_cached_gemma_and_free_after_releases_it(fleet,
         assert placement.startswith("cpu ") and "," not in placement and float(placement.split()[1]) > 0, placement
         assert out["bytes_cached"] == out["bytes_first"], (mode, rank, out["bytes_first"], out["bytes_cached"])
         released = out["freed"]["released"]
-        # Gemma's file weights (its tied lm_head counted once), plus the small buffers its module ops add.
+        # Gemma's text-stack weights, plus the small buffers (rotary frequencies, embedding scale) built for it.
         assert gemma_bytes <= released["gemma_bytes"] < 1.05 * gemma_bytes, (mode, rank, released, gemma_bytes)
         assert released["device_bytes_returned"] == 0, released  # CPU ranks
         # The first Gemma was built to stay, so it kept no host copy: the rebuild after the free reads
@@ -161,3 +162,19 @@ def test_second_encode_reuses_the_cached_gemma_and_free_after_releases_it(fleet,
 def test_unknown_mode_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="'sharded'.*'batch_parallel'"):
         encode_prompts_distributed(None, ["a prompt"], Comm(None), "tensor_parallel")
+
+
+def _file_scenario(bundle: dict, mode: str) -> list[list[torch.Tensor]]:
+    torch.set_num_threads(1)
+    loader = ModelLoader(_spec(bundle), "cpu", torch.bfloat16)
+    return _as_lists(encode_prompts_distributed(loader, PROMPTS, Comm.world(), mode))
+
+
+def test_comfyui_single_file_gemma_on_the_fleet_gives_the_folder_contexts(bundle, reference, tmp_path):
+    from mgpu_backend.ltx.gemma_file import gemma_folder_to_comfy_file
+
+    comfy_file = gemma_folder_to_comfy_file(bundle.gemma_root, str(tmp_path / "gemma_3_tiny.safetensors"))
+    paths = {"checkpoint_path": bundle.checkpoint_path, "gemma_root": comfy_file}
+    for rank, contexts in enumerate(run_ranks(WORLD_SIZE, _file_scenario, paths, "batch_parallel")):
+        diff = _max_abs_diff(contexts, reference["prompts"])
+        assert diff == 0, f"rank {rank}: max abs diff {diff} from the folder's encode_prompts"

@@ -12,7 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mgpu_backend.bundles import full_size as random_bundle, tiny
+from mgpu_backend.bundles import full_size as random_bundle
+from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.loading import ModelLoader, validate_model_files
 
 REPO = Path(__file__).resolve().parent.parent
@@ -219,3 +220,52 @@ def test_full_size_plan_is_the_19b_model_and_fits_the_benchmark_disk():
     assert patched.to_dict()["vision_config"] == config.gemma["vision_config"]
     with pytest.raises(ValueError, match="gemma_layers must be 1 to 48"):
         random_bundle.full_size_config(transformer, gemma_layers=0)
+
+
+# --- LTX-2.3 (22B layout) ------------------------------------------------------------------------------
+
+
+def test_2_3_configuration_writes_the_22b_layout_that_model_ledger_builds(tmp_path, monkeypatch):
+    from ltx_core.model.audio_vae.vocoder import VocoderWithBWE
+    from ltx_core.text_encoders.gemma.encoders import encoder_configurator
+    from ltx_core.text_encoders.gemma.feature_extractor import FeatureExtractorV2
+    from ltx_pipelines.utils import ModelLedger
+    from ltx_pipelines.utils.constants import LTX_2_3_PARAMS, detect_params
+
+    torch.set_num_threads(1)
+    config = random_bundle.tiny_config("2.3")
+    bundle = random_bundle.write_bundle(tmp_path / "random-2.3", config, "cpu", seed=4)
+    reference = tiny.make_tiny_bundle(tmp_path / "tiny-2.3", version="2.3")
+    # The same keys and shapes as the tiny 2.3 bundle (the other writer's entry point), other weights.
+    (ours, metadata), (expected, _) = _layout(bundle.checkpoint_path), _layout(reference.checkpoint_path)
+    assert ours == expected
+    assert metadata["model_version"] == "2.3.0" and detect_params(bundle.checkpoint_path) == LTX_2_3_PARAMS
+    assert any(key.endswith("attn1.to_gate_logits.weight") for key in ours)
+    assert "text_embedding_projection.video_aggregate_embed.weight" in ours and "text_embedding_projection.aggregate_embed.weight" not in ours
+
+    gemma = json.loads((Path(bundle.gemma_root) / "config.json").read_text())
+    monkeypatch.setattr(encoder_configurator, "GEMMA3_CONFIG_FOR_LTX", random_bundle.ltx_core_gemma_config(gemma))
+    ledger = ModelLedger(dtype=torch.bfloat16, device=torch.device("cpu"), checkpoint_path=bundle.checkpoint_path, gemma_root_path=bundle.gemma_root)
+    transformer = ledger.transformer().velocity_model
+    key = "transformer_blocks.0.audio_attn2.to_gate_logits.weight"
+    assert torch.equal(transformer.state_dict()[key], _file_tensor(bundle.checkpoint_path, "model.diffusion_model." + key))
+    assert isinstance(ledger.gemma_embeddings_processor().feature_extractor, FeatureExtractorV2)
+    assert isinstance(ledger.vocoder(), VocoderWithBWE)
+
+
+def test_full_size_2_3_plan_is_the_22b_model_and_fits_the_benchmark_disk():
+    transformer = json.loads((REPO / "configs" / "ltx2.3-22b-transformer.json").read_text())["transformer"]
+    config = random_bundle.full_size_config(transformer, gemma_layers=6)
+    assert config.checkpoint["vocoder"]["bwe"]["output_sampling_rate"] == 48000
+    assert config.checkpoint["vae"]["timestep_conditioning"] is False
+    sizes = random_bundle.planned_bytes(config)
+    # 18.99 B transformer parameters + 2.18 B text projection and 8-layer connectors + 0.9 B VAEs and
+    # vocoder (docs/full-size-config.md): 22.1 B, 44.2 GB in bf16.
+    assert 43.5e9 < sizes[random_bundle.CHECKPOINT_NAME] < 45.0e9, sizes
+    # Rank 384 on every linear of the 48 blocks, the per-head gates included.
+    assert 7.6e9 < sizes[random_bundle.DISTILLED_LORA_NAME] < 8.5e9, sizes
+    total = sum(sizes.values())
+    assert total < 0.9 * 64 * 2**30, f"full-size 2.3 bundle {total / 1e9:.1f} GB does not fit a 64 GiB disk with room to spare"
+    # The 19B configuration keeps the plain (HiFi-GAN) vocoder.
+    transformer_19b = json.loads((REPO / "configs" / "ltx2-19b-transformer.json").read_text())["transformer"]
+    assert "bwe" not in random_bundle.full_size_config(transformer_19b).checkpoint["vocoder"]

@@ -255,7 +255,7 @@ def two_stage_graph(files: dict, *, prompt: str | None = None, width: int, heigh
     default_positive, negative = default_prompts()
     x = 40
     nodes = [
-        Node(1, "MGPULoadCheckpoint", (x, 60), {**files, "distilled_lora_strength": 1.0, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto", "dtype": "bfloat16"}, size=(380, 300)),
+        Node(1, "MGPULoadCheckpoint", (x, 60), {**files, "distilled_lora_strength": 1.0, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto", "dtype": "bfloat16", "quantization": "none", "residency": "auto"}, size=(380, 340)),
         Node(2, "MGPUTextEncode", (x + 420, 60), {"positive": prompt or default_positive, "negative": negative, "free_gemma": False}, {"model": (1, 0)}, size=(420, 360)),
         Node(3, "PrimitiveFloat", (x, 420), {"value": 24.0}, size=(260, 60), title="Frame rate"),
         Node(

@@ -1,10 +1,11 @@
-"""Where the fleet listens, and the token that proves a client belongs to the same user.
+"""Where the fleet listens, and the token that proves client and server to each other.
 
 Default: a Unix socket ``fleet.sock`` in a private directory (mode 0700, owned by the user) under
 ``$XDG_RUNTIME_DIR/comfyui-mgpu`` or ``/tmp/comfyui-mgpu-<uid>``; the socket itself is 0600 and the
 token sits beside it in ``fleet.sock.token`` (0600). ``MGPU_SOCKET`` or ``--socket`` name another
 path. Where Unix sockets are unavailable, ``tcp://127.0.0.1:PORT`` listens on loopback only, with
-the token in the same private directory. Never listen on anything but loopback.
+the token in the same private directory. Never listen on anything but loopback. The token itself
+never travels: the handshake exchanges HMAC proofs of it (``protocol.handshake_proof``).
 """
 
 from __future__ import annotations

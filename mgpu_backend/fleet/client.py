@@ -5,13 +5,17 @@ and, if none answers and ``autostart`` is on, starts one with ``python -m mgpu_b
 new session, tied to this process: when this process dies, that server exits with its ranks.
 ``run()`` submits a job and streams its events to callbacks; ``should_cancel`` is polled while the
 job runs (ComfyUI's interrupt) and turns into a cancel that stops every rank at the same step.
-Nothing here imports ComfyUI or unpickles anything.
+The handshake is mutual: the server proves it holds the token before the client does, so a program
+squatting on the address never receives a job. Socket failures reach callers as one readable
+``FleetUnavailable``. Nothing here imports ComfyUI or unpickles anything.
 """
 
 from __future__ import annotations
 
 import fcntl
+import itertools
 import os
+import secrets
 import select
 import socket
 import subprocess
@@ -23,12 +27,14 @@ from dataclasses import dataclass
 import torch
 
 from mgpu_backend import PACKAGE_ROOT
-from mgpu_backend.fleet import protocol, shm
+from mgpu_backend.fleet import addresses, protocol, shm
 from mgpu_backend.fleet.addresses import Address, ensure_private_dir, read_token
 from mgpu_backend.fleet.protocol import Message
 
 START_TIMEOUT_SECONDS = float(os.environ.get("MGPU_START_TIMEOUT", "300"))
 POLL_SECONDS = 0.1
+HANDSHAKE_SECONDS = 30.0  # the server allows 10 s; a client on a loaded machine waits a little longer
+DRAIN_SECONDS = 10.0  # after an abandoned job: how long to wait for its cancel before closing instead
 
 
 class FleetError(Exception):
@@ -37,6 +43,12 @@ class FleetError(Exception):
     def __init__(self, message: str, kind: str = "error", rank: int | None = None, traceback: str | None = None):
         super().__init__(message)
         self.kind, self.rank, self.traceback = kind, rank, traceback
+
+    @property
+    def where(self) -> str:
+        """' (rank N)' for a fault on one rank; '' for an input error, which every rank finds alike
+        (whichever rank reported it first would be named at random)."""
+        return f" (rank {self.rank})" if self.rank is not None and self.kind != "input_error" else ""
 
 
 class FleetCancelled(FleetError):
@@ -55,8 +67,14 @@ class JobResult:
 
 
 class FleetClient:
+    """One connection to the server. Its job stream is scoped: every event carries its job id and
+    a call reads only its own job's; when a callback raises (or the caller interrupts), the job is
+    cancelled and drained, or the connection closed, so the next call starts clean. A lost server
+    is a ``FleetUnavailable`` with what to do, never a raw socket error."""
+
     def __init__(self, sock: socket.socket, address: Address, server_pid: int) -> None:
         self.sock, self.address, self.server_pid = sock, address, server_pid
+        self.refs = itertools.count(1)
 
     # -- connecting ------------------------------------------------------------------------------
     @classmethod
@@ -73,7 +91,10 @@ class FleetClient:
 
         With ``MGPU_SOCKET`` set (a server started by hand), nothing is ever started.
         """
-        addr = Address.parse(address)
+        try:
+            addr = Address.parse(address)
+        except addresses.AddressError as exc:
+            raise FleetUnavailable(str(exc)) from None
         try:
             return cls._attach(addr)
         except (FileNotFoundError, ConnectionRefusedError):
@@ -81,7 +102,10 @@ class FleetClient:
                 raise FleetUnavailable(
                     f"no fleet server answers at {addr}; start one with 'python -m mgpu_backend serve'"
                 ) from None
-        ensure_private_dir(addr.directory)
+        try:
+            ensure_private_dir(addr.directory)
+        except (addresses.AddressError, OSError) as exc:
+            raise FleetUnavailable(f"cannot use {addr.directory} for the fleet: {exc}") from None
         with open(addr.directory / "start.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one client starts the server; the others attach to it
             try:
@@ -90,15 +114,20 @@ class FleetClient:
                 pass
             process = cls._spawn_server(addr, gpus, cpu_ranks, idle_timeout, rank_timeout)
             deadline = time.monotonic() + START_TIMEOUT_SECONDS
+            last_refusal = ""
             while time.monotonic() < deadline:
                 if process.poll() is not None:
-                    raise FleetUnavailable(f"the fleet server exited with code {process.returncode} while starting; see its log")
+                    log = addr.directory / "server.log"
+                    raise FleetUnavailable(f"the fleet server exited with code {process.returncode} while starting; see {log}")
                 try:
                     return cls._attach(addr)
-                except (FileNotFoundError, ConnectionRefusedError, protocol.ConnectionClosed):
+                except (FileNotFoundError, ConnectionRefusedError):
+                    time.sleep(0.2)
+                except FleetUnavailable as exc:  # a server half up, or another process on the address
+                    last_refusal = f" (last answer: {exc})"
                     time.sleep(0.2)
             process.kill()
-            raise FleetUnavailable(f"the fleet server did not come up within {START_TIMEOUT_SECONDS:.0f} s")
+            raise FleetUnavailable(f"the fleet server did not come up within {START_TIMEOUT_SECONDS:.0f} s{last_refusal}")
 
     @staticmethod
     def _spawn_server(addr, gpus, cpu_ranks, idle_timeout, rank_timeout) -> subprocess.Popen:
@@ -121,6 +150,8 @@ class FleetClient:
 
     @classmethod
     def _attach(cls, addr: Address) -> FleetClient:
+        """Connect and run the mutual handshake. Raises FileNotFoundError / ConnectionRefusedError
+        when nothing listens (the caller may start a server), FleetUnavailable for anything else."""
         if addr.unix_path is not None:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             target = str(addr.unix_path)
@@ -131,15 +162,54 @@ class FleetClient:
         try:
             sock.connect(target)
             token = read_token(addr.token_path)
-            protocol.send_message(sock, Message("hello", {"version": protocol.PROTOCOL_VERSION, "token": token}))
-            reply = protocol.recv_message(sock)
+            server_pid = cls._handshake(sock, addr, token)
+        except (FileNotFoundError, ConnectionRefusedError):
+            sock.close()
+            raise
+        except TimeoutError:
+            sock.close()
+            raise FleetUnavailable(
+                f"the fleet server at {addr} did not complete the handshake within {HANDSHAKE_SECONDS:.0f} s "
+                "(still starting its ranks, or stuck: see its log); retry in a moment"
+            ) from None
+        except (OSError, addresses.AddressError, protocol.ConnectionClosed, protocol.ProtocolError) as exc:
+            sock.close()
+            raise FleetUnavailable(f"could not attach to the fleet server at {addr}: {_reason(exc)}") from None
         except BaseException:
             sock.close()
             raise
-        if reply.type != "welcome":
-            sock.close()
-            raise FleetUnavailable(f"the server refused the connection: {reply.fields.get('message')}")
-        return cls(sock, addr, reply.fields["server_pid"])
+        return cls(sock, addr, server_pid)
+
+    @staticmethod
+    def _handshake(sock: socket.socket, addr: Address, token: str) -> int:
+        """hello -> challenge -> auth -> welcome. The server proves it holds the token before this
+        client proves it; the token itself never crosses the socket. Returns the server's pid."""
+        sock.settimeout(HANDSHAKE_SECONDS)
+        client_nonce = secrets.token_hex(protocol.NONCE_HEX_DIGITS // 2)
+        protocol.send_message(sock, Message("hello", {"version": protocol.PROTOCOL_VERSION, "nonce": client_nonce}))
+        challenge = protocol.recv_message(sock, max_payload=0)
+        if challenge.type == "error":
+            raise FleetUnavailable(f"the server at {addr} refused the connection: {challenge.fields.get('message')}")
+        server_nonce = challenge.fields.get("nonce")
+        if (
+            challenge.type != "challenge"
+            or not protocol.is_nonce(server_nonce)
+            or not protocol.proof_matches(
+                challenge.fields.get("proof"), protocol.handshake_proof(token, "server", client_nonce, server_nonce)
+            )
+        ):
+            raise FleetUnavailable(
+                f"the process listening at {addr} cannot prove it holds this fleet's token, so it is not your fleet server "
+                "(another program may have taken the address after a crash); nothing was sent to it. Stop that program, "
+                "or start the fleet on another address (--socket / MGPU_SOCKET)"
+            )
+        proof = protocol.handshake_proof(token, "client", client_nonce, server_nonce)
+        protocol.send_message(sock, Message("auth", {"proof": proof}))
+        welcome = protocol.recv_message(sock, max_payload=0)
+        if welcome.type != "welcome" or not isinstance(welcome.fields.get("server_pid"), int):
+            raise FleetUnavailable(f"the server at {addr} refused the connection: {welcome.fields.get('message')}")
+        sock.settimeout(None)
+        return welcome.fields["server_pid"]
 
     def close(self) -> None:
         self.sock.close()
@@ -150,17 +220,54 @@ class FleetClient:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # -- the wire, with every failure turned into FleetUnavailable ------------------------------
+    def _lost(self, exc: BaseException) -> FleetUnavailable:
+        self.close()
+        return FleetUnavailable(
+            f"lost the connection to the fleet server at {self.address} ({_reason(exc)}): it stopped or was restarted. "
+            f"Run again (a fleet this process started is started anew); see 'python -m mgpu_backend status' "
+            f"and {self.address.directory / 'server.log'}"
+        )
+
+    def _send(self, message: Message) -> None:
+        try:
+            protocol.send_message(self.sock, message)
+        except OSError as exc:
+            raise self._lost(exc) from exc
+
+    def _recv(self, timeout: float | None = None) -> Message | None:
+        """The next message, or None when ``timeout`` passes without one."""
+        try:
+            if timeout is not None and not select.select([self.sock], [], [], timeout)[0]:
+                return None
+            return protocol.recv_message(self.sock)
+        except (OSError, ValueError, protocol.ConnectionClosed, protocol.ProtocolError) as exc:  # ValueError: closed socket
+            raise self._lost(exc) from exc
+
+    def _discard(self, message: Message) -> None:
+        """Drop a message that is not for the caller (a previous job's), freeing any segment it names."""
+        if message.type == "error" and message.job is None:
+            self.close()
+            raise FleetUnavailable(f"the fleet server closed the connection: {message.fields.get('message')}")
+        if message.shm:
+            for descriptor in message.shm:
+                shm.unlink_segment(descriptor.get("segment", ""))
+            self._send(Message("ack", job=message.job))
+
     # -- requests ---------------------------------------------------------------------------------
     def status(self) -> dict:
-        protocol.send_message(self.sock, Message("status"))
-        return protocol.recv_message(self.sock).fields
+        self._send(Message("status"))
+        while (message := self._recv()).type != "status":
+            self._discard(message)
+        return message.fields
 
     def shutdown(self) -> None:
-        protocol.send_message(self.sock, Message("shutdown"))
+        self._send(Message("shutdown"))
         try:
-            protocol.recv_message(self.sock)
-        except protocol.ConnectionClosed:
-            pass
+            while (message := self._recv()).type != "bye":
+                self._discard(message)
+        except FleetUnavailable:
+            pass  # it went away: what was asked
 
     def run(
         self,
@@ -172,47 +279,118 @@ class FleetClient:
         should_cancel: Callable[[], bool] | None = None,
         on_preview: Callable[[dict, torch.Tensor], None] | None = None,
     ) -> JobResult:
-        """Run one job to its end. Raises FleetCancelled or FleetError; the fleet stays usable.
+        """Run one job to its end. Raises FleetCancelled or FleetError (FleetUnavailable when the
+        server is gone); the fleet and this connection stay usable after any of them.
 
         ``on_preview(fields, frames)`` receives the job's live previews (``protocol.preview_frames``);
         a malformed one is dropped with a line to ``on_log``: a preview is never worth the job."""
-        inline, shared = shm.split_for_transfer(tensors or {})
-        protocol.send_message(self.sock, Message("submit", {"op": op, "args": args or {}}, inline, shm=shared))
+        try:
+            inline, shared = shm.split_for_transfer(tensors or {})
+        except shm.SharedMemoryFull as exc:
+            raise FleetError(str(exc), "input_error") from None
+        ref = next(self.refs)
+        try:
+            self._send(Message("submit", {"op": op, "args": args or {}, "ref": ref}, inline, shm=shared))
+        except BaseException:
+            for descriptor in shared:  # never reached the server: ours to remove
+                shm.unlink_segment(descriptor["segment"])
+            raise
         job_id: str | None = None
-        cancel_sent = False
-        while True:
-            if should_cancel is not None and job_id is not None and not cancel_sent and should_cancel():
-                protocol.send_message(self.sock, Message("cancel", job=job_id))
-                cancel_sent = True
-            readable, _, _ = select.select([self.sock], [], [], POLL_SECONDS)
-            if not readable:
-                continue
-            message = protocol.recv_message(self.sock)
-            if message.type == "accepted":
-                job_id = message.job
-            elif message.type == "progress" and on_progress is not None:
-                on_progress(message.fields)
-            elif message.type == "preview" and on_preview is not None:
-                try:
-                    frames = protocol.preview_frames(message)
-                except protocol.ProtocolError as exc:
-                    if on_log is not None:
-                        on_log(f"preview dropped: {exc}")
+        finished = False
+        try:
+            cancel_sent = False
+            while True:
+                if should_cancel is not None and job_id is not None and not cancel_sent and should_cancel():
+                    self._send(Message("cancel", job=job_id))
+                    cancel_sent = True
+                message = self._recv(POLL_SECONDS)
+                if message is None:
                     continue
-                on_preview(message.fields, frames)
-            elif message.type == "log" and on_log is not None:
-                on_log(f"[rank {message.fields.get('rank')}] {message.fields.get('text', '')}")
-            elif message.type == "error":
-                kind = message.fields.get("kind", "error")
-                error_type = FleetCancelled if kind == "cancelled" else FleetError
-                raise error_type(message.fields.get("message", "job failed"), kind, message.fields.get("rank"), message.fields.get("traceback"))
-            elif message.type == "result":
-                tensors_out = dict(message.tensors)
-                for descriptor in message.shm:
-                    tensors_out[descriptor["name"]] = shm.read_tensor(descriptor)
+                if job_id is None:  # the server answers a submit before any event of its job
+                    if message.type in ("accepted", "error") and message.fields.get("ref") == ref and message.job:
+                        if message.type == "accepted":
+                            job_id = message.job
+                            continue
+                    else:
+                        self._discard(message)
+                        continue
+                elif message.job != job_id:
+                    self._discard(message)
+                    continue
+                if message.type == "progress" and on_progress is not None:
+                    on_progress(message.fields)
+                elif message.type == "preview" and on_preview is not None:
+                    try:
+                        frames = protocol.preview_frames(message)
+                    except protocol.ProtocolError as exc:
+                        if on_log is not None:
+                            on_log(f"preview dropped: {exc}")
+                        continue
+                    on_preview(message.fields, frames)
+                elif message.type == "log" and on_log is not None:
+                    on_log(f"[rank {message.fields.get('rank')}] {message.fields.get('text', '')}")
+                elif message.type == "error":
+                    finished = True
+                    kind = message.fields.get("kind", "error")
+                    error_type = FleetCancelled if kind == "cancelled" else FleetError
+                    fields = message.fields
+                    raise error_type(fields.get("message", "job failed"), kind, fields.get("rank"), fields.get("traceback"))
+                elif message.type == "result":
+                    finished = True
+                    return JobResult(message.job or "", message.fields.get("result", {}), self._result_tensors(message))
+        except BaseException:
+            if not finished:
+                self._abandon(job_id)
+            # The server unlinks a job's inputs when it ends; one that went away cannot.
+            for descriptor in shared:
+                shm.unlink_segment(descriptor["segment"])
+            raise
+
+    def _result_tensors(self, message: Message) -> dict[str, torch.Tensor]:
+        """The result's tensors, mapped from their segments; every segment is unlinked and the
+        result acknowledged whatever happens, so none outlives this call."""
+        tensors_out = dict(message.tensors)
+        failure = None
+        for descriptor in message.shm:
+            try:
+                tensors_out[descriptor["name"]] = shm.read_tensor(descriptor)
+            except (OSError, protocol.ProtocolError) as exc:
+                failure = failure or exc
+                shm.unlink_segment(descriptor.get("segment", ""))
+        if message.shm:
+            self._send(Message("ack", job=message.job))
+        if failure is not None:
+            raise FleetError(f"could not map the job's result from shared memory: {failure}")
+        return tensors_out
+
+    def _abandon(self, job_id: str | None) -> None:
+        """The caller stopped reading a job (a callback raised, an interrupt): cancel it and read
+        up to its end, so its events never reach the next call; close the connection if that
+        cannot be done (the server then cancels the job itself)."""
+        if job_id is None or self.sock.fileno() == -1:
+            self.close()  # the submit's answer is unknown: only a fresh connection is clean
+            return
+        try:
+            protocol.send_message(self.sock, Message("cancel", job=job_id))
+            deadline = time.monotonic() + DRAIN_SECONDS
+            while (remaining := deadline - time.monotonic()) > 0:
+                if not select.select([self.sock], [], [], remaining)[0]:
+                    break
+                message = protocol.recv_message(self.sock)
                 if message.shm:
+                    for descriptor in message.shm:
+                        shm.unlink_segment(descriptor.get("segment", ""))
                     protocol.send_message(self.sock, Message("ack", job=message.job))
-                return JobResult(message.job or "", message.fields.get("result", {}), tensors_out)
+                if message.job == job_id and message.type in ("result", "error"):
+                    return
+        except (OSError, ValueError, protocol.ConnectionClosed, protocol.ProtocolError):
+            pass
+        self.close()
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc) or type(exc).__name__
+    return text if isinstance(exc, (FleetError, protocol.ProtocolError)) else f"{type(exc).__name__}: {text}"
 
 
 def _gib(count: int | None) -> str:
@@ -239,6 +417,10 @@ def format_status(status: dict) -> str:
                 f"other components {_gib(weights.get('other_components_bytes'))}, host copies {_gib(weights.get('host_copies_bytes'))}"
             )
     job = status["current_job"]
-    lines.append(f"current job: {job['id']} {job['op']} {job['stage']} {job['step']}/{job['total']}" if job else "current job: none")
+    if job:
+        owner = job["id"] if job.get("id") else "(another client's)"
+        lines.append(f"current job: {owner} {job['op']} {job['stage']} {job['step']}/{job['total']}")
+    else:
+        lines.append("current job: none")
     lines.append(f"queue: {status['queue_length']} waiting, {status['jobs_completed']} done, {status['fleet_restarts']} fleet restart(s)")
     return "\n".join(lines)

@@ -8,6 +8,9 @@ the server, the protocol and the rank loop never change for it.
 A job reports progress with ``ctx.step(stage, step, total)``, which is also the cancel point: every
 rank calls it at the same places, the ranks agree on a cancel flag there, and all of them raise
 ``JobCancelled`` at the same step. Jobs must never talk to the socket themselves.
+
+``ctx.state`` outlives jobs, failed jobs included, and a surviving rank keeps it when another rank
+is replaced, as far as the job module declared with ``keep_across_replacement`` that it may.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ JOB_MODULES = ("mgpu_backend.fleet.selftest_jobs", "mgpu_backend.ltx.jobs", "mgp
 
 JobFn = Callable[["JobContext", dict[str, Any], dict[str, torch.Tensor]], tuple[dict[str, Any], dict[str, torch.Tensor]]]
 JOBS: dict[str, JobFn] = {}
+# The ``state`` entries a surviving rank keeps when other ranks are replaced (see keep_across_replacement).
+KEPT_ACROSS_REPLACEMENT: set[str] = set()
 
 
 class JobCancelled(Exception):
@@ -45,6 +50,17 @@ def job(name: str) -> Callable[[JobFn], JobFn]:
         return fn
 
     return register
+
+
+def keep_across_replacement(*keys: str) -> None:
+    """Declare ``state`` entries that stay valid when a rank dies and is replaced by a fresh one.
+
+    After a replacement the survivors keep their process, but an entry is only kept if the jobs
+    run the same collectives whether or not a rank holds it (the replacement starts empty and
+    builds it on its next job). Every other entry is dropped on the survivors, so that all ranks
+    rebuild it together; a job module opts in here once its state can rejoin a fleet.
+    """
+    KEPT_ACROSS_REPLACEMENT.update(keys)
 
 
 def load_job_modules() -> None:

@@ -1,16 +1,31 @@
 """The rank loop: one process per GPU (or per CPU rank), all running the same jobs in lockstep.
 
 The server starts each rank with one end of a socket pair. Rank 0 receives jobs from the server and
-relays each one (the whole frame, bytes and all) to the other ranks over a gloo broadcast; then every
-rank runs the registered job function and reports progress, logs and a final ``done`` to the server.
-Rank 0 also sends the result. A rank exits when the server's end of its socket closes, so a rank
-never outlives its server. This loop stays short and boring: jobs live in ``jobs`` modules.
+relays each one to the other ranks over a gloo broadcast: the header, the small inline tensors, and
+the descriptors of the inputs that sit in shared memory, which every rank then maps by itself (no
+tensor bytes of a large input are copied). Every rank runs the registered job function and reports
+progress, logs and a final ``done`` to the server; rank 0 also sends the result.
+
+A job that fails on some ranks only must not leave the others waiting in a collective, and must not
+cost the weights. A rank whose job failed waits for the controller's verdict: ``resume`` (every rank
+finished: the groups are intact) or ``break``. On ``break`` it destroys its process groups, which
+makes any collective a peer waits in fail, reports ``broken``, and waits for ``regroup`` with a new
+rendezvous store, where the survivors and any replacement rank form new groups. The process, and
+with it ``state`` (the resident model), survives all of this; when ranks were replaced, a survivor
+keeps only the entries the job modules declared safe to keep (``jobs.keep_across_replacement``).
+
+A rank exits when the server's end of its socket closes (from the first moment, before it joins any
+group), so a rank never outlives its server. Its log records reach the server and the submitting
+client as ``log`` events. This loop stays short and boring: jobs live in ``jobs`` modules.
 """
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
 import queue
+import signal
 import socket
 import sys
 import threading
@@ -22,11 +37,12 @@ import torch
 import torch.distributed as dist
 
 from mgpu_backend.fleet import protocol, shm
-from mgpu_backend.fleet.jobs import JOBS, JobCancelled, JobContext, JobInputError, load_job_modules
-from mgpu_backend.parallel.comm import Comm
+from mgpu_backend.fleet.jobs import JOBS, KEPT_ACROSS_REPLACEMENT, JobCancelled, JobContext, JobInputError, load_job_modules
 from mgpu_backend.fleet.protocol import Message
+from mgpu_backend.parallel.comm import Comm
 
-HEARTBEAT_SECONDS = 2.0
+HEARTBEAT_SECONDS = 1.0
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 class ServerChannel:
@@ -75,52 +91,145 @@ def main_thread_position(thread_id: int) -> tuple[str, bool]:
     return where, in_collective
 
 
+def thread_cpu_seconds(native_id: int) -> float:
+    """CPU time a thread of this process has used. A rank whose main thread's CPU time advances is
+    working (a long step), not hung, even when it reports no progress for a long time."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime + stime
+
+
+class ServerLogHandler(logging.Handler):
+    """Every log record of a job (INFO and up) becomes a ``log`` event tagged with job and rank;
+    outside a job only warnings and errors are sent. The server writes them to its log and
+    forwards a job's lines to the client that submitted it."""
+
+    def __init__(self, rank: Rank) -> None:
+        super().__init__(logging.INFO)
+        self.rank = rank
+        self.setFormatter(logging.Formatter("%(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith("torch") and record.levelno < logging.WARNING:
+            return
+        job = self.rank.current_job
+        if not job and record.levelno < logging.WARNING:
+            return
+        try:
+            self.rank.emit("log", {"text": self.format(record), "level": record.levelname, "logger": record.name}, job=job or "")
+        except OSError:  # the server is gone; the reader thread ends this process
+            pass
+
+
+class GroupBroken(Exception):
+    """A collective of the control group failed: a peer destroyed its groups or died."""
+
+
 class Rank:
     def __init__(self, rank: int, world_size: int, sock: socket.socket, device: torch.device, store_path: str, owner_pid: int):
         self.rank, self.world_size, self.device, self.owner_pid = rank, world_size, device, owner_pid
         self.channel = ServerChannel(sock)
-        self.jobs: queue.Queue[Message] = queue.Queue()
+        self.inbox: queue.Queue[Message] = queue.Queue()  # jobs (rank 0) and the controller's orders
         self.current_job: str | None = None
         self.cancelled_jobs: set[str] = set()
         self.state: dict = {}
         self.input_segments: dict[str, tuple[torch.Tensor, dict]] = {}  # rank 0: this job's mapped inputs
+        # The two Comm objects live as long as the process: jobs keep them (the weight tracker of a
+        # resident model holds ``comm``), and a regroup points them at the new groups in place.
+        self.comm, self.control = Comm(None), Comm(None)
+        # Reading the socket first: a rank whose server goes away while it waits for its peers in
+        # the rendezvous must exit then, not wait there forever.
+        threading.Thread(target=self.read_server, daemon=True, name="server-reader").start()
+        self.join_groups(store_path)
+        load_job_modules()
 
-        store = dist.FileStore(store_path, world_size)
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-        self.comm = Comm.world()
+    # -- process groups ---------------------------------------------------------------------------
+    def join_groups(self, store_path: str) -> None:
+        store = dist.FileStore(store_path, self.world_size)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
         # Job relay and cancel flags travel on CPU over gloo, also when the compute group is NCCL.
         # Its long timeout lets ranks 1..N-1 wait for the next job as long as the fleet stays idle.
-        control_group = dist.new_group(backend="gloo", timeout=timedelta(days=365)) if world_size > 1 else None
-        self.control = Comm(control_group, list(range(world_size)))
-        load_job_modules()
+        control_group = dist.new_group(backend="gloo", timeout=timedelta(days=365)) if self.world_size > 1 else None
+        self.comm.__dict__.update(Comm.world().__dict__)  # also drops an all-to-all bound to old groups
+        self.control.__dict__.update(Comm(control_group, list(range(self.world_size))).__dict__)
+
+    def leave_groups(self) -> None:
+        """Destroy every process group of this rank: a collective a peer waits in on us fails now.
+
+        A gloo group closes its connections only when its last reference goes, so the rank's Comm
+        objects and the subgroups a job cached (a sequence-parallel layout) let go of them first.
+        """
+        stale = [key for key, value in self.state.items() if _holds_other_comm(value, (self.comm, self.control))]
+        for key in stale:
+            del self.state[key]
+        self.comm.__dict__.update(Comm(None).__dict__)
+        self.control.__dict__.update(Comm(None).__dict__)
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a group that broke under us is gone either way
+                logging.getLogger(__name__).warning("destroying the process groups failed:\n%s", traceback.format_exc())
+        gc.collect()
+
+    def rejoin(self) -> None:
+        """Leave the groups, tell the controller, and form new ones where it says (state is kept)."""
+        self.leave_groups()
+        self.emit("broken", {}, job="")
+        while True:
+            order = self.inbox.get()
+            if order.type == "regroup":
+                break
+            # A 'break' or 'resume' sent before this rank noticed the broken group on its own.
+        if order.fields.get("replaced"):
+            dropped = sorted(key for key in self.state if key not in KEPT_ACROSS_REPLACEMENT)
+            for key in dropped:
+                del self.state[key]
+            if dropped:
+                logging.getLogger(__name__).warning(
+                    "%s replaced: dropped %s from rank %d's state, to be rebuilt with the new ranks",
+                    ", ".join(f"rank {rank}" for rank in order.fields["replaced"]), ", ".join(dropped), self.rank,
+                )
+                gc.collect()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+        self.join_groups(order.fields["store"])
+        self.emit("regrouped", {"pid": os.getpid()}, job="")
 
     # -- talking to the server ------------------------------------------------------------------
     def emit(self, kind: str, fields: dict, job: str | None = None, tensors=None, shm_descriptors=None) -> None:
         fields = {"rank": self.rank, **fields}
-        self.channel.send(Message(kind, fields, tensors or {}, job=job or self.current_job, shm=shm_descriptors or []))
+        self.channel.send(Message(kind, fields, tensors or {}, job=job if job is not None else self.current_job, shm=shm_descriptors or []))
 
     def read_server(self) -> None:
-        """Reader thread: queue jobs (rank 0), note cancels, exit when the server goes away."""
+        """Reader thread: queue jobs and orders, note cancels, exit when the server goes away."""
         try:
             while True:
                 message = protocol.recv_message(self.channel.sock)
-                if message.type == "job":
-                    self.jobs.put(message)
-                elif message.type == "cancel":
+                if message.type == "cancel":
                     self.cancelled_jobs.add(message.job or "")
                 elif message.type == "shutdown":
                     break
+                else:
+                    self.inbox.put(message)
         except (protocol.ConnectionClosed, protocol.ProtocolError, OSError):
             pass
         os._exit(0)
 
     def heartbeat(self) -> None:
-        main_thread = threading.main_thread().ident
+        main_thread = threading.main_thread()
         while True:
             time.sleep(HEARTBEAT_SECONDS)
-            where, in_collective = main_thread_position(main_thread)
-            fields = {"memory": device_memory(self.device), "where": where, "in_collective": in_collective}
+            where, in_collective = main_thread_position(main_thread.ident)
+            fields = {
+                "memory": device_memory(self.device),
+                "where": where,
+                "in_collective": in_collective,
+                "cpu_seconds": thread_cpu_seconds(main_thread.native_id),
+            }
             model = self.state.get("model")
             if model is not None:
                 try:
@@ -134,32 +243,50 @@ class Rank:
 
     # -- the loop -----------------------------------------------------------------------------------
     def next_job(self) -> Message:
-        """Rank 0 takes the next job from the server and broadcasts its frame; others receive it."""
+        """Rank 0 takes the next job (or order) from the server and relays a job's frame, shared-memory
+        descriptors and all; the other ranks receive it. Raises GroupBroken when the relay fails."""
         if self.rank == 0:
-            message = self.jobs.get()
-            # Large inputs the client left in shared memory, mapped in place. The server unlinks them
-            # at the end of the job, except one handed back as a result (see send_result).
-            self.input_segments = {}
+            message = self.inbox.get()
+            if message.type != "job" or self.world_size == 1:
+                return message
+            frame = b"".join(bytes(part) for part in protocol.encode(message))
             try:
-                for descriptor in message.shm:
-                    tensor = shm.read_tensor(descriptor, unlink=False, shared=True)
-                    message.tensors[descriptor["name"]] = tensor
-                    self.input_segments[descriptor["name"]] = (tensor, descriptor)
-            except (OSError, protocol.ProtocolError) as exc:  # fail this job on every rank, not the fleet
-                message.tensors, self.input_segments = {}, {}
-                message.fields = {**message.fields, "input_error": f"cannot map an input segment: {exc}"}
-            message.shm = []
-            if self.world_size > 1:
-                frame = b"".join(bytes(part) for part in protocol.encode(message))
                 self.control.broadcast(torch.tensor([len(frame)], dtype=torch.int64))
                 self.control.broadcast(torch.frombuffer(bytearray(frame), dtype=torch.uint8))
+            except RuntimeError as exc:
+                raise GroupBroken(str(exc)) from exc
             return message
-        length = self.control.broadcast(torch.zeros(1, dtype=torch.int64))
-        frame = self.control.broadcast(torch.empty(int(length.item()), dtype=torch.uint8))
+        try:
+            length = self.control.broadcast(torch.zeros(1, dtype=torch.int64))
+            frame = self.control.broadcast(torch.empty(int(length.item()), dtype=torch.uint8))
+        except RuntimeError as exc:
+            raise GroupBroken(str(exc)) from exc
         return protocol.decode(frame.numpy().tobytes())
 
+    def map_inputs(self, message: Message) -> str | None:
+        """Map the job's shared-memory inputs on this rank; agree with the others that all could.
+
+        Returns an input error for the job (the same decision on every rank), or None. Rank 0 maps
+        them shared, so that an input handed back as a result goes back by name; the other ranks map
+        them private (their writes stay theirs). The server unlinks them at the end of the job.
+        """
+        self.input_segments, error = {}, None
+        try:
+            for descriptor in message.shm:
+                tensor = shm.read_tensor(descriptor, unlink=False, shared=self.rank == 0)
+                message.tensors[descriptor["name"]] = tensor
+                self.input_segments[descriptor["name"]] = (tensor, descriptor)
+        except (OSError, protocol.ProtocolError) as exc:
+            error = f"cannot map an input segment on rank {self.rank}: {exc}"
+        if self.world_size > 1:
+            failed = self.control.all_reduce_max(torch.tensor([self.rank + 1 if error else 0], dtype=torch.int64))
+            if failed.item() and error is None:
+                error = f"cannot map an input segment on rank {int(failed.item()) - 1}; see that rank's log line"
+        if error:
+            message.tensors, self.input_segments = {}, {}
+        return error
+
     def run(self) -> None:
-        threading.Thread(target=self.read_server, daemon=True, name="server-reader").start()
         threading.Thread(target=self.heartbeat, daemon=True, name="heartbeat").start()
         self.emit(
             "ready",
@@ -167,13 +294,37 @@ class Rank:
             job="",
         )
         while True:
-            message = self.next_job()
+            try:
+                message = self.next_job()
+            except GroupBroken:
+                self.rejoin()  # a job failed elsewhere and the controller broke the groups
+                continue
+            if message.type == "break":
+                self.rejoin()
+                continue
+            if message.type != "job":  # a 'resume' that a rank without a failure never waits for
+                continue
             self.current_job = message.job
-            self.run_job(message)
-            self.current_job = None
-            self.input_segments = {}
+            try:
+                status = self.run_job(message)
+            finally:
+                self.current_job = None
+                self.input_segments = {}
+            if status != "ok":
+                self.settle()
 
-    def run_job(self, message: Message) -> None:
+    def settle(self) -> None:
+        """After a failed job: the controller either saw every rank finish (resume) or breaks the
+        groups to free ranks still waiting in a collective for this one (break, then regroup)."""
+        while True:
+            order = self.inbox.get()
+            if order.type == "resume":
+                return
+            if order.type == "break":
+                self.rejoin()
+                return
+
+    def run_job(self, message: Message) -> str:
         op = message.fields.get("op")
         ctx = JobContext(
             rank=self.rank,
@@ -191,8 +342,9 @@ class Rank:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # the peak reported at 'done' is this job's
         try:
-            if message.fields.get("input_error"):
-                raise JobInputError(message.fields["input_error"])
+            input_error = self.map_inputs(message)
+            if input_error:
+                raise JobInputError(input_error)
             if op not in JOBS:
                 raise JobInputError(f"unknown job type {op!r}; known: {', '.join(sorted(JOBS))}")
             # Jobs never train: tensors made in one job (cached weights) must be usable in the next.
@@ -212,6 +364,7 @@ class Rank:
         status["seconds"] = round(time.perf_counter() - started, 6)
         status["memory"] = device_memory(self.device)
         self.emit("done", status)
+        return status["status"]
 
     def send_result(self, fields: dict, tensors: dict[str, torch.Tensor], shared_outputs: dict) -> None:
         """Send rank 0's result: tensors built in shared memory and inputs returned as they are go
@@ -227,11 +380,29 @@ class Rank:
         self.emit("result", {"result": fields}, tensors=inline, shm_descriptors=in_place + copied)
 
 
+def _holds_other_comm(value, keep: tuple[Comm, ...], depth: int = 3) -> bool:
+    """Whether a state entry holds a Comm (a subgroup) other than the rank's own two."""
+    if isinstance(value, Comm):
+        return all(value is not kept for kept in keep)
+    if depth and isinstance(value, dict):
+        return any(_holds_other_comm(item, keep, depth - 1) for item in value.values())
+    if depth and isinstance(value, (list, tuple)):
+        return any(_holds_other_comm(item, keep, depth - 1) for item in value)
+    return False
+
+
 def main(rank: int, world_size: int, fd: int, device: str, store_path: str, owner_pid: int) -> None:
+    # Ctrl-C on a foreground server reaches the whole process group; the server alone decides how
+    # its ranks end (a rank that died of it would be taken for a fault and replaced).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
     torch_device = torch.device(device)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    Rank(rank, world_size, sock, torch_device, store_path, owner_pid).run()
+    rank_process = Rank(rank, world_size, sock, torch_device, store_path, owner_pid)
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    root.addHandler(ServerLogHandler(rank_process))
+    rank_process.run()

@@ -2,16 +2,29 @@
 
 ``echo`` returns its input tensors after every rank has checked it received the same bytes;
 ``count`` runs steps that each all-reduce across the fleet (the shape of a denoising loop), with
-knobs to make one rank fail or hang so tests and ``doctor`` can check fault handling.
+knobs to make one rank fail, hang, compute a long step without stepping, or stop itself (SIGSTOP)
+so tests and ``doctor`` can check fault handling. ``remember``/``recall`` keep a value in the rank's
+state across jobs, and ``hold_file`` keeps a safetensors file resident the way a model is kept,
+logging what it read from disk, so tests can see which ranks kept their state after a fault.
+``say`` logs through the standard ``logging`` module, as techniques do, to test the fleet's one log.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import json
+import logging
+import os
+import signal
 import time
 
 import torch
+from safetensors.torch import load_file
 
-from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
+from mgpu_backend.fleet.jobs import JobContext, JobInputError, job, keep_across_replacement
+
+log = logging.getLogger(__name__)
 
 
 @job("echo")
@@ -36,12 +49,20 @@ def count(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
     seconds_per_step = float(fields.get("seconds_per_step", 0.0))
     fail_rank, fail_step = fields.get("fail_rank"), fields.get("fail_step", 0)
     hang_rank, hang_step = fields.get("hang_rank"), fields.get("hang_step", 0)
+    busy_rank, busy_step, busy_seconds = fields.get("busy_rank"), fields.get("busy_step", 0), float(fields.get("busy_seconds", 0.0))
+    stop_rank, stop_step = fields.get("stop_rank"), fields.get("stop_step", 0)
     total = torch.zeros(1, dtype=torch.float64)
     for step in range(steps):
         if ctx.rank == fail_rank and step == fail_step:
+            if fields.get("fail_as_input_error"):  # what a rank-local check ("Gemma does not fit") raises
+                raise JobInputError(f"requested input error on rank {ctx.rank} at step {step}")
             raise RuntimeError(f"requested failure on rank {ctx.rank} at step {step}")
         if ctx.rank == hang_rank and step == hang_step:
             time.sleep(10**6)
+        if ctx.rank == busy_rank and step == busy_step:
+            _compute_for(busy_seconds)  # one long step: no progress, but the CPU works
+        if ctx.rank == stop_rank and step == stop_step:
+            os.kill(os.getpid(), signal.SIGSTOP)
         time.sleep(seconds_per_step)
         contribution = torch.tensor([float(ctx.rank + 1)], dtype=torch.float64)
         total += ctx.comm.all_reduce_sum(contribution.to(ctx.device)).cpu()
@@ -58,4 +79,88 @@ def fill(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
     started = time.perf_counter()
     values = ctx.shared_output("values", (numel,)) if ctx.rank == 0 else torch.empty(numel)
     values.fill_(float(ctx.rank + 1))
+    if ctx.rank == fields.get("hang_rank"):  # holds its segment until killed
+        time.sleep(10**6)
     return {"fill_seconds": time.perf_counter() - started}, {"values": values}
+
+
+def _compute_for(seconds: float) -> None:
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        sum(range(10_000))
+
+
+@job("say")
+def say(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
+    """Log ``text`` on every rank through the module's logger, and a line naming the rank."""
+    text = str(fields.get("text", ""))
+    log.info("%s", text)
+    log.info("%s from rank %d", text, ctx.rank)
+    return {}, {}
+
+
+# Both run the same collectives whether a rank holds the entry or not: a survivor may keep them.
+keep_across_replacement("remembered", "held_file")
+
+
+@job("remember")
+def remember(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
+    """Keep ``value`` in every rank's state; ``recall`` returns what each rank kept."""
+    ctx.state["remembered"] = fields.get("value")
+    if ctx.rank == fields.get("fail_rank"):
+        raise RuntimeError(f"requested failure on rank {ctx.rank} after remembering")
+    return {"remembered": fields.get("value")}, {}
+
+
+@job("recall")
+def recall(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
+    kept = torch.tensor([float(ctx.state.get("remembered", -1))], dtype=torch.float64)
+    every_rank = ctx.control.all_gather(kept, dim=0) if ctx.world_size > 1 else kept
+    return {"remembered": every_rank.tolist()}, {}
+
+
+@job("hold_file")
+def hold_file(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
+    """Keep the safetensors file ``path`` resident (read once per rank process); log and return the
+    bytes each rank read from disk for this job."""
+    path = fields.get("path")
+    if not isinstance(path, str) or not os.path.isfile(path):
+        raise JobInputError(f"hold_file needs the 'path' of a safetensors file, got {path!r}")
+    held = ctx.state.get("held_file")
+    read = 0
+    if held is None or held[0] != path:
+        weights = load_file(path)
+        read = sum(tensor.nbytes for tensor in weights.values())
+        ctx.state["held_file"] = (path, weights)
+    ctx.log(f"hold_file: {read / 2**20:.1f} MiB read from disk")
+    per_rank = torch.tensor([float(read)], dtype=torch.float64)
+    every_rank = ctx.control.all_gather(per_rank, dim=0) if ctx.world_size > 1 else per_rank
+    checksum = sum(float(tensor.to(torch.float64).sum()) for tensor in ctx.state["held_file"][1].values())
+    return {"bytes_read": [int(value) for value in every_rank.tolist()], "checksum": checksum}, {}
+
+
+MAX_MODULE_NAMES = 16
+
+
+@job("modules")
+def modules(ctx: JobContext, fields: dict, tensors: dict[str, torch.Tensor]):
+    """Where each named module is imported from on every rank (its file, or the import error), so a
+    test or ``doctor`` can tell which copy of a package the fleet runs."""
+    names = fields.get("names")
+    if (
+        not isinstance(names, list)
+        or not 0 < len(names) <= MAX_MODULE_NAMES
+        or not all(isinstance(name, str) and all(part.isidentifier() for part in name.split(".")) for name in names)
+    ):
+        raise JobInputError(f"names must be a list of 1 to {MAX_MODULE_NAMES} dotted module names, got {names!r}")
+    here = {}
+    for name in names:
+        try:
+            here[name] = getattr(importlib.import_module(name), "__file__", None) or "(built in)"
+        except Exception as exc:  # noqa: BLE001 - the answer is which error, not a failed job
+            here[name] = f"ImportError: {type(exc).__name__}: {exc}"
+    digest = hashlib.sha256(json.dumps(here, sort_keys=True).encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    every_rank = ctx.control.all_gather(mine.unsqueeze(0), dim=0).flatten().tolist() if ctx.world_size > 1 else [mine.item()]
+    differing = [rank for rank, value in enumerate(every_rank) if value != every_rank[0]]
+    return {"modules": here, "ranks_differing_from_rank_0": differing}, {}

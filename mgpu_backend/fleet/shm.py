@@ -1,7 +1,9 @@
 """Shared-memory segments for results too large for the socket (decoded frames: gigabytes).
 
-A segment is a file in /dev/shm named ``mgpu-<uid>-<server pid>-<random>``, created 0600 by the
-process that fills it. Its name travels in a message header; the reader maps it, copies or keeps the
+A segment is a file in /dev/shm named ``mgpu-<uid>-<creator pid>-<random>``, created 0600 by the
+process that fills it (ranks name theirs after the server). Its space is reserved when it is created
+(``posix_fallocate``), so a full /dev/shm is a clear error naming the size needed, never a SIGBUS
+while a mapped result is written. Its name travels in a message header; the reader maps it, copies or keeps the
 tensor, and unlinks it. The server also unlinks every segment of a job when the job's client goes
 away, and sweeps segments left by server processes that no longer exist, so a crash of either side
 never leaks memory. Only the owner's uid can open a segment.
@@ -11,6 +13,7 @@ This module never unpickles; a segment holds raw tensor bytes described by a val
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -20,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from mgpu_backend.fleet.protocol import DTYPE_NAMES, ProtocolError, bytes_to_tensor, tensor_bytes, tensor_descriptor, validate_descriptor
+from mgpu_backend.fleet import protocol
+from mgpu_backend.fleet.protocol import DTYPE_NAMES, ProtocolError, bytes_to_tensor
 
 SHM_DIR = Path("/dev/shm")
 _NAME = re.compile(r"^mgpu-(\d+)-(\d+)-[0-9a-f]{16}$")
@@ -29,14 +33,54 @@ _NAME = re.compile(r"^mgpu-(\d+)-(\d+)-[0-9a-f]{16}$")
 INLINE_LIMIT_BYTES = 1 << 20  # tensors above this travel through shared memory in both directions
 
 
+class SharedMemoryFull(OSError):
+    """/dev/shm has no room for a segment; the message says how much was needed."""
+
+
 def available() -> bool:
     return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
 
 
+def is_segment_name(name: object) -> bool:
+    return isinstance(name, str) and _NAME.match(name) is not None
+
+
+def segment_creator(name: str) -> int:
+    """The pid of the process that created segment ``name`` (a valid name)."""
+    return int(_NAME.match(name).group(2))
+
+
 def segment_path(name: str) -> Path:
-    if not _NAME.match(name):
+    if not is_segment_name(name):
         raise ProtocolError(f"invalid shared-memory segment name {name!r}")
     return SHM_DIR / name
+
+
+def _reserve(fd: int, path: Path, nbytes: int) -> None:
+    """Claim the segment's pages now, so that writing it later can never fail half-way."""
+    if nbytes == 0:
+        return
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise
+        size = f"{nbytes / 2**20:.1f} MiB"
+        if exc.errno == errno.EFBIG:
+            raise SharedMemoryFull(
+                exc.errno, f"a file-size limit (ulimit -f) forbids a {size} shared-memory segment in {SHM_DIR}; raise or lift it"
+            ) from None
+        try:
+            free = os.statvfs(SHM_DIR)
+            free_text = f"{free.f_bavail * free.f_frsize / 2**20:.1f} MiB free"
+        except OSError:
+            free_text = "free space unknown"
+        raise SharedMemoryFull(
+            exc.errno,
+            f"{SHM_DIR} has no room for a {size} shared-memory segment ({free_text}); "
+            f"free space in {SHM_DIR} (old mgpu-* segments, other programs) or enlarge it, "
+            f"e.g. 'sudo mount -o remount,size=64G {SHM_DIR}' (Docker: --shm-size)",
+        ) from None
 
 
 def _new_segment_name(owner_pid: int | None) -> str:
@@ -47,12 +91,17 @@ def _new_segment_name(owner_pid: int | None) -> str:
 def split_for_transfer(tensors: dict[str, torch.Tensor], owner_pid: int | None = None) -> tuple[dict, list[dict]]:
     """Keep small tensors inline; put large ones into segments. Returns (inline, descriptors)."""
     inline, shared = {}, []
-    for name, tensor in tensors.items():
-        tensor = tensor.detach().cpu()
-        if tensor.numel() * tensor.element_size() > INLINE_LIMIT_BYTES and available():
-            shared.append(write_tensor(name, tensor, owner_pid))
-        else:
-            inline[name] = tensor
+    try:
+        for name, tensor in tensors.items():
+            tensor = tensor.detach().cpu()
+            if tensor.numel() * tensor.element_size() > INLINE_LIMIT_BYTES and available():
+                shared.append(write_tensor(name, tensor, owner_pid))
+            else:
+                inline[name] = tensor
+    except BaseException:  # no half-made transfer leaves segments behind
+        for descriptor in shared:
+            unlink_segment(descriptor["segment"])
+        raise
     return inline, shared
 
 
@@ -60,15 +109,16 @@ def write_tensor(name: str, tensor: torch.Tensor, owner_pid: int | None = None) 
     """Copy ``tensor`` into a new segment; return its descriptor (with the segment name)."""
     segment = _new_segment_name(owner_pid)
     path = SHM_DIR / segment
-    data = tensor_bytes(tensor)
+    data = protocol.tensor_bytes(tensor)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         with os.fdopen(fd, "wb", closefd=True) as file:
+            _reserve(fd, path, len(data))
             file.write(data)
     except BaseException:
         path.unlink(missing_ok=True)
         raise
-    descriptor = tensor_descriptor(name, tensor)
+    descriptor = protocol.tensor_descriptor(name, tensor)
     descriptor["segment"] = segment
     return descriptor
 
@@ -82,7 +132,7 @@ def create_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, owner_p
     descriptor = {"name": name, "dtype": DTYPE_NAMES[dtype], "shape": list(shape), "nbytes": nbytes, "segment": segment}
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.ftruncate(fd, nbytes)
+        _reserve(fd, path, nbytes)  # also sets the size: never a sparse file that SIGBUSes when full
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype), descriptor
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
@@ -101,7 +151,7 @@ def read_tensor(descriptor: dict, unlink: bool = True, shared: bool = False) -> 
     ``shared`` maps it MAP_SHARED, so writes to the tensor land in the segment (a rank can then
     hand an input back as a result by name); otherwise writes stay private to this process.
     """
-    name, dtype, shape, nbytes = validate_descriptor(descriptor)
+    name, dtype, shape, nbytes = protocol.validate_descriptor(descriptor)
     path = segment_path(descriptor["segment"])
     fd = os.open(path, (os.O_RDWR if shared else os.O_RDONLY) | os.O_NOFOLLOW)
     try:
@@ -122,10 +172,31 @@ def read_tensor(descriptor: dict, unlink: bool = True, shared: bool = False) -> 
 
 
 def unlink_segment(segment: str) -> None:
+    """Remove a segment if it exists. A name that is not a segment's is ignored: names come from
+    untrusted headers, and cleaning up after a job must never fail."""
+    if not is_segment_name(segment):
+        return
     try:
-        segment_path(segment).unlink()
+        (SHM_DIR / segment).unlink()
     except FileNotFoundError:
         pass
+
+
+def segments_of(owner_pid: int) -> set[str]:
+    """The names of this user's segments named after ``owner_pid`` (a server names the segments its
+    ranks create after itself, so that they outlive the rank that made them)."""
+    if not SHM_DIR.is_dir():
+        return set()
+    return {path.name for path in SHM_DIR.glob(f"mgpu-{os.getuid()}-{owner_pid}-*") if is_segment_name(path.name)}
+
+
+def unlink_created_by(pid: int) -> list[str]:
+    """Unlink this user's segments that process ``pid`` created (the server at exit: its own and its
+    ranks'). Returns the names removed."""
+    removed = sorted(segments_of(pid))
+    for name in removed:
+        (SHM_DIR / name).unlink(missing_ok=True)
+    return removed
 
 
 def sweep_orphans() -> list[str]:

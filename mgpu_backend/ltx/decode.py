@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from ltx_core.model.video_vae import TilingConfig
 
+from mgpu_backend.ltx.schema import audio_sample_count
+
 
 def decode_video(
     loader,
@@ -40,12 +42,34 @@ def decode_video(
         return ((video + 1.0) / 2.0).clamp(0.0, 1.0).permute(1, 2, 3, 0).contiguous()
 
 
-def decode_audio(loader, audio_latent: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``[B, 8, T, 16]`` -> ``(waveform [B, channels, samples] float32, sample_rate)``."""
+def decode_audio(
+    loader, audio_latent: torch.Tensor, video_frames: int | None = None, frame_rate: float | None = None
+) -> tuple[torch.Tensor, int]:
+    """``[B, 8, T, 16]`` -> ``(waveform [B, channels, samples] float32, sample_rate)``.
+
+    With ``video_frames`` and ``frame_rate`` the waveform lasts exactly as long as the video
+    (``fit_audio_to_video``); without them it is the vocoder's output as it comes."""
     if audio_latent.ndim != 4 or audio_latent.shape[1] != 8:
         raise ValueError(f"decode_audio expects an audio latent [B, 8, T, 16], got shape {tuple(audio_latent.shape)}")
     with torch.inference_mode():
         decoder, vocoder = loader.audio_decoder(), loader.vocoder()
         latent = audio_latent.to(device=loader.device, dtype=loader.dtype)
         waveform = vocoder(decoder(latent)).float()
-        return waveform, int(vocoder.output_sampling_rate)
+        sample_rate = int(vocoder.output_sampling_rate)
+    if video_frames is not None and frame_rate is not None:
+        waveform = fit_audio_to_video(waveform, video_frames, frame_rate, sample_rate)
+    return waveform, sample_rate
+
+
+def fit_audio_to_video(waveform: torch.Tensor, video_frames: int, frame_rate: float, sample_rate: int) -> torch.Tensor:
+    """``waveform [..., samples]`` cut or padded with silence to the video's duration.
+
+    The audio latent has round(seconds x 25) frames (ltx-core's ``AudioLatentShape.from_duration``)
+    and the VAE + vocoder turn it into a whole number of hops, so the decoded audio is a little
+    shorter or longer than the video (9 frames at 24 fps: 0.341 s against 0.375 s). The official
+    pipeline writes it as it comes; here both streams end together."""
+    wanted = audio_sample_count(video_frames, frame_rate, sample_rate)
+    have = waveform.shape[-1]
+    if have >= wanted:
+        return waveform[..., :wanted].contiguous()
+    return torch.nn.functional.pad(waveform, (0, wanted - have))

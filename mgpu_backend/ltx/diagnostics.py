@@ -13,12 +13,12 @@ Nothing here is used by the user-facing jobs.
 from __future__ import annotations
 
 import json
-import math
 import time
 
 import torch
 from ltx_core.model.transformer import LTXModelConfigurator, X0Model
 
+from mgpu_backend.bundles.random_weights import materialize_random_
 from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
 from mgpu_backend.ltx.jobs import input_errors, run_stage1
 from mgpu_backend.ltx.schema import MAX_FRAMES, MAX_SIDE, MAX_STEPS, OFFICIAL, Guidance, integer_field, number_field
@@ -36,45 +36,6 @@ def random_transformer(config: dict, device: torch.device, dtype: torch.dtype, s
     with torch.device("meta"):
         velocity_model = LTXModelConfigurator.from_config(config)
     return X0Model(materialize_random_(velocity_model, device, dtype, seed)).eval()
-
-
-def materialize_random_(module: torch.nn.Module, device: torch.device, dtype: torch.dtype, seed: int) -> torch.nn.Module:
-    """Give a module built on the meta device real, seeded random weights on ``device`` in ``dtype``.
-
-    Built this way a 19B model never exists on the host or in fp32: the meta module is cast, its
-    storage is allocated once on the device, and each tensor is filled in place from one device
-    generator (state-dict order, so the same seed gives the same weights on the same device type).
-    Scales keep activations in range, like a trained model's: matrices N(0, 1/fan_in), norm gains
-    1, other vectors N(0, 0.02^2); the latent statistics and the VAE decoder's timestep scale get
-    the positive values their role needs. The same rules as the tiny bundle's weights
-    (mgpu_backend/ltx/tiny.py), drawn on the device because drawing 19B numbers on the host is slow.
-    """
-    module = module.to(dtype=dtype).to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
-        for name, tensor in _named_tensors(module):
-            if not tensor.is_floating_point():
-                continue
-            if name.endswith("std-of-means"):
-                tensor.uniform_(0.5, 1.5, generator=generator)
-            elif name.endswith("timestep_scale_multiplier"):
-                tensor.fill_(1000.0)
-            elif name.endswith("learnable_registers"):
-                tensor.uniform_(-1.0, 1.0, generator=generator)
-            elif tensor.ndim >= 2:
-                tensor.normal_(0.0, math.prod(tensor.shape[1:]) ** -0.5, generator=generator)
-            elif name.endswith(".weight") and "norm" in name.rsplit(".", 2)[-2]:
-                tensor.fill_(1.0)
-            else:
-                tensor.normal_(0.0, 0.02, generator=generator)
-    leftover = [name for name, tensor in _named_tensors(module) if tensor.is_meta]
-    assert not leftover, f"tensors left on the meta device: {leftover[:5]}"
-    return module.eval()
-
-
-def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    # Parameters and all buffers, persistent or not: a meta buffer left unfilled would fail later.
-    return list(module.named_parameters()) + list(module.named_buffers())
 
 
 def random_contexts(caption_channels: int, device: torch.device, dtype: torch.dtype, seed: int, tokens: int = 1024) -> tuple[TextContext, TextContext]:

@@ -40,7 +40,7 @@ import torch
 from ltx_core.components.guiders import MultiModalGuiderParams
 from ltx_core.model.video_vae import SpatialTilingConfig, TemporalTilingConfig, TilingConfig
 
-from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
+from mgpu_backend.fleet.jobs import JobContext, JobInputError, job, keep_across_replacement
 from mgpu_backend.parallel.batched_passes import batch_passes_wanted
 from mgpu_backend.parallel.compiled_blocks import compile_blocks_wanted
 from mgpu_backend.parallel.cuda_graphs import cuda_graphs_wanted
@@ -56,6 +56,7 @@ from mgpu_backend.ltx.parallelize import Stage1Options, parallelize_stage1, para
 from mgpu_backend.ltx.previews import stage_previews, step_reporter
 from mgpu_backend.ltx.schema import CONTEXT_MISSING, PROMPT_CACHE_ENTRIES, VIDEO_LATENT_CHANNELS, DecodeRequest, EncodeRequest, LoadRequest, ModelFileError, ModelSpec, SampleRequest, UnloadRequest, UpscaleRequest, pixel_geometry, validate_stg_blocks
 from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, guider_params, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
+from mgpu_backend.ltx.residency import component_sizes, device_memory_bytes, plan_residency
 from mgpu_backend.ltx.text import TextContext
 from mgpu_backend.ltx.validation import TransformerDims
 
@@ -81,20 +82,34 @@ class ResidentModel:
     component built once and kept, so warm jobs neither read the disk nor rebuild modules.
 
     It answers the calls the stage functions make of a loader (``transformer(lora_set)``,
-    ``video_encoder()``, ...), returning the kept instances.
+    ``video_encoder()``, ...), returning the kept instances. What is kept follows the residency
+    plan (``mgpu_backend.ltx.residency``, decided from the file headers before anything loads): a
+    component the plan does not keep is built from the loader's host copy at each call, for the
+    stage that asks, and released when that stage drops it.
     """
 
-    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, comm) -> None:
-        self.spec, self.device, self.dtype = spec, device, dtype
-        self.loader = ModelLoader(spec, device, dtype)
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, comm,
+                 quantization: str | None = None, residency: str = "auto") -> None:  # fmt: skip
+        self.spec, self.device, self.dtype, self.quantization = spec, device, dtype, quantization
+        lora_swap = spec.distilled_lora is not None or bool(spec.loras)
+        self.loader = ModelLoader(spec, device, dtype, quantization)  # checks the files from their headers
+        # Raises (before any weight is read) when the model cannot fit this device at all.
+        self.residency = plan_residency(
+            component_sizes(spec, dtype), device_memory_bytes(device), comm.world_size, residency, quantization, lora_swap
+        )
         self.components: dict[tuple, torch.nn.Module] = {}
         self.load_seconds = 0.0  # time spent building components from files or the registry
         # One working transformer per rank; a clean copy sharded over the ranks lets stage 1 (no
         # LoRA) and stage 2 (distilled LoRA) swap in place. Without any LoRA, no clean copy is kept.
-        self.tracker = TransformerWeightTracker(comm, no_lora_swap=spec.distilled_lora is None and not spec.loras)
+        self.tracker = TransformerWeightTracker(comm, no_lora_swap=not lora_swap, clean_on_host=self.residency.clean_shard_on_host)
 
     def _kept(self, name: str, *args):
         key = (name, *args)
+        if not self.residency.keeps(name):
+            started = time.perf_counter()
+            component = getattr(self.loader, name)(*args)
+            self.load_seconds += time.perf_counter() - started
+            return component
         if key not in self.components:
             started = time.perf_counter()
             self.components[key] = getattr(self.loader, name)(*args)
@@ -155,6 +170,11 @@ class ResidentModel:
         return block.attn1.heads, block.audio_attn1.heads
 
 
+# A rank that survives the replacement of a dead peer keeps the resident model: the next job reads
+# only what the replacement must load.
+keep_across_replacement("model")
+
+
 def resident_model(ctx: JobContext, request) -> ResidentModel:
     """The model the request names, loading it (and dropping another) when it is not resident yet."""
     with input_errors():
@@ -165,9 +185,10 @@ def resident_model(ctx: JobContext, request) -> ResidentModel:
         dtype = TORCH_DTYPES[request.dtype]
         resident = ctx.state.get("model")
         if resident is not None and resident.spec == spec and resident.dtype == dtype:
-            return resident
+            return resident  # the spec names the quantization and residency too
         unload_models(ctx)
-        resident = ResidentModel(spec, ctx.device, dtype, ctx.comm)  # validates the files from their headers
+        resident = ResidentModel(spec, ctx.device, dtype, ctx.comm, spec.quantization, spec.residency)  # validates the files from their headers
+        ctx.log(resident.residency.describe())
     ctx.state["model"] = resident
     return resident
 
@@ -391,7 +412,7 @@ def encode(ctx: JobContext, args: dict, tensors: dict):
     with input_errors():
         request = EncodeRequest.from_wire(args)
     resident = resident_model(ctx, request)
-    contexts = encode_prompts_distributed(resident.loader, list(request.prompts), ctx.comm, request.gemma_mode, free_after=request.free_gemma)
+    contexts = encode_prompts_distributed(resident.loader, list(request.prompts), ctx.comm, request.gemma_mode, free_after=request.free_gemma or not resident.residency.keeps("gemma"))
     stats = last_encode_stats()
     where = f", Gemma on {stats['gemma_placement']}" if stats.get("gemma_placement") else ""
     ctx.log(f"text encode ({request.gemma_mode}): {stats.get('encoded_here', 0)} prompt(s) on this rank in {stats.get('seconds', 0):.2f} s{where}")
@@ -581,7 +602,7 @@ def decode(ctx: JobContext, args: dict, tensors: dict):
     if ctx.rank == 0:
         out_tensors["frames"] = frames_out
         if audio_latent is not None:
-            waveform, sample_rate = decode_audio(resident, audio_latent.float())
+            waveform, sample_rate = decode_audio(resident, audio_latent.float(), video_frames=frames, frame_rate=request.frame_rate)
             out_tensors["waveform"] = waveform.cpu()
             result["sample_rate"] = sample_rate
     if audio_latent is not None:

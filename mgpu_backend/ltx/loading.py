@@ -11,11 +11,16 @@ transformer, a Gemma kept on its GPUs), its host copy can be dropped with ``drop
 the registry would otherwise hold ~38 GB (transformer) + ~24 GB (Gemma) of host memory per rank,
 which eight ranks on one host cannot afford.
 
-ltx-core 1.0.0 hard-codes the Gemma-3 12B configuration in its Gemma configurator and feature
-extractor. The text encoder here is built from the Gemma folder's own ``config.json`` instead
-(ltx-core's 12B values fill whatever the file leaves out), with ltx-core's own classes, key
-mapping and module ops, so the same code serves the real 12B folder and the tiny test folder.
-ltx-core's Gemma code needs transformers 4.x (4.52 or newer).
+The transformer can also be loaded fp8-cast (``quantization="fp8-cast"``, ltx-core's policy), and
+Lightricks' fp8 checkpoint files (fp8 weights with per-tensor scales) load in both modes: see
+``mgpu_backend.ltx.fp8``.
+
+Gemma comes from a Hugging Face folder or from ComfyUI's single file (``gemma_file``), and is
+built as ``gemma_encoder.GemmaEncoder``: transformers' own Gemma-3 text model, which runs on
+transformers 4.52+ and 5.x, where ltx-core 1.0.0's Gemma wrapper needs 4.x. ltx-core 1.0.0
+hard-codes the Gemma-3 12B configuration in its Gemma configurator and feature extractor; here the
+configuration is the folder's own ``config.json`` (ltx-core's 12B values fill whatever the file
+leaves out) or the file's, so the same code serves the real 12B model and the tiny test one.
 
 Never edits ltx-core, never downloads anything.
 """
@@ -30,7 +35,7 @@ from pathlib import Path
 
 import torch
 from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP, LoraPathStrengthAndSDOps, StateDictRegistry
-from ltx_core.loader.primitives import StateDict
+from ltx_core.loader.primitives import LoraStateDictWithStrength, StateDict
 from ltx_core.loader.sd_ops import SDOps
 from ltx_core.loader.sft_loader import SafetensorsModelStateDictLoader
 from ltx_core.loader.single_gpu_model_builder import SingleGPUModelBuilder
@@ -42,7 +47,7 @@ from ltx_core.model.audio_vae import (
     Vocoder,
     VocoderConfigurator,
 )
-from ltx_core.model.transformer import LTXV_MODEL_COMFY_RENAMING_MAP, LTXModelConfigurator, X0Model
+from ltx_core.model.transformer import LTXModelConfigurator, X0Model
 from ltx_core.model.upsampler import LatentUpsampler, LatentUpsamplerConfigurator
 from ltx_core.model.video_vae import (
     VAE_DECODER_COMFY_KEYS_FILTER,
@@ -53,6 +58,7 @@ from ltx_core.model.video_vae import (
     VideoEncoderConfigurator,
 )
 
+from mgpu_backend.ltx import fp8
 from mgpu_backend.ltx.schema import ModelFileError, ModelSpec  # noqa: F401 - re-exported: the loader's callers name them here
 
 LORA_SETS = ("none", "distilled")
@@ -115,12 +121,12 @@ def _gemma_files(gemma_root: str) -> tuple[Path, list[str]]:
     """The Gemma config.json and weight files, found the way ltx-core finds them."""
     root = Path(gemma_root)
     weights = sorted(root.rglob("model*.safetensors"))
-    missing = [name for name in ("tokenizer.model", "preprocessor_config.json") if not any(root.rglob(name))]
+    missing = [name for name in ("tokenizer.model",) if not any(root.rglob(name))]
     if not weights or missing:
         what = ", ".join((["model*.safetensors"] if not weights else []) + missing)
         raise ModelFileError(
             f"Gemma folder {gemma_root} has no {what}; it must hold the whole Gemma-3 text encoder as "
-            "published (config, weights, tokenizer and preprocessor files)"
+            "published (config, weights and tokenizer files)"
         )
     model_folder = weights[0].parent
     config_path = model_folder / "config.json"
@@ -149,6 +155,48 @@ def _gemma_config(gemma_root: str) -> dict:
         else:
             config[key] = value
     return config
+
+
+def is_gemma_file(gemma_root: str) -> bool:
+    """Whether ``gemma_root`` names ComfyUI's single Gemma file rather than a Hugging Face folder."""
+    return Path(gemma_root).is_file()
+
+
+def gemma_text_config(gemma_root: str) -> dict:
+    """The Gemma text config of a folder or of ComfyUI's single file (checked against its weights)."""
+    return _gemma_weights(gemma_root).text_config
+
+
+@dataclass(frozen=True)
+class _GemmaWeights:
+    """Where Gemma's text-stack weights are and how their keys map to ``GemmaEncoder``'s."""
+
+    gemma_root: str
+    paths: tuple[str, ...]
+    sd_ops: SDOps
+    text_config: dict
+    from_comfy_file: bool
+
+    def tokenizer(self):
+        from mgpu_backend.ltx.gemma_encoder import folder_tokenizer
+        from mgpu_backend.ltx.gemma_file import SentencePieceGemmaTokenizer
+
+        if self.from_comfy_file:
+            return SentencePieceGemmaTokenizer.from_file(self.paths[0])
+        return folder_tokenizer(self.gemma_root)
+
+
+def _gemma_weights(gemma_root: str) -> _GemmaWeights:
+    if is_gemma_file(gemma_root):
+        from mgpu_backend.ltx.gemma_file import COMFY_GEMMA_KEY_OPS, inspect_gemma_file
+
+        text_config = inspect_gemma_file(gemma_root).text_config
+        return _GemmaWeights(gemma_root, (str(gemma_root),), COMFY_GEMMA_KEY_OPS, text_config, from_comfy_file=True)
+    from mgpu_backend.ltx.gemma_encoder import GEMMA_FOLDER_KEY_OPS
+
+    _, weight_paths = _gemma_files(gemma_root)
+    text_config = _gemma_config(gemma_root)["text_config"]
+    return _GemmaWeights(gemma_root, tuple(weight_paths), GEMMA_FOLDER_KEY_OPS, text_config, from_comfy_file=False)
 
 
 def validate_model_files(spec: ModelSpec) -> None:
@@ -192,7 +240,7 @@ def _validate_checkpoint(path: str) -> _SafetensorsHeader:
 
 
 def _validate_gemma(gemma_root: str, checkpoint_path: str, checkpoint: _SafetensorsHeader) -> None:
-    text_config = _gemma_config(gemma_root)["text_config"]
+    text_config = gemma_text_config(gemma_root)
     hidden, layers = text_config["hidden_size"], text_config["num_hidden_layers"]
     projection_inputs = {
         shape[1]
@@ -201,7 +249,7 @@ def _validate_gemma(gemma_root: str, checkpoint_path: str, checkpoint: _Safetens
     }
     if projection_inputs and projection_inputs != {hidden * (layers + 1)}:
         raise ModelFileError(
-            f"Gemma folder {gemma_root} (hidden size {hidden}, {layers} layers) does not fit checkpoint "
+            f"Gemma text encoder {gemma_root} (hidden size {hidden}, {layers} layers) does not fit checkpoint "
             f"{checkpoint_path}, whose text projection reads {sorted(projection_inputs)} features "
             f"(hidden size x (layers + 1)); use the Gemma-3 text encoder released with this checkpoint"
         )
@@ -270,8 +318,8 @@ def _validate_lora(role: str, path: str, checkpoint_path: str, checkpoint: _Safe
 class _CountingLoader(SafetensorsModelStateDictLoader):
     """ltx-core's safetensors loader, counting the tensor bytes it reads from disk."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, weight_loader=None) -> None:
+        super().__init__(weight_loader)
         self.bytes_read = 0
 
     def load(self, path: str | list[str], sd_ops: SDOps | None = None, device: torch.device | None = None) -> StateDict:
@@ -280,22 +328,6 @@ class _CountingLoader(SafetensorsModelStateDictLoader):
         unique = {tensor.data_ptr(): tensor.nbytes for tensor in state_dict.sd.values()}
         self.bytes_read += sum(unique.values())
         return state_dict
-
-
-def _gemma_configurator(gemma_config: dict) -> type:
-    """ltx-core's GemmaTextEncoderConfigurator, with the given configuration instead of the 12B one."""
-    from ltx_core.text_encoders.gemma import GemmaTextEncoder
-    from transformers import Gemma3Config
-    from transformers.models.gemma3 import Gemma3ForConditionalGeneration
-
-    class GemmaFromFolderConfigurator:
-        @classmethod
-        def from_config(cls, config: dict) -> GemmaTextEncoder:  # noqa: ARG003 - the weights carry no config
-            with torch.device("meta"):
-                model = Gemma3ForConditionalGeneration(Gemma3Config.from_dict(gemma_config))
-            return GemmaTextEncoder(model=model)
-
-    return GemmaFromFolderConfigurator
 
 
 def _embeddings_processor_configurator(gemma_text_config: dict) -> type:
@@ -326,17 +358,6 @@ def _embeddings_processor_configurator(gemma_text_config: dict) -> type:
             return processor
 
     return SizedEmbeddingsProcessorConfigurator
-
-
-def _require_transformers_4() -> None:
-    import transformers
-
-    major = int(transformers.__version__.split(".")[0])
-    if major >= 5:
-        raise RuntimeError(
-            f"ltx-core 1.0.0's Gemma text encoder needs transformers 4.x, but {transformers.__version__} is "
-            "installed; run: pip install 'transformers>=4.52,<5'"
-        )
 
 
 class PromptEncoder(torch.nn.Module):
@@ -395,31 +416,39 @@ class ModelLoader:
 
     Each method returns a new model instance (built from the shared registry, so only the first
     build of a component reads the disk); callers keep the instances they want to reuse.
+    ``quantization`` (None or ``"fp8-cast"``, see ``mgpu_backend.ltx.fp8``) applies to the
+    transformer only, as ModelLedger's ``quantization`` does.
     """
 
     spec: ModelSpec
     device: torch.device | str = "cpu"
     dtype: torch.dtype = torch.bfloat16
+    quantization: str | None = None
     registry: StateDictRegistry = field(default_factory=_SizedRegistry)
     _disk: _CountingLoader = field(default_factory=_CountingLoader, init=False, repr=False)
+    _gemma_file_disk: _CountingLoader = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        from mgpu_backend.ltx.gemma_file import GemmaFileWeights
+
         self.device = torch.device(self.device)
+        self.quantization = fp8.parse_quantization(self.quantization)
         validate_model_files(self.spec)
+        self._gemma_file_disk = _CountingLoader(GemmaFileWeights(self.dtype))
 
     @property
     def bytes_read_from_disk(self) -> int:
-        """Tensor bytes read from model files by this loader so far."""
-        return self._disk.bytes_read
+        """Tensor bytes read from model files by this loader so far (fp8 weights: as dequantized)."""
+        return self._disk.bytes_read + self._gemma_file_disk.bytes_read
 
-    def _builder(self, path, configurator, sd_ops=None, loras=(), module_ops=()) -> SingleGPUModelBuilder:
+    def _builder(self, path, configurator, sd_ops=None, loras=(), module_ops=(), disk=None) -> SingleGPUModelBuilder:
         return SingleGPUModelBuilder(
             model_path=path,
             model_class_configurator=configurator,
             model_sd_ops=sd_ops,
             module_ops=tuple(module_ops),
             loras=tuple(loras),
-            model_loader=self._disk,
+            model_loader=disk or self._disk,
             registry=self.registry,
         )
 
@@ -457,11 +486,10 @@ class ModelLoader:
         of that component reads its files again. On the CPU the built model aliases that copy, so
         nothing is freed, but nothing else can see the model's in-place changes either."""
         if component == "transformer":
-            paths, sd_ops = [self.spec.checkpoint_path], LTXV_MODEL_COMFY_RENAMING_MAP
+            paths, sd_ops = [self.spec.checkpoint_path], fp8.transformer_sd_ops(self.quantization)
         elif component == "gemma":
-            from ltx_core.text_encoders.gemma import GEMMA_LLM_KEY_OPS
-
-            paths, sd_ops = list(_gemma_files(self.spec.gemma_root)[1]), GEMMA_LLM_KEY_OPS
+            weights = _gemma_weights(self.spec.gemma_root)
+            paths, sd_ops = list(weights.paths), weights.sd_ops
         else:
             raise ValueError(f"component must be 'transformer' or 'gemma', got {component!r}")
         state_dict = self.registry.pop(paths, sd_ops)
@@ -469,11 +497,47 @@ class ModelLoader:
 
     def transformer(self, lora_set: str = "none") -> X0Model:
         """The denoiser: ``"none"`` for stage 1, ``"distilled"`` for stage 2 (user LoRAs in both)."""
-        builder = self._builder(
-            self.spec.checkpoint_path, LTXModelConfigurator, LTXV_MODEL_COMFY_RENAMING_MAP, loras=self._loras(lora_set)
-        )
-        velocity_model = builder.build(device=torch.device("cpu"), dtype=self.dtype)
+        return self.build_transformer(tuple((lora.path, lora.strength) for lora in self._loras(lora_set)))
+
+    def build_transformer(self, loras: tuple[tuple[str, float], ...] = ()) -> X0Model:
+        """The denoiser with ``loras`` (``(path, strength)`` pairs, in order) fused, in ``dtype`` and
+        ``quantization``. ltx-core's builder steps (meta model with the policy's module ops, state
+        dict through the registry, assign), with the tensors prepared by ``fp8.module_tensors`` so
+        that fp8 checkpoint files (weights with scales) load too, and LoRAs fused key by key by
+        ltx-core's ``apply_loras`` (``fp8.fuse_loras_into``): for a bf16 checkpoint without
+        quantization, bitwise what ``SingleGPUModelBuilder.build`` makes."""
+        builder = self._builder(self.spec.checkpoint_path, LTXModelConfigurator, fp8.transformer_sd_ops(self.quantization))
+        # Assembled on the CPU (the registry keeps CPU tensors), then moved, as ModelLedger with a registry.
+        loaded = builder.load_sd([self.spec.checkpoint_path], self.registry, torch.device("cpu"), builder.model_sd_ops)
+        tensors, scales = fp8.module_tensors(loaded.sd, self.dtype, self.quantization)
+        lora_state_dicts = [LoraStateDictWithStrength(self.lora_state_dict(path), strength) for path, strength in loras]
+        if any(strength != 0 for _, strength in loras):
+            targets = fp8.lora_targets(tensors, lora_state_dicts)
+            for key, value in tensors.items():
+                if key not in targets:
+                    tensors[key] = value.clone()  # as ltx-core's fusion: every weight of a fused model is new
+                    continue
+                # Fused from the loaded tensor into the module's dtype, as ltx-core's builder fuses.
+                scale = loaded.sd.get(key.removesuffix(".weight") + fp8.WEIGHT_SCALE_SUFFIX)
+                tensors[key] = fp8.fuse_loras_into(key, loaded.sd[key], lora_state_dicts, value.dtype, scale)
+        module_ops = () if fp8.policy(self.quantization) is None else fp8.policy(self.quantization).module_ops
+        velocity_model = builder.meta_model(builder.model_config(), module_ops)
+        velocity_model.load_state_dict(tensors, strict=False, assign=True)
+        fp8.attach_scaled_upcast(velocity_model, scales)
+        missing = [name for name, tensor in (*velocity_model.named_parameters(), *velocity_model.named_buffers()) if tensor.is_meta]
+        if missing:
+            raise ModelFileError(
+                f"checkpoint {self.spec.checkpoint_path} lacks {len(missing)} transformer weights (e.g. {missing[:3]}); "
+                "use a complete LTX-2 checkpoint"
+            )
         return X0Model(velocity_model).to(self.device).eval()
+
+    def lora_state_dict(self, path: str) -> StateDict:
+        """One LoRA file's state dict, read through the registry (once per process)."""
+        builder = self._builder(path, LTXModelConfigurator)
+        return builder.load_sd(
+            [path], registry=self.registry, device=builder.lora_load_device, sd_ops=LTXV_LORA_COMFY_RENAMING_MAP
+        )
 
     def video_encoder(self) -> VideoEncoder:
         return self._build(
@@ -499,17 +563,16 @@ class ModelLoader:
         return self._build(self._builder(self.spec.spatial_upsampler_path, LatentUpsamplerConfigurator))
 
     def gemma(self):
-        """ltx-core's GemmaTextEncoder (tokenizer + Gemma-3), built from the folder's config."""
-        _require_transformers_4()
-        from ltx_core.text_encoders.gemma import GEMMA_LLM_KEY_OPS, GEMMA_MODEL_OPS, module_ops_from_gemma_root
+        """Gemma's text stack and tokenizer (``gemma_encoder.GemmaEncoder``), from a folder or ComfyUI's file."""
+        from mgpu_backend.ltx.gemma_encoder import encoder_configurator, encoder_module_ops
 
-        gemma_config = _gemma_config(self.spec.gemma_root)
-        _, weight_paths = _gemma_files(self.spec.gemma_root)
+        weights = _gemma_weights(self.spec.gemma_root)
         builder = self._builder(
-            tuple(weight_paths),
-            _gemma_configurator(gemma_config),
-            GEMMA_LLM_KEY_OPS,
-            module_ops=(GEMMA_MODEL_OPS, *module_ops_from_gemma_root(self.spec.gemma_root)),
+            weights.paths,
+            encoder_configurator(weights.text_config),
+            weights.sd_ops,
+            module_ops=encoder_module_ops(weights.tokenizer),
+            disk=self._gemma_file_disk if weights.from_comfy_file else None,
         )
         return self._build(builder)
 
@@ -517,7 +580,7 @@ class ModelLoader:
         """ltx-core's EmbeddingsProcessor (feature extractor + video/audio connectors)."""
         from ltx_core.text_encoders.gemma import EMBEDDINGS_PROCESSOR_KEY_OPS
 
-        configurator = _embeddings_processor_configurator(_gemma_config(self.spec.gemma_root)["text_config"])
+        configurator = _embeddings_processor_configurator(gemma_text_config(self.spec.gemma_root))
         return self._build(self._builder(self.spec.checkpoint_path, configurator, EMBEDDINGS_PROCESSOR_KEY_OPS))
 
     def text_encoder(self) -> PromptEncoder:

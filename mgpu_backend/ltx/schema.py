@@ -37,6 +37,11 @@ PIPELINES = ("two-stage", "distilled")
 DTYPES = ("bfloat16", "float32", "float16")
 GEMMA_MODES = ("sharded", "batch_parallel")
 PARALLEL_PLANS = ("auto", "sp", "guidance", "hybrid")
+QUANTIZATIONS = ("fp8-cast",)
+"""How the transformer's weights may be held besides the load dtype (``None``): ``fp8-cast`` keeps them
+in float8 and upcasts per layer, as the official ``--quantization fp8-cast``."""
+RESIDENCY_POLICIES = ("auto", "all", "minimal")
+"""Which components stay on the GPU between jobs: what fits, everything, or the transformer only."""
 AFTER_STAGES = (0, 1, 2)  # stages that drew noise from the job's generator before the decoder
 
 DISTILLED_LORA_STRENGTH = 1.0  # ltx_pipelines.utils.constants.DEFAULT_LORA_STRENGTH
@@ -44,6 +49,7 @@ SEED_MAX = 2**63 - 1  # the ranks seed torch generators with a signed 64-bit val
 MAX_SIDE = 8192
 MAX_FRAMES = 100_000
 MAX_STEPS = 1000
+MIN_FRAME_RATE, MAX_FRAME_RATE = 1.0, 240.0
 MAX_PROMPTS = 16
 MAX_PROMPT_CHARS = 20_000
 
@@ -70,6 +76,27 @@ class RequestError(ValueError):
 
 class ModelFileError(ValueError):
     """A model file or folder that cannot be used; the message names it and says what to do."""
+
+
+def parse_quantization(value) -> str | None:
+    """The ``quantization`` option, checked: None or one of ``QUANTIZATIONS``."""
+    if value is None or value in QUANTIZATIONS:
+        return value
+    allowed = ", ".join(repr(name) for name in QUANTIZATIONS)
+    raise ModelFileError(
+        f"quantization must be null (weights in the load dtype) or one of {allowed}, got {value!r}; "
+        "'fp8-cast' keeps the transformer in float8 (about half the memory), as the official --quantization fp8-cast"
+    )
+
+
+def parse_residency(value) -> str:
+    """The ``residency`` option, checked: one of ``RESIDENCY_POLICIES``."""
+    if value in RESIDENCY_POLICIES:
+        return value
+    raise ModelFileError(
+        f"residency must be one of {', '.join(RESIDENCY_POLICIES)}, got {value!r}: 'auto' keeps what fits, "
+        "'all' keeps every component on the GPU, 'minimal' keeps only the transformer"
+    )
 
 
 # --- Field readers: one message style for every request -------------------------------------------
@@ -142,10 +169,11 @@ def _nearest_multiple(value: int, multiple: int) -> int:
 
 
 def nearest_valid_frame_count(num_frames: int) -> int:
-    """The closest 8k+1 frame count (ties go up), at least 1."""
+    """The closest 8k+1 frame count (ties go up), from 1 to the largest 8k+1 <= ``MAX_FRAMES``."""
     below = max(1, (num_frames - 1) // 8 * 8 + 1)
     above = below + 8
-    return below if num_frames - below < above - num_frames else above
+    nearest = below if num_frames - below < above - num_frames else above
+    return min(nearest, (MAX_FRAMES - 1) // VIDEO_TEMPORAL_COMPRESSION * VIDEO_TEMPORAL_COMPRESSION + 1)
 
 
 def validate_generation(
@@ -155,15 +183,20 @@ def validate_generation(
     two_stage: bool = True,
     num_inference_steps: int | None = None,
     frame_rate: float | None = None,
+    seed: int | None = None,
 ) -> None:
-    """Raise ``RequestError`` (a ValueError) for a size, frame count, step count or frame rate LTX-2 cannot run.
+    """Raise ``RequestError`` (a ValueError) for a size, frame count, step count, frame rate or seed LTX-2 cannot run.
 
     ``height`` and ``width`` are the final video size: multiples of 64 for the two-stage graph
-    (stage 1 runs at half size on a 32-pixel latent grid), of 32 for stage 1 alone.
+    (stage 1 runs at half size on a 32-pixel latent grid), of 32 for stage 1 alone. Every message
+    speaks of the final size, whatever stage the limit comes from.
     """
     for name, value in (("height", height), ("width", width), ("num_frames", num_frames)):
-        if int(value) != value or value <= 0:
+        if isinstance(value, bool) or int(value) != value or value <= 0:
             raise RequestError(f"{name} must be a positive whole number, got {value}")
+    largest_frames = nearest_valid_frame_count(MAX_FRAMES)
+    if num_frames > MAX_FRAMES:
+        raise RequestError(f"frames must be 8k+1 from 1 to {largest_frames}, got {num_frames}; use {largest_frames} or fewer")
     if num_frames % VIDEO_TEMPORAL_COMPRESSION != 1:
         raise RequestError(
             f"frames must be 8k+1 (the video VAE packs 8 frames per latent frame after the first), "
@@ -171,17 +204,55 @@ def validate_generation(
         )
     multiple = 2 * VIDEO_SPATIAL_COMPRESSION if two_stage else VIDEO_SPATIAL_COMPRESSION
     graph = "the two-stage graph (stage 1 runs at half size)" if two_stage else "a single stage"
-    for name, value in (("width", width), ("height", height)):
+    largest_side = (2 if two_stage else 1) * MAX_SIDE  # stage 1's limit, in the final video's pixels
+    for name, value in (("height", height), ("width", width)):
+        if value > largest_side:
+            raise RequestError(f"{name} must be at most {largest_side} for {graph}, got {value}; use {largest_side} or less")
         if value % multiple != 0:
             raise RequestError(
                 f"{name} must be a multiple of {multiple} for {graph}, got {value}; "
                 f"use {_nearest_multiple(value, multiple)}"
             )
     official = OFFICIAL
-    if num_inference_steps is not None and (int(num_inference_steps) != num_inference_steps or num_inference_steps < 1):
-        raise RequestError(f"steps must be a whole number >= 1, got {num_inference_steps}; the official default is {official.steps}")
-    if frame_rate is not None and not frame_rate > 0:
-        raise RequestError(f"frame rate must be positive, got {frame_rate}; the official default is {official.frame_rate:g}")
+    if num_inference_steps is not None:
+        if isinstance(num_inference_steps, bool) or int(num_inference_steps) != num_inference_steps or num_inference_steps < 1:
+            raise RequestError(f"steps must be a whole number >= 1, got {num_inference_steps}; the official default is {official.steps}")
+        if num_inference_steps > MAX_STEPS:
+            raise RequestError(f"steps must be at most {MAX_STEPS}, got {num_inference_steps}; the official default is {official.steps}")
+    if frame_rate is not None:
+        if not frame_rate > 0:
+            raise RequestError(f"frame rate must be positive, got {frame_rate:g}; the official default is {official.frame_rate:g}")
+        if not MIN_FRAME_RATE <= frame_rate <= MAX_FRAME_RATE:
+            raise RequestError(
+                f"frame rate must be from {MIN_FRAME_RATE:g} to {MAX_FRAME_RATE:g} frames per second, got {frame_rate:g}; "
+                f"the official default is {official.frame_rate:g}"
+            )
+    if seed is not None and (isinstance(seed, bool) or int(seed) != seed or not 0 <= seed <= SEED_MAX):
+        raise RequestError(f"seed must be a whole number from 0 to {SEED_MAX}, got {seed}; the official default is {official.seed}")
+
+
+def validate_dtype_with_loras(dtype: str, distilled_lora: bool, user_loras: bool = False) -> None:
+    """LoRAs (the distilled LoRA of stage 2 too) fuse only into bfloat16 or fp8 weights, as in ltx-core.
+
+    Checked by the CLI and the loader node before any job; a load job in float32 stays allowed, since a
+    stage-1-only graph never fuses the distilled LoRA (the ranks refuse the fusion itself in words)."""
+    if dtype == "bfloat16" or not (distilled_lora or user_loras):
+        return
+    which = "the distilled LoRA (stage 2 of the two-stage job fuses it)" if distilled_lora else "LoRAs"
+    raise RequestError(
+        f"dtype {dtype} cannot be used with {which}: ltx-core fuses LoRAs only into bfloat16 (or fp8-cast) weights; "
+        "use dtype bfloat16 (optionally with quantization fp8-cast), or a model without LoRAs"
+    )
+
+
+def decoded_video_bytes(height: int, width: int, num_frames: int) -> int:
+    """Bytes of the decoded video as it leaves the fleet: ComfyUI's IMAGE, [frames, H, W, 3] float32."""
+    return num_frames * height * width * 3 * 4
+
+
+def audio_sample_count(num_frames: int, frame_rate: float, sample_rate: int) -> int:
+    """Waveform samples that last as long as ``num_frames`` video frames at ``frame_rate``."""
+    return round(num_frames * sample_rate / frame_rate)
 
 
 def validate_sigmas(sigmas: Iterable[float]) -> None:
@@ -239,7 +310,8 @@ def pixel_geometry(latent_frames: int, latent_height: int, latent_width: int) ->
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The files of one LTX-2 model. Small and JSON-able: it travels in the MGPU model handle.
+    """The files of one LTX-2 model and how each GPU holds them (``quantization``, ``residency``).
+    Small and JSON-able: it travels in the MGPU model handle, so every job names the same model.
 
     A path may be ``EMBEDDED_TINY``: the embedded tiny bundle's file of that role, resolved on the
     ranks (``resolve_embedded``)."""
@@ -250,6 +322,8 @@ class ModelSpec:
     distilled_lora: str | None = None
     distilled_lora_strength: float = DISTILLED_LORA_STRENGTH
     loras: tuple[tuple[str, float], ...] = ()
+    quantization: str | None = None
+    residency: str = "auto"
 
     @classmethod
     def embedded_tiny(cls, spatial_upsampler: bool = True, distilled_lora: bool = True, distilled_lora_strength: float = DISTILLED_LORA_STRENGTH) -> ModelSpec:
@@ -305,6 +379,8 @@ class ModelSpec:
             "distilled_lora": self.distilled_lora,
             "distilled_lora_strength": self.distilled_lora_strength,
             "loras": [[path, strength] for path, strength in self.loras],
+            "quantization": self.quantization,
+            "residency": self.residency,
         }
 
     to_json = to_wire
@@ -347,6 +423,8 @@ class ModelSpec:
             distilled_lora=data.get("distilled_lora"),
             distilled_lora_strength=float(strength),
             loras=tuple(parsed_loras),
+            quantization=parse_quantization(data.get("quantization")),
+            residency=parse_residency(data.get("residency", "auto")),
         )
 
     @classmethod
@@ -367,10 +445,11 @@ class ModelSpec:
         for role, path in files:
             if path != EMBEDDED_TINY and not Path(path).is_file():
                 raise ModelFileError(f"{role} file {path} does not exist; check the path (or download the file there)")
-        if self.gemma_root != EMBEDDED_TINY and not Path(self.gemma_root).is_dir():
+        if self.gemma_root != EMBEDDED_TINY and not Path(self.gemma_root).is_dir() and not Path(self.gemma_root).is_file():
             raise ModelFileError(
-                f"Gemma folder {self.gemma_root} does not exist; point gemma_root at the folder holding the "
-                "Gemma-3 text encoder (config.json, model*.safetensors, tokenizer.model)"
+                f"Gemma folder {self.gemma_root} does not exist (nor a file of that name); point gemma_root at the "
+                "Gemma-3 Hugging Face folder (config.json, model*.safetensors, tokenizer.model) or at ComfyUI's single "
+                "file (models/text_encoders/gemma_3_12B_it.safetensors)"
             )
 
 
@@ -655,7 +734,7 @@ class SampleRequest:
             width=integer_field(data, "width", official.stage1_width, VIDEO_SPATIAL_COMPRESSION, MAX_SIDE),
             height=integer_field(data, "height", official.stage1_height, VIDEO_SPATIAL_COMPRESSION, MAX_SIDE),
             num_frames=integer_field(data, "num_frames", official.num_frames, 1, MAX_FRAMES),
-            frame_rate=number_field(data, "frame_rate", official.frame_rate, 1.0, 240.0),
+            frame_rate=number_field(data, "frame_rate", official.frame_rate, MIN_FRAME_RATE, MAX_FRAME_RATE),
             seed=integer_field(data, "seed", official.seed, 0, SEED_MAX),
             steps=integer_field(data, "steps", official.steps, 1, MAX_STEPS),
             video_guidance=Guidance.from_wire(data.get("video_guidance"), "video_guidance", official.video_guidance),
@@ -723,7 +802,7 @@ class UpscaleRequest:
             dtype=_choice(data, "dtype", "bfloat16", DTYPES),
             model_version=version,
             pipeline=pipeline,
-            frame_rate=number_field(data, "frame_rate", official.frame_rate, 1.0, 240.0),
+            frame_rate=number_field(data, "frame_rate", official.frame_rate, MIN_FRAME_RATE, MAX_FRAME_RATE),
             seed=integer_field(data, "seed", official.seed, 0, SEED_MAX),
             sigmas=sigmas,
             tiles=None if tiles is None else (tiles[0], tiles[1]),
@@ -768,7 +847,7 @@ class DecodeRequest:
             spec=_spec_of(data, cls.op),
             dtype=_choice(data, "dtype", "bfloat16", DTYPES),
             seed=integer_field(data, "seed", OFFICIAL.seed, 0, SEED_MAX),
-            frame_rate=number_field(data, "frame_rate", OFFICIAL.frame_rate, 1.0, 240.0),
+            frame_rate=number_field(data, "frame_rate", OFFICIAL.frame_rate, MIN_FRAME_RATE, MAX_FRAME_RATE),
             after_stages=after_stages,
             spatial_tile_pixels=spatial,
             temporal_tile_frames=temporal,

@@ -165,10 +165,7 @@ def _gemma_dispatched_over_gpus(loader) -> torch.nn.Module:
     # and the whole model never lands on one GPU before it is split.
     cpu_loader = ModelLoader(loader.spec, "cpu", loader.dtype, registry=loader.registry)
     gemma = cpu_loader.gemma()
-    language_model = gemma.model
-    # ltx-core's key ops load lm_head as the embeddings' tensor under a second Parameter; tie them (as
-    # the config says) so that Accelerate places one copy, not two on different GPUs.
-    language_model.tie_weights()
+    language_model = gemma.model  # Gemma's text stack: no lm_head, so no tied copy for Accelerate to place twice
     free_memory = {index: torch.cuda.mem_get_info(index)[0] for index in range(torch.cuda.device_count())}
     no_split = list(getattr(language_model, "_no_split_modules", None) or [])
     budget = get_balanced_memory(

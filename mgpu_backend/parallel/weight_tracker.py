@@ -15,6 +15,11 @@ What it is
       those values in buckets (256 MB by default); every rank copies them into its working copy.
       Fusion work is thus split 1/N over the ranks and every rank ends with bitwise identical
       weights, equal to what ltx-core's loader builds for that LoRA set on the same device.
+    - fp8-cast weights (``quantization="fp8-cast"``, ``mgpu_backend.ltx.fp8``) are swapped the same
+      way: the clean shard holds the fp8 bytes, LoRAs fuse into them as ltx-core fuses into fp8
+      (a scaled fp8 layer from an fp8 checkpoint file is re-quantized with its own scale, a buffer
+      every rank's working copy holds and no swap changes), and a reset copies the clean fp8 bytes
+      back, so stage 1 after a stage-2 swap computes bitwise what the first stage 1 did.
     - An unchanged LoRA set costs nothing: no broadcast, no fusion (``stats.unchanged`` counts it).
     - LoRA state dicts are read through the loader's per-process registry, so once each file has
       been read, alternating stage 1 and stage 2 (and every later job) reads nothing from disk.
@@ -35,7 +40,9 @@ Device note
     The fusion runs where the clean weights are (the rank's device). On the CPU this is bitwise what
     ``ModelLoader.transformer(lora_set)`` builds. On a GPU it is the same ltx-core function on the
     same inputs, but ``ModelLoader`` assembles on the CPU, so the two may differ by bf16 matmul
-    rounding in the LoRA deltas (no drift: every swap starts again from the clean weights).
+    rounding in the LoRA deltas, and for fp8-cast weights by the rounding to fp8 (ltx-core rounds
+    stochastically, seed 0, on CUDA and to nearest on the CPU). No drift: every swap starts again
+    from the clean weights, and the same swap on the same device gives the same bytes.
 
 Once the working copy is built, the loader's registry drops its host copy of the transformer (up to
 ~38 GB of host memory per rank at 19B); a later ``ModelLoader.transformer`` call reads the checkpoint
@@ -46,15 +53,15 @@ imports ltx-pipelines, and never talks to other ranks except through ``Comm``.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass
 
 import torch
-from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP, LoraStateDictWithStrength
-from ltx_core.loader.fuse_loras import apply_loras
-from ltx_core.loader.primitives import StateDict
-from ltx_core.model.transformer import LTXV_MODEL_COMFY_RENAMING_MAP, LTXModelConfigurator, X0Model
+from ltx_core.loader import LoraStateDictWithStrength
+from ltx_core.model.transformer import X0Model
 
+from mgpu_backend.ltx import fp8
 from mgpu_backend.parallel.comm import Comm
 
 log = logging.getLogger(__name__)
@@ -63,9 +70,9 @@ LoraSet = tuple[tuple[str, float], ...]
 """LoRAs to fuse, in order: ``((path, strength), ...)``. The empty tuple is the clean transformer."""
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
-# ltx-core fuses into bf16 or fp8 weights; ModelLoader casts the whole model to its dtype, and fp8 here
-# would need the weight scales, which live under other keys (possibly on other owners): bf16 only.
-_FUSABLE_DTYPES = (torch.bfloat16,)
+# ltx-core fuses into bf16 and fp8 weights. A scaled fp8 weight's scale is a buffer of its layer in
+# every rank's working copy and never changes, so its owner always has it at hand.
+_FUSABLE_DTYPES = (torch.bfloat16, fp8.FP8_DTYPE)
 
 
 def stage_lora_set(spec, lora_set: str) -> LoraSet:
@@ -176,7 +183,7 @@ class TransformerWeightTracker:
         if self._model is not None and loader is self._loader:
             return self._model
         self._drop()
-        model = _transformer_without_loras(loader)
+        model = loader.build_transformer(())
         velocity_model = model.velocity_model
         # The working copy and the clean shard are all this rank needs from now on. Dropping the
         # registry's host copy frees it on a GPU rank, and on a CPU rank (where the built model
@@ -232,8 +239,44 @@ class TransformerWeightTracker:
     def transformer(self, loader, lora_set: str) -> X0Model:
         """The working transformer with the stage's LoRA set (``"none"`` or ``"distilled"``) fused:
         what ``loader.transformer(lora_set)`` builds, without building anything after the first call."""
+        fresh = self._model is None or loader is not self._loader
+        if self.comm.world_size > 1:
+            # A rank that replaced a dead one builds while the survivors kept theirs: they agree on
+            # it here, so that all of them run the same collectives from now on.
+            flags = self.comm.all_gather(torch.tensor([int(fresh)], dtype=torch.int64, device=loader.device), dim=0).tolist()
+            if 0 < sum(flags) < len(flags):
+                self._rejoin(loader, fresh, survivor=flags.index(0))
         self.build(loader)
         return self.apply(stage_lora_set(loader.spec, lora_set))
+
+    def _rejoin(self, loader, fresh: bool, survivor: int) -> None:
+        """Collective, when some ranks build their transformer and the others kept theirs: the kept
+        ones run the layout check the builders run, then every rank takes the survivors' LoRA set
+        and goes back to the clean weights together (from the owners' clean shards: the builders'
+        shards are clean from the file), so that the next ``apply`` is the same on every rank."""
+        if fresh:
+            self.build(loader)
+        else:
+            self._check_same_model_on_every_rank(self._working, loader.device)
+        applied = json.dumps([[path, strength] for path, strength in self._applied]).encode()
+        length = self.comm.broadcast(torch.tensor([len(applied)], dtype=torch.int64, device=loader.device), src=survivor)
+        buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=loader.device)
+        if self.comm.rank == survivor:
+            buffer.copy_(torch.frombuffer(bytearray(applied), dtype=torch.uint8))
+        kept_set = _normalised([(path, strength) for path, strength in json.loads(bytes(self.comm.broadcast(buffer, src=survivor).cpu().tolist()))])
+        if not kept_set:
+            return
+        if self.no_lora_swap:  # no clean copy to go back to: the survivors build theirs again
+            if not fresh:
+                self._drop()
+                self.build(loader)
+            else:
+                self._check_same_model_on_every_rank(self._working, loader.device)
+            return
+        if fresh:
+            loras = [LoraStateDictWithStrength(self._loader.lora_state_dict(path), strength) for path, strength in kept_set]
+            self._applied, self._touched = kept_set, frozenset(fp8.lora_targets(self._working, loras))
+        self.apply(())
 
     def apply(self, lora_set) -> X0Model:
         """Make the working copy hold the clean weights with ``lora_set`` fused; return the model."""
@@ -249,14 +292,14 @@ class TransformerWeightTracker:
                 "without no_lora_swap to alternate LoRA sets (costs about 1/N of the transformer per GPU)"
             )
         loras = [
-            LoraStateDictWithStrength(_lora_state_dict(self._loader, path), strength) for path, strength in lora_set
+            LoraStateDictWithStrength(self._loader.lora_state_dict(path), strength) for path, strength in lora_set
         ]
-        new_touched = self._keys_touched_by(loras)
+        new_touched = fp8.lora_targets(self._working, loras)
         bad = sorted({str(self._working[key].dtype) for key in new_touched} - {str(d) for d in _FUSABLE_DTYPES})
         if bad:
             raise ValueError(
-                f"LoRAs fuse into bfloat16 weights (as in ltx-core), but this transformer holds {', '.join(bad)} "
-                "weights; load the model in bfloat16 to use LoRAs"
+                f"LoRAs fuse into bfloat16 or float8_e4m3fn weights (as in ltx-core), but this transformer holds "
+                f"{', '.join(bad)} weights; load the model in bfloat16 (optionally with quantization fp8-cast) to use LoRAs"
             )
         # Keys the old set changed go back to clean; keys the new set touches get fused from clean.
         keys = [key for key in self._working if key in self._touched or key in new_touched]
@@ -273,17 +316,6 @@ class TransformerWeightTracker:
         self._applied, self._touched = lora_set, frozenset(new_touched)
         return model
 
-    def _keys_touched_by(self, loras: list[LoraStateDictWithStrength]) -> set[str]:
-        """Keys ltx-core's fusion changes: ``<layer>.weight`` with both ``lora_A`` and ``lora_B`` in some LoRA."""
-        touched = set()
-        for key in self._working:
-            if key.endswith(".weight"):
-                prefix = key[: -len(".weight")]
-                halves = (f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight")
-                if any(all(half in lora.sd for half in halves) for lora, _ in loras):
-                    touched.add(key)
-        return touched
-
     def _final_value(self, key: str, fuse: bool, loras: list[LoraStateDictWithStrength]) -> torch.Tensor:
         """The value the owner of ``key`` broadcasts: the clean weight, or it fused by ltx-core."""
         clean = (self._working if self.no_lora_swap else self._clean)[key]  # no_lora_swap: working is still clean
@@ -292,8 +324,8 @@ class TransformerWeightTracker:
         if not fuse:
             return clean
         self.stats.keys_fused += 1
-        state_dict = StateDict(sd={key: clean}, device=clean.device, size=clean.nbytes, dtype={clean.dtype})
-        return apply_loras(state_dict, loras, dtype=clean.dtype).sd[key]
+        scale = self._working.get(key.removesuffix(".weight") + fp8.WEIGHT_SCALE_SUFFIX)
+        return fp8.fuse_loras_into(key, clean, loras, clean.dtype, scale)
 
     def _broadcast_final_values(self, keys: list[str], fused_keys: set[str], loras) -> None:
         """Owners send their keys' final values in buckets of at most ``bucket_bytes`` (a larger key
@@ -356,21 +388,3 @@ def _buckets(keys: list[str], tensors: dict[str, torch.Tensor], bucket_bytes: in
         buckets[-1].append(key)
         size += nbytes
     return buckets
-
-
-# ModelLoader offers no public way to build the transformer without the spec's user LoRAs or to read
-# one LoRA file through its registry. These two helpers use its builder, so that reads are cached in
-# the same registry (shared with loader.transformer) and counted in loader.bytes_read_from_disk.
-
-
-def _transformer_without_loras(loader) -> X0Model:
-    builder = loader._builder(loader.spec.checkpoint_path, LTXModelConfigurator, LTXV_MODEL_COMFY_RENAMING_MAP)
-    velocity_model = builder.build(device=torch.device("cpu"), dtype=loader.dtype)
-    return X0Model(velocity_model).to(loader.device).eval()
-
-
-def _lora_state_dict(loader, path: str) -> StateDict:
-    builder = loader._builder(path, LTXModelConfigurator)
-    return builder.load_sd(
-        [path], registry=loader.registry, device=builder.lora_load_device, sd_ops=LTXV_LORA_COMFY_RENAMING_MAP
-    )

@@ -18,25 +18,51 @@ def _add_socket(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from mgpu_backend.fleet.addresses import Address
-    from mgpu_backend.fleet.controller import DeviceSpec
+    from mgpu_backend.fleet.addresses import Address, AddressError
+    from mgpu_backend.fleet.controller import DeviceSpec, JobFailed
     from mgpu_backend.fleet.server import Server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         devices = DeviceSpec.parse(args.gpus, args.cpu_ranks)
-    except ValueError as exc:
+        check_gpus_visible(devices.gpus)
+        address = Address.parse(args.socket)
+    except (ValueError, AddressError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    server = Server(
-        Address.parse(args.socket),
-        devices,
-        idle_timeout=args.idle_timeout,
-        parent_pid=args.parent_pid,
-        rank_timeout=args.rank_timeout,
-    )
-    server.serve_forever()
+    server = Server(address, devices, idle_timeout=args.idle_timeout, parent_pid=args.parent_pid, rank_timeout=args.rank_timeout)
+    try:
+        server.listen()  # before any rank starts: a bad socket path costs nothing
+    except (OSError, AddressError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        print(f"error: cannot listen on {address}: {reason}; choose another --socket path (or tcp://127.0.0.1:PORT)", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # another server already listens there
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        server.serve_forever()
+    except JobFailed as exc:  # the ranks could not start
+        print(f"error: the fleet's ranks did not start: {exc}", file=sys.stderr)
+        return 1
     return 0
+
+
+def check_gpus_visible(gpus: tuple[int, ...]) -> None:
+    """GPUs named by index must exist here: otherwise every rank would die with a CUDA traceback."""
+    if not gpus:
+        return
+    import torch
+
+    count = torch.cuda.device_count()
+    missing = [gpu for gpu in gpus if not 0 <= gpu < count]
+    if count == 0:
+        raise ValueError(
+            f"--gpus {','.join(map(str, gpus))} names CUDA GPUs, but none is visible (no CUDA device or driver, or "
+            "CUDA_VISIBLE_DEVICES hides them); use --cpu-ranks N to run on the CPU"
+        )
+    if missing:
+        raise ValueError(f"--gpus names GPU {','.join(map(str, missing))}, but only GPUs 0..{count - 1} are visible; use indices in that range")
 
 
 def _client(args: argparse.Namespace):
@@ -84,9 +110,9 @@ def cmd_rank(args: argparse.Namespace) -> int:
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from mgpu_backend.bundles.tiny import make_tiny_bundle
 
-    bundle = make_tiny_bundle(args.directory)
-    print(f"tiny LTX-2 bundle (random weights) in {bundle.root}:")
-    for name in ("checkpoint_path", "distilled_lora_path", "spatial_upsampler_path", "gemma_root"):
+    bundle = make_tiny_bundle(args.directory, args.version)
+    print(f"tiny LTX-{bundle.version} bundle (random weights) in {bundle.root}:")
+    for name in ("checkpoint_path", "distilled_checkpoint_path", "distilled_lora_path", "spatial_upsampler_path", "gemma_root"):
         print(f"  {name}: {getattr(bundle, name)}")
     return 0
 
@@ -99,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_socket(serve)
     devices = serve.add_mutually_exclusive_group()
     devices.add_argument("--gpus", default=None, help="GPU indices, e.g. 0,1,2,3, or 'all' (default: all visible GPUs)")
-    devices.add_argument("--cpu-ranks", type=int, default=None, help="run N CPU ranks with gloo instead of GPUs")
+    devices.add_argument("--cpu-ranks", type=int, default=None, help="run N CPU ranks with gloo instead of GPUs (default: none, GPUs; one CPU rank without CUDA)")
     serve.add_argument("--idle-timeout", type=float, default=float(os.environ.get("MGPU_IDLE_TIMEOUT", 3600)), help="exit after this many seconds without jobs (0: never; default 3600)")
     serve.add_argument("--rank-timeout", type=float, default=float(os.environ.get("MGPU_RANK_TIMEOUT", 600)), help="fail a job and restart the fleet when no rank progresses for this many seconds (default 600)")
     serve.add_argument("--parent-pid", type=int, default=None, help=argparse.SUPPRESS)
@@ -107,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     status = commands.add_parser("status", help="show ranks, devices, memory, the current job and the queue")
     _add_socket(status)
-    status.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    status.add_argument("--json", action="store_true", help="print machine-readable JSON (default: a few lines for people)")
     status.set_defaults(func=cmd_status)
 
     stop = commands.add_parser("stop", help="stop the fleet server and its ranks")
@@ -116,6 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = commands.add_parser("make-tiny", help="write the deterministic tiny LTX-2 bundle (random weights) to DIR")
     tiny.add_argument("directory")
+    from mgpu_backend.bundles.configs import VERSIONS
+
+    tiny.add_argument(
+        "--version",
+        choices=VERSIONS,
+        default=VERSIONS[0],
+        help="model version whose file layout the bundle follows: 2.0 (19B layout, default) or 2.3 (22B layout)",
+    )
     tiny.set_defaults(func=cmd_make_tiny)
 
     from mgpu_backend.tools.comfy_queue import add_queue_parser
@@ -126,12 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_queue_parser(commands)
     add_doctor_parser(commands)
 
-    rank = commands.add_parser("rank")  # internal: started by the server
+    rank = commands.add_parser("rank")  # no help=: argparse then leaves it out of the command list
     for name in ("--rank", "--world-size", "--fd", "--owner-pid"):
         rank.add_argument(name, type=int, required=True)
     rank.add_argument("--device", required=True)
     rank.add_argument("--store", required=True)
     rank.set_defaults(func=cmd_rank)
+    # ``rank`` is internal (the server starts it): list every other command in --help and usage.
+    commands.metavar = "{" + ",".join(name for name in commands.choices if name != "rank") + "}"
     return parser
 
 

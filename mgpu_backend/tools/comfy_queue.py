@@ -47,11 +47,17 @@ class QueueError(Exception):
 
 
 def load_api_workflow(path: str) -> dict:
-    with open(path, encoding="utf-8") as file:
-        try:
+    try:
+        with open(path, encoding="utf-8") as file:
             workflow = json.load(file)
-        except json.JSONDecodeError as exc:
-            raise QueueError(f"{path} is not valid JSON: {exc}", 2) from None
+    except FileNotFoundError:
+        raise QueueError(f"workflow file {path} does not exist; name an API-format workflow (e.g. one in workflows/api/)", 2) from None
+    except IsADirectoryError:
+        raise QueueError(f"workflow {path} is a directory; name an API-format workflow file (e.g. one in workflows/api/)", 2) from None
+    except json.JSONDecodeError as exc:
+        raise QueueError(f"{path} is not valid JSON: {exc}", 2) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise QueueError(f"workflow file {path} cannot be read ({exc}); check its permissions and that it is UTF-8 JSON", 2) from None
     if isinstance(workflow, dict) and "nodes" in workflow and "links" in workflow:
         raise QueueError(
             f"{path} is a UI workflow (drag-and-drop format); queue its API twin from workflows/api/, "
@@ -398,7 +404,7 @@ def add_queue_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("queue", help="run an API-format workflow on a running ComfyUI and wait for its outputs")
     parser.add_argument("workflow", help="API-format workflow JSON, e.g. workflows/api/ltx2_t2v_tiny.json")
     parser.add_argument("--server", default=os.environ.get("COMFYUI_URL", DEFAULT_SERVER), help=f"ComfyUI's URL (default: $COMFYUI_URL or {DEFAULT_SERVER})")
-    parser.add_argument("--set", action="append", metavar="NODE.INPUT=VALUE", help="override an input; NODE is a node id, title or class type; VALUE is JSON or text (repeatable)")
+    parser.add_argument("--set", action="append", metavar="NODE.INPUT=VALUE", help="override an input; NODE is a node id, title or class type; VALUE is JSON or text (repeatable; default: none, the workflow as saved)")
     parser.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
     parser.set_defaults(func=cmd_queue)
     return parser

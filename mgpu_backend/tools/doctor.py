@@ -38,7 +38,7 @@ import torch
 from mgpu_backend import PACKAGE_ROOT
 from mgpu_backend.fleet import protocol
 from mgpu_backend.fleet.addresses import ENV_SOCKET, Address, AddressError, ensure_private_dir
-from mgpu_backend.fleet.client import FleetClient, FleetError
+from mgpu_backend.fleet.client import FleetClient, FleetError, FleetUnavailable
 from mgpu_backend.fleet.controller import DeviceSpec
 
 TRANSFORMER_CONFIG_PATH = PACKAGE_ROOT / "configs" / "ltx2-19b-transformer.json"
@@ -547,7 +547,7 @@ def run_doctor(devices: DeviceSpec, socket_path: str | None = None, on_section: 
                 continue
             try:
                 done(check(client, devices, fleet.data["log"]))
-            except (OSError, protocol.ConnectionClosed, protocol.ProtocolError) as exc:
+            except (OSError, protocol.ConnectionClosed, protocol.ProtocolError, FleetUnavailable) as exc:
                 lost = f"the connection to the doctor's fleet server broke during '{title}'"
                 section = Section(key, title)
                 section.add("FAIL", f"{lost}: {type(exc).__name__}: {exc}", fix=f"read the server log {fleet.data['log']}",

@@ -6,17 +6,25 @@ default is the schema's (``mgpu_backend.ltx.schema``) for the chosen ``--model-v
 every real component runs; the fleet makes or finds its files) at small sizes, and says so. It drives the same fleet jobs as
 the ComfyUI nodes (load, encode, sample, upscale, decode), shows a progress bar per stage, cancels
 cleanly on Ctrl-C, and writes an mp4 with H.264 video and AAC audio.
+
+Every input is checked before the fleet is asked for anything (``check_inputs``, mostly with the
+schema's own checks), and refused in one style: ``error: <what was wrong, in the flag's name and the
+final video's units>; <what to do>``, exit code 2. A flag that cannot take effect is refused or
+warned about, never dropped.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MODEL_VERSIONS, OFFICIAL, PREVIEW_EVERY, STAGE_2_SIGMAS, TDP_UPSCALE_SIGMAS, ModelSpec, defaults_for
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, validate_dtype_with_loras, validate_generation, validate_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -51,35 +59,42 @@ def _listed(values) -> str:
 def add_generate_parser(commands) -> None:
     parser = commands.add_parser("generate", help="run the two-stage LTX-2 job headless and write an mp4")
     model = parser.add_argument_group("model (omit all to use the embedded tiny bundle with random weights)")
-    model.add_argument("--checkpoint-path", help="LTX-2 checkpoint (.safetensors)")
-    model.add_argument("--gemma-root", help="Gemma-3 text encoder folder")
-    model.add_argument("--distilled-lora", nargs="+", metavar=("PATH", "STRENGTH"), help="distilled LoRA for stage 2, optional strength (default 1.0)")
-    model.add_argument("--spatial-upsampler-path", help="spatial 2x latent upsampler (.safetensors)")
-    model.add_argument("--lora", nargs="+", action="append", metavar=("PATH", "STRENGTH"), help="a user LoRA (repeatable)")
-    model.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype (default bfloat16, as the official pipeline)")
+    model.add_argument("--checkpoint-path", help="LTX-2 checkpoint (.safetensors) (default: none, the tiny bundle)")
+    model.add_argument("--gemma-root", help="Gemma-3 text encoder: a Hugging Face folder or ComfyUI's single file (gemma_3_12B_it.safetensors) (default: none, the tiny bundle)")
+    model.add_argument("--distilled-lora", nargs="+", metavar=("PATH", "STRENGTH"), help="distilled LoRA for stage 2 and an optional strength (strength default 1.0; default: none, the tiny bundle)")
+    model.add_argument("--spatial-upsampler-path", help="spatial 2x latent upsampler (.safetensors) (default: none, the tiny bundle)")
+    model.add_argument("--lora", nargs="+", action="append", metavar=("PATH", "STRENGTH"), help="a user LoRA, optional strength (default 1.0; repeatable; with the tiny bundle too). Default: none")
+    # bfloat16 only: stage 2 fuses the distilled LoRA, and ltx-core fuses LoRAs into bfloat16 or fp8 weights only.
+    model.add_argument("--dtype", choices=("bfloat16",), default="bfloat16", help="compute dtype (default bfloat16, as the official pipeline; the two-stage job fuses the distilled LoRA, which needs bfloat16)")
+    model.add_argument("--quantization", choices=QUANTIZATIONS, help="fp8-cast: transformer weights in float8, upcast per layer (about half its memory; as the official --quantization fp8-cast). Default: none")
+    model.add_argument("--residency", choices=RESIDENCY_POLICIES, default=RESIDENCY_POLICIES[0], help="what stays on each GPU between jobs: auto (what fits), all, minimal (the transformer only) (default auto)")
     model.add_argument("--model-version", choices=MODEL_VERSIONS, default="2.0", help="LTX-2 version whose official defaults apply (default 2.0)")
 
     job = parser.add_argument_group("generation")
-    job.add_argument("--prompt", required=True)
-    job.add_argument("--negative-prompt", default=DEFAULT_NEGATIVE_PROMPT)
+    prompt = job.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="what the video and its audio show (required, or --prompt-file)")
+    prompt.add_argument("--prompt-file", metavar="PATH", help="read the prompt from this UTF-8 text file, for long prompts (default: none, --prompt)")
+    negative = job.add_mutually_exclusive_group()
+    negative.add_argument("--negative-prompt", help="what to steer away from (default: the official pipeline's negative prompt)")
+    negative.add_argument("--negative-prompt-file", metavar="PATH", help="read the negative prompt from this UTF-8 text file (default: none, --negative-prompt)")
     job.add_argument("--output", "--output-path", dest="output", default="output.mp4", help="mp4 to write (default output.mp4)")
     real, tiny = real_defaults("2.0"), TINY_DEFAULTS
-    job.add_argument("--seed", type=int, default=OFFICIAL.seed)
+    job.add_argument("--seed", type=int, default=OFFICIAL.seed, help=f"noise seed, 0 to {SEED_MAX} (default {OFFICIAL.seed})")
     job.add_argument("--height", type=int, help=f"output height, a multiple of 64 (default {real['height']}; tiny bundle {tiny['height']})")
     job.add_argument("--width", type=int, help=f"output width, a multiple of 64 (default {real['width']}; tiny bundle {tiny['width']})")
     job.add_argument("--num-frames", type=int, help=f"8k+1 frames (default {real['num_frames']}; tiny bundle {tiny['num_frames']})")
-    job.add_argument("--frame-rate", type=float, default=OFFICIAL.frame_rate)
+    job.add_argument("--frame-rate", type=float, default=OFFICIAL.frame_rate, help=f"frames per second, {MIN_FRAME_RATE:g} to {MAX_FRAME_RATE:g} (default {OFFICIAL.frame_rate:g})")
     job.add_argument("--num-inference-steps", type=int, help=f"stage-1 steps (default {real['num_inference_steps']} for 2.0, {real_defaults('2.3')['num_inference_steps']} for 2.3; tiny bundle {tiny['num_inference_steps']})")
-    job.add_argument("--image", metavar="PATH", help="image-to-video: condition the first frame on this image")
+    job.add_argument("--image", metavar="PATH", help="image-to-video: condition the first frame on this image (default: none, text-to-video)")
     job.add_argument("--stage2-sigmas", default=_listed(TDP_UPSCALE_SIGMAS), help=f"stage-2 sigmas (default: TDP Upscale's {_listed(TDP_UPSCALE_SIGMAS)}; the official single-GPU stage 2: {_listed(STAGE_2_SIGMAS)})")
-    job.add_argument("--tiles", default="auto", help="stage-2 TDP tiles HxW, or 'auto' (balanced over the fleet; untiled on one rank)")
-    job.add_argument("--parallel", choices=("auto", "sp", "guidance", "hybrid"), default="auto", help="stage-1 plan (default auto)")
-    job.add_argument("--free-gemma", action="store_true", help="give Gemma's GPU memory back after encoding the prompts (for GPUs where memory is tight)")
-    job.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the stage-1 forward eagerly instead of replaying captured CUDA graphs (GPU only)")
-    job.add_argument("--compile-blocks", action="store_true", help="torch.compile the transformer blocks for stage 1 (GPU only; tens of seconds of compile per new shape, then faster small shards: for SP degree 4+)")
-    job.add_argument("--debug-dump", metavar="PATH", help="write stage latents, frames (uint8) and waveform to this safetensors file")
-    job.add_argument("--preview-dir", metavar="DIR", help="write the live previews of stages 1 and 2 (latent-to-RGB strips of a few frames) there as PNGs")
-    job.add_argument("--preview-every", type=int, default=PREVIEW_EVERY, help=f"steps per preview with --preview-dir (default {PREVIEW_EVERY}: every step)")
+    job.add_argument("--tiles", default="auto", help="stage-2 TDP tiles HxW (height tiles x width tiles, e.g. 2x2), or 'auto' (default auto: balanced over the fleet; untiled on one rank)")
+    job.add_argument("--parallel", choices=("auto", "sp", "guidance", "hybrid"), default="auto", help="stage-1 plan: auto (planned from the fleet), sp, guidance or hybrid (default auto)")
+    job.add_argument("--free-gemma", action="store_true", help="give Gemma's GPU memory back after encoding the prompts (for GPUs where memory is tight; default: keep it)")
+    job.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the stage-1 forward eagerly instead of replaying captured CUDA graphs (GPU only; default: graphs on with CUDA)")
+    job.add_argument("--compile-blocks", action="store_true", help="torch.compile the transformer blocks for stage 1 (GPU only; tens of seconds of compile per new shape, then faster small shards: for SP degree 4+; default off)")
+    job.add_argument("--debug-dump", metavar="PATH", help="write stage latents, frames (uint8) and waveform to this safetensors file (default: none)")
+    job.add_argument("--preview-dir", metavar="DIR", help="write the live previews of stages 1 and 2 (latent-to-RGB strips of a few frames) there as PNGs (default: none)")
+    job.add_argument("--preview-every", type=int, default=PREVIEW_EVERY, help=f"steps per preview with --preview-dir, 0 for none (default {PREVIEW_EVERY}: every step)")
 
     # Unset guidance flags take the schema's official values of --model-version (shown: 2.0's).
     guidance = parser.add_argument_group("guidance (default: the official values of the model version)")
@@ -93,10 +108,10 @@ def add_generate_parser(commands) -> None:
         guidance.add_argument(f"--{modality}-stg-blocks", type=int, nargs="*", default=None, help=f"default: block {_listed(official.stg_blocks)} (2.3: {_listed(getattr(defaults_for('2.3'), f'{modality}_guidance').stg_blocks)}; the last block of a smaller model)")
 
     fleet = parser.add_argument_group("fleet")
-    fleet.add_argument("--socket", help="attach to this fleet server (default: $MGPU_SOCKET, else start one for this run)")
+    fleet.add_argument("--socket", help="the fleet server's socket (default: $MGPU_SOCKET, else the private per-user socket). Nothing answering there is refused, unless --gpus or --cpu-ranks say what to start there for this run; without --socket a fleet is started for this run when none answers")
     devices = fleet.add_mutually_exclusive_group()
-    devices.add_argument("--gpus", help="GPUs for a fleet this run starts: 'all' or 0,1,2,3")
-    devices.add_argument("--cpu-ranks", type=int, help="CPU ranks (gloo) for a fleet this run starts")
+    devices.add_argument("--gpus", help="GPUs for a fleet this run starts: 'all' or 0,1,2,3 (default: all visible GPUs, else one CPU rank); a fleet that already answers keeps its own devices (warned)")
+    devices.add_argument("--cpu-ranks", type=int, help="CPU ranks (gloo) for a fleet this run starts (default: none, GPUs); a fleet that already answers keeps its own devices (warned)")
     parser.set_defaults(func=run_generate)
 
 
@@ -128,12 +143,20 @@ class StageProgress:
             self.stage = None
 
 
+def refuse(message: str) -> SystemExit:
+    """The one way a bad input ends the command: ``error: <what was wrong>; <what to do>``, exit code 2."""
+    print(f"error: {message}", file=sys.stderr)
+    return SystemExit(2)
+
+
+def warn(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
 class PreviewWriter:
     """``--preview-dir``: each live preview as ``<stage>_step<NNN>.png`` (the frames side by side)."""
 
     def __init__(self, directory: str) -> None:
-        from pathlib import Path
-
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.written = 0
@@ -152,38 +175,249 @@ def _parse_floats(text: str, name: str) -> tuple[float, ...]:
     try:
         return tuple(float(part) for part in text.split(","))
     except ValueError:
-        raise SystemExit(f"error: {name} takes numbers separated by commas, got {text!r}") from None
+        raise refuse(f"{name} takes numbers separated by commas, got {text!r}; e.g. {_listed(TDP_UPSCALE_SIGMAS)}") from None
+
+
+def _strength(words: list[str], flag: str, default: float) -> float:
+    """The optional strength after a LoRA's path."""
+    if len(words) < 2:
+        return default
+    try:
+        return float(words[1])
+    except ValueError:
+        raise refuse(f"{flag} {' '.join(words)}: the strength after the path must be a number, got {words[1]!r}; e.g. {flag} {words[0]} {default}") from None
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise refuse(f"{flag} {path} does not exist; name a UTF-8 text file holding the prompt") from None
+    except IsADirectoryError:
+        raise refuse(f"{flag} {path} is a directory; name a UTF-8 text file holding the prompt") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise refuse(f"{flag} {path} cannot be read as UTF-8 text ({exc}); save the prompt as a UTF-8 text file") from None
 
 
 def _load_image(path: str) -> torch.Tensor:
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     import numpy as np
 
-    with Image.open(path) as image:
-        pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    if not Path(path).is_file():
+        raise refuse(f"--image {path} does not exist (or is not a file); name a PNG or JPEG file for the first frame")
+    try:
+        with Image.open(path) as image:
+            pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
+    except (UnidentifiedImageError, OSError) as exc:
+        raise refuse(f"--image {path} is not an image that can be read ({exc}); use a PNG or JPEG file") from None
     return torch.from_numpy(pixels)
+
+
+def _check_output(path: str) -> None:
+    """The mp4 must be a file name this run can create: refused now, not after the whole job."""
+    output = Path(path)
+    if output.is_dir():
+        raise refuse(f"--output {path} is a directory; name the mp4 file to write, e.g. {output / 'output.mp4'}")
+    if output.suffix.lower() != ".mp4":
+        raise refuse(f"--output {path} must end in .mp4 (the command writes H.264 video with AAC audio in an mp4); e.g. {output.with_suffix('.mp4')}")
+    parent = output.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise refuse(f"--output {path} cannot be written: {parent} is not a writable folder; choose another path")
+
+
+def _check_tiles(tiles: tuple[int, int] | None, height: int, width: int) -> None:
+    """User tiles must fit the stage-2 latent with TDP's overlap: the ranks would refuse them after stage 1."""
+    from mgpu_backend.parallel import tiled_data_parallel as tdp
+
+    if tiles is None or tiles == (1, 1):
+        return
+    cells = {"height": height // VIDEO_SPATIAL_COMPRESSION, "width": width // VIDEO_SPATIAL_COMPRESSION}
+    for name, count in zip(("height", "width"), tiles, strict=True):
+        try:
+            tdp.dimension_tile_bounds(cells[name], tdp.DimensionTiling(count, TDP_OVERLAP), name)
+        except ValueError:
+            raise refuse(
+                f"--tiles {tiles[0]}x{tiles[1]} does not fit a {height}x{width} (height x width) output: its {name} is "
+                f"{cells[name]} latent cells of {VIDEO_SPATIAL_COMPRESSION} pixels, too few for {count} tiles that overlap by "
+                f"{TDP_OVERLAP} cells; use --tiles auto, fewer tiles, or a larger --{name}"
+            ) from None
+
+
+def _check_host_memory(height: int, width: int, num_frames: int) -> None:
+    """The decoded frames come back through shared memory into this process (two copies in host RAM,
+    whatever the ranks run on): refuse a video that cannot fit before hours of denoising."""
+    from mgpu_backend.ltx.validation import GIB, available_memory_bytes
+
+    needed = 2 * decoded_video_bytes(height, width, num_frames)
+    available = available_memory_bytes(torch.device("cpu"))
+    if needed > available:
+        raise refuse(
+            f"a {num_frames}-frame {height}x{width} (height x width) video needs about {needed / GIB:.1f} GiB of host memory "
+            f"for its decoded frames (float32, in shared memory and in this process), but only {available / GIB:.1f} GiB is "
+            "available; use fewer --num-frames or a smaller --height/--width"
+        )
 
 
 def build_spec(args) -> tuple[dict, bool]:
     """The model spec JSON, and whether it is the embedded tiny bundle (named, not written here)."""
+    from safetensors import SafetensorError, safe_open
+
+    from mgpu_backend.ltx.loading import validate_model_files
+
     given = [args.checkpoint_path, args.gemma_root, args.spatial_upsampler_path, args.distilled_lora]
+    loras = []
+    for lora in args.lora or []:
+        if len(lora) > 2:
+            raise refuse(f"--lora takes a path and an optional strength, got {' '.join(lora)}; repeat --lora for each LoRA")
+        loras.append((lora[0], _strength(lora, "--lora", 1.0)))
+    held = {"quantization": args.quantization, "residency": args.residency, "loras": tuple(loras)}
     if not any(given):
-        return ModelSpec.embedded_tiny().to_wire(), True
+        spec = replace(ModelSpec.embedded_tiny(), **held)
+        try:  # the bundle itself is made on the ranks; a user LoRA must exist here already
+            spec.check_files_exist()
+        except ModelFileError as error:
+            raise refuse(f"--lora: {error}") from None
+        return spec.to_wire(), True
     missing = [flag for flag, value in zip(("--checkpoint-path", "--gemma-root", "--spatial-upsampler-path", "--distilled-lora"), given) if not value]
     if missing:
-        raise SystemExit(f"error: a real model needs {', '.join(missing)} too (or omit all model flags for the tiny bundle)")
-    strength = float(args.distilled_lora[1]) if len(args.distilled_lora) > 1 else DISTILLED_LORA_STRENGTH
-    loras = [(lora[0], float(lora[1]) if len(lora) > 1 else 1.0) for lora in args.lora or []]
+        raise refuse(f"a real model needs {', '.join(missing)} too (or omit all model flags for the tiny bundle)")
+    if len(args.distilled_lora) > 2:
+        raise refuse(f"--distilled-lora takes a path and an optional strength, got {' '.join(args.distilled_lora)}")
+    strength = _strength(args.distilled_lora, "--distilled-lora", DISTILLED_LORA_STRENGTH)
     spec = ModelSpec(
         checkpoint_path=args.checkpoint_path,
         gemma_root=args.gemma_root,
         spatial_upsampler_path=args.spatial_upsampler_path,
         distilled_lora=args.distilled_lora[0],
         distilled_lora_strength=strength,
-        loras=tuple(loras),
+        **held,
     )
+    try:  # from the files' headers: a wrong file stops here, before a fleet starts
+        validate_model_files(spec)
+    except ModelFileError as error:
+        raise refuse(str(error)) from None
+    files = [("checkpoint", spec.checkpoint_path), ("spatial upsampler", spec.spatial_upsampler_path), ("distilled LoRA", spec.distilled_lora)]
+    files += [("LoRA", path) for path, _ in spec.loras] + [("Gemma file", spec.gemma_root)] * Path(spec.gemma_root).is_file()
+    for role, path in files:
+        try:  # opening checks that the header's tensors lie inside the file: a cut download fails here, not on the ranks
+            with safe_open(path, framework="pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            raise refuse(f"{role} {path} is damaged or incomplete ({error}); download it again (compare its size with the original)") from None
     return spec.to_wire(), False
+
+
+def check_inputs(args, spec: dict) -> dict:
+    """Every input checked before the fleet is asked for anything: prompts, size, frames, steps,
+    seed, frame rate, dtype vs LoRAs, tiles, sigmas, output path and image. Returns the parsed ones."""
+    from mgpu_backend.ltx import api
+
+    prompt = _read_text(args.prompt_file, "--prompt-file") if args.prompt_file else args.prompt.strip()
+    if args.negative_prompt_file:
+        negative = _read_text(args.negative_prompt_file, "--negative-prompt-file")
+    else:
+        negative = DEFAULT_NEGATIVE_PROMPT if args.negative_prompt is None else args.negative_prompt
+    if not prompt:
+        warn("the prompt is empty, so the video follows no text; describe the scene with --prompt or --prompt-file")
+    try:
+        EncodeRequest.from_wire({"spec": spec, "prompts": [prompt, negative], "dtype": args.dtype})
+        validate_generation(args.height, args.width, args.num_frames, two_stage=True, num_inference_steps=args.num_inference_steps, frame_rate=args.frame_rate, seed=args.seed)
+        validate_dtype_with_loras(args.dtype, spec["distilled_lora"] is not None, bool(spec["loras"]))
+        sigmas = _parse_floats(args.stage2_sigmas, "--stage2-sigmas")
+        validate_sigmas(sigmas)
+    except (RequestError, ModelFileError) as error:
+        raise refuse(_in_flag_names(str(error))) from None
+    if sigmas[0] >= 1.0:  # validate_upscale_sigmas' rule, worded for this command (it has no force flag)
+        raise refuse(
+            f"--stage2-sigmas must start below 1.0 (pure noise), got {_listed(sigmas)}: stage 2 refines the upsampled "
+            f"stage-1 video, and from pure noise its tiles would not agree on one video; use e.g. {_listed(TDP_UPSCALE_SIGMAS)}"
+        )
+    _check_host_memory(args.height, args.width, args.num_frames)
+    try:
+        tiles = api.parse_tiles(args.tiles)
+    except ValueError as exc:
+        raise refuse(f"--tiles: {exc}") from None
+    _check_tiles(tiles, args.height, args.width)
+    _check_output(args.output)
+    if args.preview_every < 0:
+        raise refuse(f"--preview-every must be 0 (no previews) or a number of steps, got {args.preview_every}; e.g. {PREVIEW_EVERY}")
+    image = _load_image(args.image) if args.image else None
+    return {"prompt": prompt, "negative": negative, "tiles": tiles, "sigmas": sigmas, "image": image}
+
+
+# The schema speaks of request fields; the command line of its flags.
+_FLAG_NAMES = (("frames must", "--num-frames must"), ("height must", "--height must"), ("width must", "--width must"),
+               ("steps must", "--num-inference-steps must"), ("frame rate must", "--frame-rate must"), ("seed must", "--seed must"),
+               ("sigmas", "--stage2-sigmas"), ("dtype ", "--dtype "))  # fmt: skip
+
+
+def _in_flag_names(message: str) -> str:
+    for field, flag in _FLAG_NAMES:
+        if message.startswith(field):
+            return flag + message[len(field):]
+    return message
+
+
+def attach_fleet(args) -> tuple[bool, str]:
+    """Point ``api`` at the fleet. Returns whether this run starts it (it then ends with the run) and
+    its devices as the server describes them ("GPUs 0,1", "2 CPU rank(s)").
+
+    A socket named by ``--socket`` or ``$MGPU_SOCKET`` where nothing answers is refused unless
+    ``--gpus``/``--cpu-ranks`` say what to start there (a typo must not start a 1-rank fleet); a
+    fleet that already answers keeps its devices, so ``--gpus``/``--cpu-ranks`` are then warned about."""
+    from mgpu_backend.fleet.addresses import Address
+    from mgpu_backend.fleet.client import FleetClient, FleetUnavailable
+    from mgpu_backend.ltx import api
+
+    address = Address.parse(args.socket)
+    devices_given = args.gpus is not None or args.cpu_ranks is not None
+    try:
+        with FleetClient.connect(args.socket, autostart=False) as probe:
+            running = probe.status()["devices"]
+    except FleetUnavailable:
+        start_there = f"start one there with 'python -m mgpu_backend serve --socket {address}' (with --gpus or --cpu-ranks)"
+        if args.socket and not devices_given:
+            raise refuse(
+                f"no fleet server answers at --socket {args.socket}; {start_there}, add --gpus or --cpu-ranks to start one "
+                "there for this run, or leave out --socket to use the default socket"
+            ) from None
+        if not args.socket and os.environ.get("MGPU_SOCKET"):  # MGPU_SOCKET names a fleet started by hand: never one of ours
+            raise refuse(f"no fleet server answers at $MGPU_SOCKET ({address}); {start_there}, or unset MGPU_SOCKET to use the default socket") from None
+        if args.socket:
+            devices = f"{args.cpu_ranks} CPU ranks" if args.cpu_ranks is not None else f"GPUs {args.gpus}"
+            print(f"no fleet answers at {address}: starting one on {devices} there for this run", file=sys.stderr)
+        api.configure(args.socket, args.gpus, args.cpu_ranks)
+        return True, _devices_wanted(args)
+    if devices_given:
+        if _devices_wanted(args) != running:
+            asked = f"--cpu-ranks {args.cpu_ranks}" if args.cpu_ranks is not None else f"--gpus {args.gpus}"
+            warn(f"{asked} not applied: the fleet at {address} already runs on {running}; this run uses it as it is "
+                 "(stop it with 'python -m mgpu_backend stop' to start one with your devices)")  # fmt: skip
+    api.configure(args.socket, None, None)
+    return False, running
+
+
+def _devices_wanted(args) -> str:
+    """The devices a fleet started for this run gets, in the server's words."""
+    from mgpu_backend.fleet.controller import DeviceSpec
+    from mgpu_backend.tools.cli import check_gpus_visible
+
+    try:
+        devices = DeviceSpec.parse(args.gpus, args.cpu_ranks)
+        check_gpus_visible(devices.gpus)  # else the fleet would start and every rank die on CUDA
+    except ValueError as exc:
+        raise refuse(str(exc)) from None
+    return devices.describe()
+
+
+def describe_fleet_error(exc) -> str:
+    """A failed job for the terminal: an input error as one line, a fault with its rank and traceback."""
+    if exc.kind == "input_error" or not exc.traceback:
+        return f"error{exc.where}: {exc}"
+    return f"error{exc.where}: {exc}\n{exc.traceback}"
 
 
 def run_generate(args) -> int:
@@ -196,20 +430,14 @@ def run_generate(args) -> int:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    inputs = check_inputs(args, spec)
     if tiny:
         print(
             "No checkpoint given: using the embedded tiny LTX-2 bundle (random weights; the video is noise, every "
-            f"real component runs) at {args.width}x{args.height}, {args.num_frames} frames, {args.num_inference_steps} steps.",
+            f"real component runs) at {args.height}x{args.width} (height x width), {args.num_frames} frames, {args.num_inference_steps} steps.",
             file=sys.stderr,
         )
-    if args.height % 64 or args.width % 64:
-        raise SystemExit(f"error: height and width must be multiples of 64 for the two-stage job, got {args.height}x{args.width}")
-    try:
-        tiles = api.parse_tiles(args.tiles)
-    except ValueError as exc:
-        raise SystemExit(f"error: --tiles: {exc}") from None
-    sigmas = _parse_floats(args.stage2_sigmas, "--stage2-sigmas")
-    image = _load_image(args.image) if args.image else None
+    image = inputs["image"]
     video_guidance, audio_guidance = (
         api.Guidance(
             cfg_scale=getattr(args, f"{m}_cfg_guidance_scale"), stg_scale=getattr(args, f"{m}_stg_guidance_scale"),
@@ -219,7 +447,9 @@ def run_generate(args) -> int:
         )  # fmt: skip
         for m in ("video", "audio")
     )
-    api.configure(args.socket, args.gpus, args.cpu_ranks)
+    started_here, devices = attach_fleet(args)
+    if args.compile_blocks and not devices.startswith("GPUs"):
+        warn(f"--compile-blocks not applied: the fleet runs on {devices}, and only GPU ranks compile the blocks; the blocks run eagerly")
     cancelled = {"flag": False}
 
     def on_interrupt(*_):
@@ -231,16 +461,14 @@ def run_generate(args) -> int:
     signal.signal(signal.SIGINT, on_interrupt)
     progress = StageProgress()
     common = dict(progress=progress, should_cancel=lambda: cancelled["flag"], dtype=args.dtype)
-    if args.preview_every < 0:
-        raise SystemExit(f"error: --preview-every must be 0 (no previews) or more steps, got {args.preview_every}")
     previews = PreviewWriter(args.preview_dir) if args.preview_dir and args.preview_every > 0 else None
     denoising = dict(preview=previews, preview_every=args.preview_every)
     started = time.perf_counter()
     try:
         loaded = api.load(spec, **common)
         progress.close()
-        print(f"model loaded on the fleet ({loaded['bytes_read'] / 2**20:.1f} MiB read from disk)", file=sys.stderr)
-        positive, negative = api.encode(spec, [args.prompt, args.negative_prompt], free_gemma=args.free_gemma, **common)
+        print(f"model on the fleet ({loaded['bytes_read'] / 2**20:.1f} MiB read from disk since it was loaded)", file=sys.stderr)
+        positive, negative = api.encode(spec, [inputs["prompt"], inputs["negative"]], free_gemma=args.free_gemma, **common)
         video, audio = api.sample(
             spec, positive, negative, width=args.width // 2, height=args.height // 2, num_frames=args.num_frames,
             frame_rate=args.frame_rate, seed=args.seed, steps=args.num_inference_steps, video_guidance=video_guidance,
@@ -249,24 +477,24 @@ def run_generate(args) -> int:
         )  # fmt: skip
         stage1_video, stage1_audio = video, audio
         video, audio = api.upscale(
-            spec, video, audio, positive, frame_rate=args.frame_rate, seed=args.seed, sigmas=sigmas, tiles=tiles,
+            spec, video, audio, positive, frame_rate=args.frame_rate, seed=args.seed, sigmas=inputs["sigmas"], tiles=inputs["tiles"],
             image=image, model_version=args.model_version, **common, **denoising,
         )  # fmt: skip
         frames, waveform, sample_rate = api.decode(spec, video, audio, seed=args.seed, frame_rate=args.frame_rate, **common)
         progress.close()
     except FleetCancelled:
         progress.close()
-        print("cancelled; the fleet is still up for the next job", file=sys.stderr)
+        if started_here:
+            print("cancelled; the fleet this run started stops with it", file=sys.stderr)
+        else:
+            print("cancelled; the fleet is still up for the next job", file=sys.stderr)
         return 130
     except FleetError as exc:
         progress.close()
-        where = f" (rank {exc.rank})" if exc.rank is not None else ""
-        print(f"error{where}: {exc}", file=sys.stderr)
-        if exc.traceback:
-            print(exc.traceback, file=sys.stderr)
+        print(describe_fleet_error(exc), file=sys.stderr)
         return 1
     output = write_mp4(args.output, frames, args.frame_rate, waveform, sample_rate)
-    print(f"wrote {output} ({frames.shape[0]} frames {frames.shape[2]}x{frames.shape[1]}, audio {sample_rate} Hz) in {time.perf_counter() - started:.1f} s")
+    print(f"wrote {output} ({frames.shape[0]} frames {frames.shape[1]}x{frames.shape[2]} (height x width), audio {sample_rate} Hz) in {time.perf_counter() - started:.1f} s")
     if previews is not None:
         print(f"{previews.written} live previews in {previews.directory}")
     if args.debug_dump:

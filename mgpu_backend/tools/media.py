@@ -13,9 +13,12 @@ import av
 import numpy as np
 import torch
 
+from mgpu_backend.ltx.decode import fit_audio_to_video
+
 
 def write_mp4(path: str | Path, frames: torch.Tensor, frame_rate: float, waveform: torch.Tensor | None = None, sample_rate: int | None = None, crf: int = 18) -> Path:
-    """``frames`` [F,H,W,3] float in 0..1 (ComfyUI IMAGE); ``waveform`` [B,C,T] or [C,T] float in -1..1."""
+    """``frames`` [F,H,W,3] float in 0..1 (ComfyUI IMAGE); ``waveform`` [B,C,T] or [C,T] float in -1..1,
+    cut or padded with silence to the video's duration."""
     if frames.ndim != 4 or frames.shape[-1] != 3:
         raise ValueError(f"frames must be [frames, height, width, 3], got {tuple(frames.shape)}")
     path = Path(path)
@@ -33,6 +36,7 @@ def write_mp4(path: str | Path, frames: torch.Tensor, frame_rate: float, wavefor
             if sample_rate is None:
                 raise ValueError("a waveform needs its sample_rate")
             samples = waveform[0] if waveform.ndim == 3 else waveform
+            samples = fit_audio_to_video(samples, int(frames.shape[0]), frame_rate, int(sample_rate))  # both streams end together
             channels = int(samples.shape[0])
             audio = container.add_stream("aac", rate=int(sample_rate))
             audio.layout = "stereo" if channels >= 2 else "mono"
@@ -55,7 +59,7 @@ def write_mp4(path: str | Path, frames: torch.Tensor, frame_rate: float, wavefor
 
 
 def probe(path: str | Path) -> dict:
-    """Stream facts of a media file: codecs, frame count, size, audio rate and duration."""
+    """Stream facts of a media file: codecs, frame count, size, audio rate and decoded sample count."""
     facts: dict = {}
     with av.open(str(path)) as container:
         for stream in container.streams:
@@ -64,5 +68,7 @@ def probe(path: str | Path) -> dict:
                 facts["video"] = {"codec": stream.codec_context.name, "width": stream.width, "height": stream.height, "frames": frames}
                 container.seek(0)
             elif stream.type == "audio":
-                facts["audio"] = {"codec": stream.codec_context.name, "sample_rate": stream.rate, "channels": stream.channels}
+                samples = sum(frame.samples for frame in container.decode(stream))
+                facts["audio"] = {"codec": stream.codec_context.name, "sample_rate": stream.rate, "channels": stream.channels, "samples": samples}
+                container.seek(0)
     return facts

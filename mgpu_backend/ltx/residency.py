@@ -1,0 +1,279 @@
+"""Which model components stay resident on a rank's device, and which are built for their stage.
+
+What it is
+    The fleet keeps everything resident by default: the transformer working copy, the clean LoRA
+    shard (about 1/N of the transformer), Gemma, the VAEs, the vocoder and the upsampler. That is
+    fastest for warm jobs but, at LTX-2 19B on one GPU, peaks above 100 GiB. ``plan_residency``
+    reads the component sizes from the safetensors headers (nothing is loaded) and the device's
+    memory, and decides what is kept:
+
+    - ``"all"``: every component resident (the clean shard where the weight tracker's own rule
+      puts it);
+    - ``"minimal"``: only the transformer working copy stays; Gemma (with the embeddings
+      processor), the video VAE encoder and decoder (with the audio decoder and vocoder) and the
+      upsampler are built from the loader's host copy for the stage that needs them and released
+      after it (no disk read after the first), and the clean shard lives in host memory;
+    - ``"auto"`` (default): start from all and give up residency in this order until the estimated
+      peak fits: Gemma, then the VAEs, then the upsampler, then the clean shard to host memory.
+
+    The peak estimate of a plan is the largest, over the stages, of: the resident bytes + the
+    non-resident components that stage builds + its activations (``HEADROOM_BYTES`` for the
+    denoising and decoding stages at usual sizes, ``ENCODE_HEADROOM_BYTES`` for Gemma's). So
+    building Gemma per stage pays off once the denoising activations no longer sit beside it. Each
+    job still checks its own activations against the free memory before it starts. The device memory is
+    ``MGPU_MEMORY_LIMIT_GIB`` when set, else the GPU's total memory times the process's memory
+    fraction (``torch.cuda.set_per_process_memory_fraction``). CPU ranks have no limit unless the
+    variable is set.
+
+    A model that does not fit even at ``"minimal"`` is refused before anything is loaded, naming
+    what would fit: fp8-cast weights (``quantization: "fp8-cast"``) or a GPU with more memory.
+    More GPUs do not help: every rank holds the whole transformer (MGPU is a latency tool).
+
+This module reads file headers only; it never loads weights and never talks to other ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from mgpu_backend.ltx import fp8
+from mgpu_backend.ltx.schema import parse_residency
+
+GIB = 2**30
+HEADROOM_BYTES = 6 * GIB
+"""Activations of a usual denoising or decoding stage (stage 1 at 768x512x121 peaks a few GiB above the weights)."""
+ENCODE_HEADROOM_BYTES = 2 * GIB
+"""Activations of a Gemma encode: a 1024-token prompt and every layer's hidden states."""
+MEMORY_LIMIT_ENV = "MGPU_MEMORY_LIMIT_GIB"
+
+# What gives up residency first, in order; the clean shard (to host memory) comes last.
+EVICTION_ORDER: tuple[tuple[str, ...], ...] = (
+    ("gemma", "embeddings_processor"),
+    ("video_encoder", "video_decoder", "audio_decoder", "vocoder"),
+    ("spatial_upsampler",),
+)
+CLEAN_SHARD = "clean_shard"
+# The components each stage builds together; a stage's non-resident ones coexist at its peak.
+STAGE_COMPONENTS: dict[str, tuple[str, ...]] = {
+    "encode": ("gemma", "embeddings_processor"),
+    "sample": ("video_encoder",),
+    "upscale": ("video_encoder", "spatial_upsampler"),
+    "decode": ("video_decoder", "audio_decoder", "vocoder"),
+}
+
+
+class ResidencyError(ValueError):
+    """The model cannot fit the device even with the minimal residency; the message says what would."""
+
+
+# --- Sizes from headers ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ComponentSizes:
+    """Device bytes of each component in the load dtype: the transformer in bf16 and fp8-cast, and
+    the rest by ``ResidentModel`` builder name."""
+
+    transformer_bytes: int
+    transformer_fp8_bytes: int
+    components: dict[str, int] = field(default_factory=dict)
+
+    def transformer(self, quantization: str | None) -> int:
+        return self.transformer_fp8_bytes if quantization == "fp8-cast" else self.transformer_bytes
+
+
+_CHECKPOINT_COMPONENTS = {
+    "embeddings_processor": ("model.diffusion_model.video_embeddings_connector.", "model.diffusion_model.audio_embeddings_connector.", "text_embedding_projection."),
+    "video_encoder": ("vae.encoder.", "vae.per_channel_statistics."),
+    "video_decoder": ("vae.decoder.", "vae.per_channel_statistics."),
+    "audio_decoder": ("audio_vae.decoder.", "audio_vae.per_channel_statistics."),
+    "vocoder": ("vocoder.",),
+}
+_SAFETENSORS_ITEM_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+
+
+def transformer_bytes(tensors: dict[str, tuple[str, tuple[int, ...]]], dtype: torch.dtype, quantization: str | None) -> int:
+    """Device bytes of the transformer built from checkpoint tensors ``{name: (safetensors dtype, shape)}``
+    (model naming or the file's ``model.diffusion_model.`` naming), as ``fp8.module_tensors`` builds it."""
+    item = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for name, (stored, shape) in tensors.items():
+        key = name.removeprefix("model.diffusion_model.")
+        if "_embeddings_connector." in key or key.endswith(fp8.INPUT_SCALE_SUFFIX):
+            continue
+        if key.endswith(fp8.WEIGHT_SCALE_SUFFIX):
+            total += 4 if quantization is not None else 0
+            continue
+        fp8_kept = quantization is not None and (stored.startswith("F8") or fp8.downcast_by_policy(key, quantization))
+        total += math.prod(shape) * (1 if fp8_kept else item)
+    return total
+
+
+Headers = dict[str, tuple[str, tuple[int, ...]]]
+"""A safetensors file's tensors: ``{name: (safetensors dtype, shape)}``."""
+
+
+def sizes_from_headers(checkpoint: Headers, upsampler: Headers | None, gemma: Headers, dtype: torch.dtype = torch.bfloat16) -> ComponentSizes:
+    """Every component's device bytes from the tensors of the checkpoint, the upsampler file and the
+    Gemma weight files (every component is built in ``dtype``; the transformer also fp8-cast)."""
+    item = torch.empty((), dtype=dtype).element_size()
+
+    def numel(headers: Headers, prefixes) -> int:
+        return sum(math.prod(shape) for name, (_, shape) in headers.items() if name.startswith(prefixes))
+
+    components = {name: numel(checkpoint, prefixes) * item for name, prefixes in _CHECKPOINT_COMPONENTS.items()}
+    if upsampler is not None:
+        components["spatial_upsampler"] = numel(upsampler, "") * item
+    components["gemma"] = numel(gemma, "") * item
+    transformer_tensors = {name: entry for name, entry in checkpoint.items() if name.startswith("model.diffusion_model.")}
+    return ComponentSizes(
+        transformer_bytes=transformer_bytes(transformer_tensors, dtype, None),
+        transformer_fp8_bytes=transformer_bytes(transformer_tensors, dtype, "fp8-cast"),
+        components=components,
+    )
+
+
+def component_sizes(spec, dtype: torch.dtype = torch.bfloat16) -> ComponentSizes:
+    """``sizes_from_headers`` for the files of a model spec (headers only: nothing is loaded)."""
+    from mgpu_backend.ltx.loading import _gemma_files, _read_header
+
+    checkpoint = _read_header(spec.checkpoint_path, "checkpoint", "Choose the LTX-2 audio+video checkpoint.").tensors
+    upsampler = None
+    if spec.spatial_upsampler_path is not None:
+        upsampler = _read_header(spec.spatial_upsampler_path, "spatial upsampler", "Choose the LTX-2 spatial upscaler.").tensors
+    gemma: Headers = {}
+    for path in _gemma_files(spec.gemma_root)[1]:
+        gemma.update(_read_header(path, "Gemma weights", "Restore the Gemma folder from the release.").tensors)
+    return sizes_from_headers(checkpoint, upsampler, gemma, dtype)
+
+
+# --- Device memory -----------------------------------------------------------------------------------
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """The memory this rank may use on ``device``: ``MGPU_MEMORY_LIMIT_GIB`` when set, else a GPU's
+    total memory times this process's memory fraction; None (no limit) for a CPU rank."""
+    limit = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    if limit:
+        try:
+            value = float(limit)
+        except ValueError:
+            value = -1.0
+        if not value > 0:
+            raise ValueError(f"{MEMORY_LIMIT_ENV} must be a positive number of GiB, got {limit!r}; unset it to use the GPU's memory")
+        return int(value * GIB)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = torch.cuda.get_per_process_memory_fraction(device) if hasattr(torch.cuda, "get_per_process_memory_fraction") else 1.0
+    return int(total * fraction)
+
+
+# --- The decision ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResidencyPlan:
+    """What stays resident; ``keeps(name)`` answers for a ``ResidentModel`` component."""
+
+    policy: str
+    per_stage: frozenset[str]  # components built for their stage and released after it
+    clean_shard_on_host: bool | None  # None: the weight tracker decides (its own rule)
+    peak_bytes: int  # estimated peak of this plan
+    budget_bytes: int | None
+    quantization: str | None = None
+
+    def keeps(self, component: str) -> bool:
+        return component not in self.per_stage
+
+    def describe(self) -> str:
+        budget = "no device limit" if self.budget_bytes is None else f"{self.budget_bytes / GIB:.1f} GiB device memory"
+        per_stage = ", ".join(sorted(self.per_stage)) or "none"
+        shard = {None: "by the tracker's rule", True: "in host memory", False: "on the device"}[self.clean_shard_on_host]
+        weights = self.quantization or "unquantized"
+        return (
+            f"residency {self.policy}: estimated peak {self.peak_bytes / GIB:.1f} GiB of {budget} ({weights} transformer); "
+            f"built per stage: {per_stage}; clean LoRA shard {shard}"
+        )
+
+
+def _peak(sizes: ComponentSizes, quantization, per_stage: set[str], shard_bytes: int, headroom: int) -> int:
+    resident = sizes.transformer(quantization) + shard_bytes
+    resident += sum(size for name, size in sizes.components.items() if name not in per_stage)
+    return max(
+        resident
+        + sum(sizes.components.get(name, 0) for name in names if name in per_stage)
+        + (min(headroom, ENCODE_HEADROOM_BYTES) if stage == "encode" else headroom)
+        for stage, names in STAGE_COMPONENTS.items()
+    )
+
+
+def plan_residency(
+    sizes: ComponentSizes,
+    budget_bytes: int | None,
+    world_size: int = 1,
+    policy: str = "auto",
+    quantization: str | None = None,
+    lora_swap: bool = True,
+    headroom_bytes: int = HEADROOM_BYTES,
+) -> ResidencyPlan:
+    """The plan for ``policy``; raises ``ResidencyError`` when even the minimal plan exceeds the budget."""
+    policy = parse_residency(policy)
+    quantization = fp8.parse_quantization(quantization)
+    shard = math.ceil(sizes.transformer(quantization) / world_size) if lora_swap else 0
+    levels: list[tuple[set[str], bool]] = []  # (built per stage, clean shard on host), least evicted first
+    evicted: set[str] = set()
+    levels.append((set(), False))
+    for group in EVICTION_ORDER:
+        evicted |= set(group)
+        levels.append((set(evicted), False))
+    levels.append((set(evicted), True))
+
+    def plan_at(level: int, name: str) -> ResidencyPlan:
+        per_stage, on_host = levels[level]
+        peak = _peak(sizes, quantization, per_stage, 0 if on_host else shard, headroom_bytes)
+        return ResidencyPlan(name, frozenset(per_stage), on_host, peak, budget_bytes, quantization)
+
+    minimal = plan_at(len(levels) - 1, "minimal")
+    if budget_bytes is not None and minimal.peak_bytes > budget_bytes:
+        raise ResidencyError(_does_not_fit(sizes, quantization, budget_bytes, minimal, headroom_bytes))
+    if policy == "minimal":
+        return minimal
+    if policy == "all":
+        plan = plan_at(0, "all")
+        return ResidencyPlan("all", plan.per_stage, None, plan.peak_bytes, budget_bytes, quantization)
+    for level in range(len(levels)):
+        plan = plan_at(level, "auto")
+        if budget_bytes is None or plan.peak_bytes <= budget_bytes:
+            return plan
+    return minimal  # unreachable: the minimal level fits (checked above)
+
+
+def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: ResidencyPlan, headroom: int) -> str:
+    stage_bytes = {stage: sum(sizes.components.get(name, 0) for name in names) for stage, names in STAGE_COMPONENTS.items()}
+    stage = max(stage_bytes, key=stage_bytes.get)
+    needed = (
+        f"the transformer alone is {sizes.transformer(quantization) / GIB:.1f} GiB, and what one stage builds beside it "
+        f"up to {stage_bytes[stage] / GIB:.1f} GiB ({', '.join(STAGE_COMPONENTS[stage])} in the {stage} stage), plus activations"
+    )
+    if quantization is None:
+        fp8_peak = _peak(sizes, "fp8-cast", set(minimal.per_stage), 0, headroom)
+        if fp8_peak <= budget:
+            advice = (
+                f"load it with quantization 'fp8-cast' (transformer {sizes.transformer('fp8-cast') / GIB:.1f} GiB, "
+                f"estimated peak {fp8_peak / GIB:.1f} GiB), or use a GPU with more memory"
+            )
+        else:
+            advice = f"even fp8-cast weights would need about {fp8_peak / GIB:.1f} GiB; use a GPU with more memory"
+    else:
+        advice = "use a GPU with more memory"
+    return (
+        f"this model needs about {minimal.peak_bytes / GIB:.1f} GiB per GPU even with residency 'minimal' ({needed}), "
+        f"but the device has {budget / GIB:.1f} GiB; {advice}. More GPUs do not help: every rank holds the whole "
+        "transformer (MGPU is a latency tool, not a memory tool)"
+    )

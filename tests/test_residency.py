@@ -1,0 +1,220 @@
+"""The residency policy: decisions for LTX-2 19B on 141, 80 and 48 GB GPUs (bf16 and fp8-cast), the
+refusal of a model that cannot fit, and a tiny fleet job that gives bitwise the same latents when
+every component but the transformer is built per stage.
+
+The 19B sizes are the real ones: the safetensors headers of the full-size bundle's files
+(``mgpu_backend.bundles.full_size``, from configs/ltx2-19b-transformer.json and the official
+component configurations of docs/full-size-config.md, the 48-layer Gemma-3 12B), built on the meta
+device, so no weight is allocated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from mgpu_backend.bundles import full_size
+from mgpu_backend.bundles.tiny import make_tiny_bundle
+from mgpu_backend.fleet.client import FleetClient, FleetError
+from mgpu_backend.ltx.loading import ModelSpec
+from mgpu_backend.ltx.residency import (
+    GIB,
+    MEMORY_LIMIT_ENV,
+    ResidencyError,
+    component_sizes,
+    device_memory_bytes,
+    parse_residency,
+    plan_residency,
+    sizes_from_headers,
+)
+from mgpu_backend.parallel.comm import Comm
+from tests.dist_harness import run_ranks
+
+from .fleet_harness import REPO, start_server, stop_server
+
+GB = 10**9
+EVERYTHING_BUT_THE_TRANSFORMER = {
+    "gemma", "embeddings_processor", "video_encoder", "video_decoder", "audio_decoder", "vocoder", "spatial_upsampler",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sizes_19b():
+    transformer = json.loads((REPO / "configs" / "ltx2-19b-transformer.json").read_text())["transformer"]
+    config = full_size.full_size_config(transformer, gemma_layers=full_size.GEMMA_FULL_LAYERS)
+    headers = {name: {key: ("BF16", shape) for key, shape in shapes.items()} for name, shapes in full_size.planned_shapes(config).items()}
+    gemma = next(tensors for name, tensors in headers.items() if name.startswith(full_size.GEMMA_DIR_NAME))
+    return sizes_from_headers(headers[full_size.CHECKPOINT_NAME], headers[full_size.SPATIAL_UPSAMPLER_NAME], gemma)
+
+
+def test_19b_component_sizes_are_the_documented_ones(sizes_19b):
+    assert round(sizes_19b.transformer_bytes / GB, 1) == 37.8  # docs/full-size-config.md: 18.88 B parameters
+    assert round(sizes_19b.transformer_fp8_bytes / GB, 1) == 19.2  # the policy's layers at 1 byte
+    assert round(sizes_19b.components["gemma"] / GB, 1) == 24.4  # Gemma-3 12B with its vision tower, bf16
+    assert round(sizes_19b.components["video_decoder"] / GB, 1) == 1.1  # 552.8 M parameters
+    assert round(sizes_19b.components["spatial_upsampler"] / GB, 2) == 0.25  # 126.3 M parameters
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8-cast"])
+def test_an_h200_keeps_everything_resident_at_19b(sizes_19b, quantization):
+    plan = plan_residency(sizes_19b, 141 * GB, world_size=1, quantization=quantization)
+    assert plan.per_stage == frozenset() and plan.clean_shard_on_host is False, plan.describe()
+    assert plan.peak_bytes <= 141 * GB
+
+
+def test_an_80_gb_gpu_runs_19b_bf16_with_only_the_transformer_resident(sizes_19b):
+    plan = plan_residency(sizes_19b, 80 * GB, world_size=1)
+    assert plan.per_stage == EVERYTHING_BUT_THE_TRANSFORMER and plan.clean_shard_on_host is True, plan.describe()
+    assert plan.peak_bytes <= 80 * GB
+    # Forcing every component resident is the user's choice; its estimate says it will not fit.
+    assert plan_residency(sizes_19b, 80 * GB, world_size=1, policy="all").peak_bytes > 80 * GB
+
+
+def test_an_80_gb_gpu_keeps_everything_resident_at_19b_fp8_cast(sizes_19b):
+    plan = plan_residency(sizes_19b, 80 * GB, world_size=1, quantization="fp8-cast")
+    assert plan.per_stage == frozenset() and plan.clean_shard_on_host is False, plan.describe()
+    assert "fp8-cast transformer" in plan.describe()
+
+
+def test_a_64_gb_gpu_is_refused_for_19b_bf16_and_told_that_fp8_cast_fits(sizes_19b):
+    with pytest.raises(ResidencyError) as refused:
+        plan_residency(sizes_19b, 64 * GB, world_size=1)
+    message = str(refused.value)
+    assert "even with residency 'minimal'" in message and "load it with quantization 'fp8-cast'" in message, message
+    assert "More GPUs do not help" in message and "latency tool" in message, message
+    plan = plan_residency(sizes_19b, 64 * GB, world_size=1, quantization="fp8-cast")
+    assert plan.peak_bytes <= 64 * GB and "gemma" in plan.per_stage, plan.describe()
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8-cast"])
+def test_a_48_gb_gpu_is_refused_for_19b_before_loading_with_the_reason(sizes_19b, quantization):
+    # Gemma (24.4 GB) + its processor must sit beside the resident transformer while the prompts
+    # are encoded: even fp8-cast weights leave too little of 48 GB.
+    with pytest.raises(ResidencyError) as refused:
+        plan_residency(sizes_19b, 48 * GB, world_size=1, quantization=quantization)
+    message = str(refused.value)
+    assert "use a GPU with more memory" in message and "More GPUs do not help" in message, message
+    if quantization is None:
+        assert "even fp8-cast weights would need about" in message, message
+
+
+def test_more_ranks_shrink_only_the_clean_shard(sizes_19b):
+    one, eight = (plan_residency(sizes_19b, 141 * GB, world_size=world) for world in (1, 8))
+    assert one.peak_bytes - eight.peak_bytes == sizes_19b.transformer_bytes - -(-sizes_19b.transformer_bytes // 8)
+
+
+def test_the_decision_is_logged_in_one_line(sizes_19b):
+    line = plan_residency(sizes_19b, 80 * GB, world_size=1).describe()
+    assert "\n" not in line and line.startswith("residency auto: estimated peak"), line
+    assert "built per stage: audio_decoder, embeddings_processor, gemma" in line and "clean LoRA shard in host memory" in line
+
+
+def test_residency_and_the_memory_limit_are_checked(monkeypatch):
+    with pytest.raises(ValueError, match="residency must be one of auto, all, minimal, got 'some'"):
+        parse_residency("some")
+    monkeypatch.delenv(MEMORY_LIMIT_ENV, raising=False)
+    assert device_memory_bytes(torch.device("cpu")) is None
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "79.5")
+    assert device_memory_bytes(torch.device("cpu")) == int(79.5 * GIB)
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "lots")
+    with pytest.raises(ValueError, match=f"{MEMORY_LIMIT_ENV} must be a positive number of GiB, got 'lots'"):
+        device_memory_bytes(torch.device("cpu"))
+
+
+# --- On the tiny bundle -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def spec(bundle) -> dict:
+    return ModelSpec(
+        checkpoint_path=bundle.checkpoint_path, gemma_root=bundle.gemma_root,
+        spatial_upsampler_path=bundle.spatial_upsampler_path, distilled_lora=bundle.distilled_lora_path,
+    ).to_json()  # fmt: skip
+
+
+def _refused_before_loading(spec_json: dict, limit_gib: str) -> dict:
+    from mgpu_backend.ltx.jobs import ResidentModel
+
+    os.environ[MEMORY_LIMIT_ENV] = limit_gib
+    spec = ModelSpec.from_json(spec_json)
+    try:
+        ResidentModel(spec, torch.device("cpu"), torch.bfloat16, Comm.world())
+    except ResidencyError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def test_a_rank_refuses_a_model_larger_than_its_memory_limit_before_loading(spec, bundle):
+    sizes = component_sizes(ModelSpec.from_json(spec))
+    limit_gib = f"{sizes.transformer_bytes / GIB / 2:.6f}"  # half the tiny transformer
+    (out,) = run_ranks(1, _refused_before_loading, spec, limit_gib)
+    assert out["error"] is not None and "even with residency 'minimal'" in out["error"], out
+
+
+def _run(socket_path, op, args, tensors=None, **callbacks):
+    with FleetClient.connect(str(socket_path), autostart=False) as client:
+        return client.run(op, args, tensors or {}, **callbacks)
+
+
+def _two_stage_job(socket_path, spec: dict, residency: str, logs: list) -> dict:
+    common = {"spec": {**spec, "residency": residency}}
+    _run(socket_path, "load", common, on_log=logs.append)
+    encoded = _run(socket_path, "encode", {**common, "prompts": ["a red fox in the snow", "blurry"]})
+    contexts = {
+        "positive_video_context": encoded.tensors["video_context_0"], "positive_audio_context": encoded.tensors["audio_context_0"],
+        "negative_video_context": encoded.tensors["video_context_1"], "negative_audio_context": encoded.tensors["audio_context_1"],
+    }  # fmt: skip
+    image = torch.rand(64, 96, 3, generator=torch.Generator().manual_seed(3))  # conditions stage 1 through the VAE encoder
+    guidance = {"cfg_scale": 3.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0, "stg_blocks": [1]}
+    sample_args = {**common, "width": 96, "height": 64, "num_frames": 9, "seed": 7, "steps": 2, "video_guidance": guidance, "audio_guidance": guidance}
+    stage1 = _run(socket_path, "sample", sample_args, {**contexts, "image": image})
+    stage2 = _run(socket_path, "upscale", {**common, "seed": 7}, {**stage1.tensors, **contexts, "image": image})
+    decoded = _run(socket_path, "decode", {**common, "seed": 7, "after_stages": 2}, stage2.tensors)
+    return {
+        "contexts": contexts, "stage1_video": stage1.tensors["video_latent"], "stage1_audio": stage1.tensors["audio_latent"],
+        "stage2_video": stage2.tensors["video_latent"], "frames": decoded.tensors["frames"], "waveform": decoded.tensors["waveform"],
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("residencyfleet")
+    directory.chmod(0o700)
+    process = start_server(directory / "fleet.sock", 2, "--idle-timeout", "0")
+    yield directory / "fleet.sock"
+    stop_server(process)
+
+
+def test_a_tiny_fleet_job_under_minimal_residency_gives_bitwise_the_latents_of_all(fleet, spec):
+    all_logs, minimal_logs = [], []
+    everything = _two_stage_job(fleet, spec, "all", all_logs)
+    minimal = _two_stage_job(fleet, spec, "minimal", minimal_logs)
+    for name, value in everything.items():
+        values = value.values() if isinstance(value, dict) else [value]
+        others = minimal[name].values() if isinstance(value, dict) else [minimal[name]]
+        for ours, theirs in zip(values, others):
+            assert torch.equal(ours, theirs), f"{name} differs between residency all and minimal"
+    assert any("residency all:" in line and "built per stage: none" in line for line in all_logs), all_logs
+    assert any("residency minimal:" in line and "built per stage: audio_decoder" in line for line in minimal_logs), minimal_logs
+
+
+def test_jobs_reload_a_model_resident_with_another_quantization_and_refuse_an_unknown_one(fleet, spec):
+    plain = _run(fleet, "load", {"spec": spec}).fields["weights"]
+    logs = []
+    cast = _run(fleet, "load", {"spec": {**spec, "quantization": "fp8-cast"}}, on_log=logs.append).fields["weights"]
+    assert any("residency auto:" in line and "(fp8-cast transformer)" in line for line in logs), logs
+    assert cast["working_bytes"] < 0.75 * plain["working_bytes"], (cast, plain)
+    assert cast["clean_shard_bytes"] < 0.75 * plain["clean_shard_bytes"], "the clean shard holds the fp8 bytes too"
+    with pytest.raises(FleetError, match=r"quantization must be null .* or one of 'fp8-cast', got 'int8'"):
+        _run(fleet, "load", {"spec": {**spec, "quantization": "int8"}})
+    with pytest.raises(FleetError, match="residency must be one of auto, all, minimal"):
+        _run(fleet, "load", {"spec": {**spec, "residency": "most"}})
+    _run(fleet, "unload", {})
