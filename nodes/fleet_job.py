@@ -18,8 +18,8 @@
   stops at the same step boundary and the fleet stays warm; the node then raises ComfyUI's
   ``InterruptProcessingException`` so ComfyUI reports an interrupt, not an error;
 - a ``FleetError`` becomes a ``RuntimeError`` carrying the fleet's message; the failing rank's
-  traceback goes to the log. A fleet that went away or restarted mid-run is one of them, with a
-  message saying to queue the prompt again.
+  traceback goes to the log. A fleet server that went away mid-run is one of them: the client's
+  ``FleetUnavailable``, whose message says to run again.
 
 ComfyUI modules are imported lazily and only if present, so nodes run (and are tested) without
 ComfyUI. Nothing here decides how work is split: that is the fleet's job.

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from mgpu_backend.fleet.client import FleetClient, FleetError, FleetUnavailable
-from mgpu_backend.fleet.protocol import ConnectionClosed
 from mgpu_backend.ltx.schema import (
     CONTEXT_MISSING,
     PREVIEW_EVERY,
@@ -86,13 +85,8 @@ def run(op: str, args: dict, tensors: dict | None = None, progress: Progress = N
         client = fleet()
         try:
             return client.run(op, args, tensors or {}, on_progress=progress, on_log=log, should_cancel=should_cancel, on_preview=preview)
-        except (OSError, ConnectionError, ConnectionClosed) as exc:
-            # The server went away mid-job (stopped, restarted from another client, or killed): the
-            # next call connects to (or starts) a fresh one, which reloads the model by itself.
-            raise FleetUnavailable(
-                f"the fleet server went away during the {op} job ({exc}); it was stopped or restarted. "
-                "Queue the prompt again: a new fleet starts and reloads the model by itself"
-            ) from None
+        except (OSError, ConnectionError) as exc:
+            raise FleetUnavailable(f"lost the connection to the fleet server: {exc}") from exc
 
 
 @dataclass(frozen=True)
