@@ -15,7 +15,7 @@ Where the factors come from
     cell's footprint (32 x 32 pixels, and the 8 frames of a latent frame after the first), and solves
     the ridge least squares problem ``cell colour ~ latent @ weight + bias``. So the projection fits
     the model actually loaded (LTX-2.0, 2.3, or the tiny random bundle) and needs no table from
-    anywhere; the fit runs once per decoder in a rank's lifetime and is kept in the rank's state.
+    anywhere; the fit runs once per checkpoint in a rank's lifetime and is kept in the rank's state.
 
 What it costs
     Per preview: an einsum of a few latent frames (``frames x 128 x h x w`` multiply-adds), one
@@ -31,7 +31,7 @@ runs no collective. It never imports ComfyUI or ltx-core (the ComfyUI side uses 
 
 from __future__ import annotations
 
-import weakref
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -119,15 +119,13 @@ def preview_due(step: int, total: int, every: int) -> bool:
 _FITTED = "preview_latent_rgb"
 
 
-def latent_rgb_for(state: dict, decoder: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> LatentRGB:
-    """The projection fitted to ``decoder``, fitted on first use and kept in the rank's ``state``
-    for as long as that decoder lives (a weak reference: an unloaded model's decoder is freed)."""
-    kept = state.get(_FITTED)
-    if kept is not None and kept[0]() is decoder:
-        return kept[1]
-    factors = fit_latent_rgb(decoder, device, dtype)
-    state[_FITTED] = (weakref.ref(decoder), factors)
-    return factors
+def _checkpoint_key(checkpoint_path: str, dtype: torch.dtype) -> tuple:
+    """What the fitted projection depends on: the checkpoint's decoder (the file as it is now) and dtype."""
+    try:
+        stat = os.stat(checkpoint_path)
+        return (str(checkpoint_path), stat.st_size, stat.st_mtime_ns, str(dtype))
+    except OSError:
+        return (str(checkpoint_path), None, None, str(dtype))
 
 
 VideoX0 = Callable[[], torch.Tensor]
@@ -150,7 +148,14 @@ def step_reporter(ctx, stage: str, factors: LatentRGB | None = None, every: int 
 
 def stage_previews(ctx, resident, every: int) -> LatentRGB | None:
     """The projection rank 0 previews with, or None (previews off, or another rank: only rank 0
-    sends events)."""
+    sends events). Fitted once per checkpoint and kept in the rank's state, so a decoder that the
+    residency plan does not keep is read only for that one fit."""
     if every <= 0 or ctx.rank != 0:
         return None
-    return latent_rgb_for(ctx.state, resident.video_decoder(), resident.device, resident.dtype)
+    key = _checkpoint_key(resident.spec.checkpoint_path, resident.dtype)
+    kept = ctx.state.get(_FITTED)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    factors = fit_latent_rgb(resident.video_decoder(), resident.device, resident.dtype)
+    ctx.state[_FITTED] = (key, factors)
+    return factors
