@@ -3,8 +3,9 @@
 One run, on one random-weight bundle written first (``mgpu_backend.bundles.full_size``: the LTX-2
 19B configuration, or the tiny one with ``--tiny``):
 
-1. official: ltx-pipelines 1.0.0's ``TI2VidTwoStagesPipeline`` with its LTX-2.0 defaults (40 steps,
-   multimodal guidance, 1536x1024, 121 frames, 24 fps, seed 10) in this process. Its stages are
+1. official: ltx-pipelines 1.0.0's ``TI2VidTwoStagesPipeline`` with the defaults of the bundle's model
+   version (LTX-2.0: 40 steps, multimodal guidance, 1536x1024, 121 frames, 24 fps, seed 10; LTX-2.3
+   with ``--model 2.3``: 30 steps, STG block 28) in this process. Its stages are
    timed by wrapping, from here, the module-level functions it calls (``encode_prompts``,
    ``denoise_audio_video`` for stage 1 and stage 2, ``upsample_video``, ``vae_decode_video`` with
    its iterator consumed, ``vae_decode_audio``), each between device synchronisations and with the
@@ -17,7 +18,8 @@ One run, on one random-weight bundle written first (``mgpu_backend.bundles.full_
    handoff through shared memory is timed apart. Then the same job again on the warm fleet.
 
 It prints one markdown table (stages x official / fleet cold / fleet warm, ratio, peak GPU memory)
-with the whole-job ratio as its headline, per-step times to extrapolate to 40 steps, and how far
+with the whole-job ratio as its headline, per-step times to extrapolate to the official steps, the
+residency the fleet's ranks decided (their load log), and how far
 the outputs are apart: stage latents and decoded frames, official vs fleet. Audio is not compared
 after stage 2: our stage 2 returns the stage-1 audio by design, the official one re-denoises it.
 
@@ -34,6 +36,16 @@ checked against the free disk before writing; on a 64 GB disk ``--gemma-dir /dev
 in host memory instead. Host memory stayed under 35 GB besides that (the fleet keeps no host copy
 of the resident transformer or Gemma); /dev/shm also needs 2.3 GB for the frames. The whole run
 (bundle, official, fleet cold and warm at 40 steps) took 8 minutes.
+
+Memory and weights (docs/fp8-and-residency.md): ``--quantization fp8-cast`` loads the transformer in
+float8 on both sides (the official runner's option); ``--residency auto|all|minimal`` is the fleet's
+residency policy; ``--memory-gb N`` caps every fleet rank, and this process for the official run, at
+N GiB of the GPU (``torch.cuda.set_per_process_memory_fraction``, applied by the ranks at start-up from
+``MGPU_MEMORY_FRACTION``), as on a smaller GPU; the residency policy plans for the cap. A job the
+fleet refuses (it cannot fit even at the minimal residency) prints the fleet's refusal as the result
+and exits 1. ``--fleet-only`` skips the official run and the comparison (a 10-minute machine slot
+then holds the bundle and both fleet runs). ``--model 2.0|2.3`` picks the bundle's configuration;
+``--pipeline`` names the recipe, of which the served ones are listed in ``SERVED``.
 
 It never downloads anything; everything it writes goes to --bundle-dir (default: a temporary folder,
 removed at the end) and --gemma-dir.
@@ -63,9 +75,14 @@ import torch
 from _common import REPO_ROOT, log, machine_description, markdown_table, stdout_to_stderr  # noqa: I001 - puts the repository on sys.path first
 from ltx_core.components.guiders import MultiModalGuiderParams
 
+from mgpu_backend.fleet.client import FleetError
+from mgpu_backend.fleet.rank import MEMORY_FRACTION_ENV
 from mgpu_backend.ltx import api
+from mgpu_backend.ltx.residency import GIB, MEMORY_LIMIT_ENV
+from mgpu_backend.ltx.schema import MODEL_VERSIONS, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, LoadRequest, defaults_for
 from mgpu_backend.tools.generate import DEFAULT_NEGATIVE_PROMPT, MULTI_GPU_STAGE2_SIGMAS, SINGLE_GPU_STAGE2_SIGMAS, TINY_DEFAULTS
 from mgpu_backend.bundles import full_size as random_bundle
+from mgpu_backend.bundles.configs import model_version as layout_version
 
 PROMPT = (
     "A slow camera push toward a lighthouse on a rocky coast at dusk, waves breaking against the stones, "
@@ -73,6 +90,18 @@ PROMPT = (
 )
 STAGES = ("fleet spawn", "load", "text encode", "stage 1", "upsample", "stage 2", "decode", "handoff")
 OTHER = "other"  # official time outside every timed function: its gc / memory clean-up between stages
+TRANSFORMER_CONFIGS = {"2.0": "ltx2-19b-transformer.json", "2.3": "ltx2.3-22b-transformer.json"}  # in configs/
+SERVED = {("2.0", "two-stage"), ("2.3", "two-stage")}
+"""(model version, pipeline) pairs this benchmark runs on both sides. The one place that changes when the
+fleet serves another recipe: the distilled one is ready here (official side ``DistilledPipeline`` on the
+bundle's checkpoint, fleet spec without the LoRA, no guidance, ``pipeline`` passed to the sample and
+upscale jobs) and waits for the fleet and ``api`` to take ``pipeline: "distilled"``."""
+
+
+def refuse_recipes_not_served(model_version: str, pipeline: str) -> None:
+    if (model_version, pipeline) not in SERVED:
+        served = ", ".join(f"LTX-{version} {recipe}" for version, recipe in sorted(SERVED))
+        raise SystemExit(f"error: the {pipeline} pipeline of LTX-{model_version} is not yet served by this benchmark (it runs {served}); use --pipeline two-stage")
 
 
 @dataclass(frozen=True)
@@ -90,6 +119,11 @@ class Job:
     prompt: str = PROMPT
     negative_prompt: str = DEFAULT_NEGATIVE_PROMPT
     multi_gpu_stage2: bool = False  # the fleet's own stage 2 (multi-GPU sigmas, TDP tiles) instead of the official work
+    model_version: str = "2.0"
+    pipeline: str = "two-stage"
+    quantization: str | None = None  # "fp8-cast": the transformer's weights in float8, on both sides
+    residency: str = "auto"  # the fleet's residency policy (the official pipeline builds one component at a time)
+    official_steps: int = 40  # the model version's official stage-1 steps, which a shorter run is extrapolated to
 
     @property
     def fleet_stage2(self) -> tuple[tuple[float, ...], tuple[int, int] | None]:
@@ -114,6 +148,7 @@ class Run:
     frames_digest: str = ""  # sha256 of the float frames (fleet), to tell cold and warm apart exactly
     load_bytes_read: int = 0  # fleet: bytes its ranks read from model files in the load job
     bytes_read: int = 0  # ... and in the whole job (Gemma and the LoRA are read when first used)
+    residency: list[str] = field(default_factory=list)  # fleet: the residency decision its ranks logged at load
     notes: list[str] = field(default_factory=list)
 
 
@@ -250,8 +285,11 @@ def run_official(bundle: random_bundle.RandomBundle, job: Job, device: torch.dev
     from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP, LoraPathStrengthAndSDOps
     from ltx_core.model.video_vae import TilingConfig
     from ltx_core.text_encoders.gemma.encoders import encoder_configurator
-    from ltx_pipelines import ti2vid_two_stages as official
+    from ltx_pipelines import distilled, ti2vid_two_stages
 
+    from mgpu_backend.ltx import fp8
+
+    official = distilled if job.pipeline == "distilled" else ti2vid_two_stages  # the module whose stage functions are timed
     run = Run()
     clock = OfficialClock(device, run)
     gemma = json.loads((Path(bundle.gemma_root) / "config.json").read_text())
@@ -272,33 +310,28 @@ def run_official(bundle: random_bundle.RandomBundle, job: Job, device: torch.dev
             stack.enter_context(patched(official, name, wrap(getattr(official, name))))
 
         started = time.perf_counter()
-        pipeline = official.TI2VidTwoStagesPipeline(
-            checkpoint_path=bundle.checkpoint_path,
-            distilled_lora=[LoraPathStrengthAndSDOps(bundle.distilled_lora_path, 1.0, LTXV_LORA_COMFY_RENAMING_MAP)],
-            spatial_upsampler_path=bundle.spatial_upsampler_path,
-            gemma_root=bundle.gemma_root,
-            loras=[],
-            device=device,
-        )
+        files = {"spatial_upsampler_path": bundle.spatial_upsampler_path, "gemma_root": bundle.gemma_root, "loras": [], "device": device}
+        quantization = fp8.policy(job.quantization)  # the official runner's --quantization
+        if job.pipeline == "distilled":  # the random bundle's checkpoint stands in for a distilled one: same compute
+            pipeline = distilled.DistilledPipeline(distilled_checkpoint_path=bundle.checkpoint_path, quantization=quantization, **files)
+            ledgers, guidance = (pipeline.model_ledger,), {}
+        else:
+            lora = LoraPathStrengthAndSDOps(bundle.distilled_lora_path, 1.0, LTXV_LORA_COMFY_RENAMING_MAP)
+            pipeline = ti2vid_two_stages.TI2VidTwoStagesPipeline(checkpoint_path=bundle.checkpoint_path, distilled_lora=[lora], quantization=quantization, **files)
+            ledgers = (pipeline.stage_1_model_ledger, pipeline.stage_2_model_ledger)
+            guidance = {
+                "negative_prompt": job.negative_prompt, "num_inference_steps": job.steps,
+                "video_guider_params": job.video_guider, "audio_guider_params": job.audio_guider,
+            }  # fmt: skip
         run.seconds["load"] = time.perf_counter() - started  # builders only; the builds add to it
-        for ledger in (pipeline.stage_1_model_ledger, pipeline.stage_2_model_ledger):
+        for ledger in ledgers:
             for name in LEDGER_BUILDS:
                 setattr(ledger, name, clock.build(name, getattr(ledger, name)))
         with torch.inference_mode():  # as the official runner's main()
             video_chunks, _audio = pipeline(
-                prompt=job.prompt,
-                negative_prompt=job.negative_prompt,
-                seed=job.seed,
-                height=job.height,
-                width=job.width,
-                num_frames=job.num_frames,
-                frame_rate=job.frame_rate,
-                num_inference_steps=job.steps,
-                video_guider_params=job.video_guider,
-                audio_guider_params=job.audio_guider,
-                images=[],
-                tiling_config=TilingConfig.default(),
-            )
+                prompt=job.prompt, seed=job.seed, height=job.height, width=job.width, num_frames=job.num_frames,
+                frame_rate=job.frame_rate, images=[], tiling_config=TilingConfig.default(), **guidance,
+            )  # fmt: skip
             frames = torch.cat([chunk.cpu() for chunk in video_chunks])  # decoded already, inside the clock
         synchronize(device)
         run.total_seconds = time.perf_counter() - started
@@ -307,9 +340,9 @@ def run_official(bundle: random_bundle.RandomBundle, job: Job, device: torch.dev
     free_device_memory(device)
     if device.type == "cuda":  # the fleet gets the GPU next: nothing of the official run may stay on it
         log(f"official pipeline freed: {torch.cuda.memory_allocated(device) / 2**20:.0f} MiB still allocated in this process")
+    builds = "the transformer once (both stages)" if job.pipeline == "distilled" else "the transformer twice (stage 1, then stage 2 with the distilled LoRA fused), the VAE encoder twice"
     run.notes.append(
-        "official load = its model builds outside the stage functions: the transformer twice (stage 1, then "
-        "stage 2 with the distilled LoRA fused), the VAE encoder twice, upsampler, decoders, vocoder; its text "
+        f"official load = its model builds outside the stage functions: {builds}, upsampler, decoders, vocoder; its text "
         "encode includes building Gemma, as the fleet's cold encode does"
     )
     return run
@@ -347,6 +380,23 @@ def fleet_peak(device: torch.device) -> int | None:
     return memory.get("peak")
 
 
+def recipe_args(job: Job) -> dict:
+    """The recipe fields of the sample and upscale jobs: the model version, and the pipeline when it is not
+    the default two-stage one (the API takes ``pipeline`` once the fleet serves another recipe)."""
+    return {"model_version": job.model_version, **({"pipeline": job.pipeline} if job.pipeline != "two-stage" else {})}
+
+
+def residency_lines(job_log: list[str]) -> list[str]:
+    """The residency decisions in a load job's log lines ("[rank R] residency auto: ..."), each text once:
+    identical decisions of several ranks become one line naming them all."""
+    ranks_of: dict[str, list[str]] = {}
+    for line in job_log:
+        tag, _, text = line.partition("] ")
+        if text.startswith(tuple(f"residency {policy}: " for policy in RESIDENCY_POLICIES)):  # ResidencyPlan.describe()
+            ranks_of.setdefault(text, []).append(tag.removeprefix("[rank "))
+    return [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {text}" for text, ranks in ranks_of.items()]
+
+
 def run_fleet_job(spec: dict, job: Job, device: torch.device, read_before: int) -> Run:
     """The two-stage job through the fleet's API, every stage timed from this client."""
     run, timeline = Run(), Timeline()
@@ -362,12 +412,17 @@ def run_fleet_job(spec: dict, job: Job, device: torch.device, read_before: int) 
             run.seconds[stage], run.peak_bytes[stage] = seconds, used
             log(f"fleet {stage}: {seconds:.2f} s")
 
-    loaded, started, ended = timed(lambda: api.load(spec, **common))
+    # api.load, keeping the job's log lines: the ranks say there which residency they chose.
+    load_request, load_log = LoadRequest.from_wire({"spec": spec}), []
+    loaded, started, ended = timed(lambda: api.run(load_request.op, load_request.to_wire(), progress=timeline, log=load_log.append).fields)
     record({"load": ended - started})
+    run.residency = residency_lines(load_log)
+    for line in run.residency:
+        log(f"fleet {line}")
     run.load_bytes_read = loaded["bytes_read"] - read_before  # the rank's count is cumulative
     (positive, negative), started, ended = timed(lambda: api.encode(spec, [job.prompt, job.negative_prompt], **common))
     record({"text encode": ended - started})
-    guidance = {
+    guidance = {} if job.pipeline == "distilled" else {  # the distilled recipe: the schema's, no guidance
         f"{name}_guidance": api.Guidance(
             cfg_scale=params.cfg_scale, stg_scale=params.stg_scale, rescale_scale=params.rescale_scale,
             modality_scale=params.modality_scale, skip_step=params.skip_step, stg_blocks=tuple(params.stg_blocks),
@@ -377,7 +432,7 @@ def run_fleet_job(spec: dict, job: Job, device: torch.device, read_before: int) 
     (video, audio), started, ended = timed(
         lambda: api.sample(
             spec, positive, negative, width=job.width // 2, height=job.height // 2, num_frames=job.num_frames,
-            frame_rate=job.frame_rate, seed=job.seed, steps=job.steps, parallel="auto", **guidance, **common,
+            frame_rate=job.frame_rate, seed=job.seed, steps=job.steps, parallel="auto", **recipe_args(job), **guidance, **common,
         )  # fmt: skip
     )
     record({"stage 1": ended - started})
@@ -386,7 +441,7 @@ def run_fleet_job(spec: dict, job: Job, device: torch.device, read_before: int) 
     sigmas, tiles = job.fleet_stage2
     (video2, audio2), started, ended = timed(
         lambda: api.upscale(
-            spec, video, audio, positive, frame_rate=job.frame_rate, seed=job.seed, sigmas=sigmas, tiles=tiles, **common,
+            spec, video, audio, positive, frame_rate=job.frame_rate, seed=job.seed, sigmas=sigmas, tiles=tiles, **recipe_args(job), **common,
         )  # fmt: skip
     )
     # One job does both: the upsampler reports when it is done, the rest is stage 2.
@@ -499,11 +554,29 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 
 
-def report(job: Job, config: random_bundle.BundleConfig, official: Run, cold: Run, warm: Run, device: torch.device, world: str) -> str:
+def setup_text(job: Job, config: random_bundle.BundleConfig, memory_cap: str | None) -> str:
+    """One sentence: the bundle, the job, the weights and what the fleet may keep."""
+    transformer = config.checkpoint["transformer"]
+    weights = "bf16" + (", fp8-cast transformer weights" if job.quantization else "")
+    cap = f"; {memory_cap}" if memory_cap else ""
+    return (
+        f"LTX-{job.model_version} {job.pipeline} job on a random-weight bundle ({transformer['num_layers']}-layer transformer, "
+        f"{transformer['num_attention_heads']} heads), {job.width}x{job.height}, {job.num_frames} frames, {job.frame_rate:g} fps, "
+        f"{job.steps} stage-1 steps, seed {job.seed}, {weights}, fleet residency {job.residency}{cap}; {stage2_text(job)}. "
+        f"{gemma_deviation(config)}."
+    )
+
+
+def report(job: Job, config: random_bundle.BundleConfig, official: Run | None, cold: Run, warm: Run, device: torch.device, world: str,
+           memory_cap: str | None = None) -> str:  # fmt: skip
+    """The table and the notes; ``official`` None: the official run was skipped (--fleet-only)."""
     rows = []
     for stage in STAGES:
-        official_s = None if stage in ("fleet spawn", "handoff") else official.seconds.get(stage, 0.0)
         cold_s, warm_s = cold.seconds.get(stage), warm.seconds.get(stage)
+        if official is None:
+            rows.append([stage, seconds_text(cold_s), seconds_text(warm_s), memory_text(cold.peak_bytes.get(stage), device)])
+            continue
+        official_s = None if stage in ("fleet spawn", "handoff") else official.seconds.get(stage, 0.0)
         rows.append(
             [
                 stage,
@@ -514,53 +587,74 @@ def report(job: Job, config: random_bundle.BundleConfig, official: Run, cold: Ru
                 f"{memory_text(official.peak_bytes.get(stage), device)} / {memory_text(cold.peak_bytes.get(stage), device)}",
             ]
         )
-    official_other = official.total_seconds - sum(official.seconds.values())
-    rows.append([OTHER, seconds_text(official_other), "-", "-", "-", "-"])
-    rows.append(
-        [
-            "**total**",
-            f"**{official.total_seconds:.2f}**",
-            f"**{cold.total_seconds:.2f}**",
-            f"**{warm.total_seconds:.2f}**",
-            f"**{ratio_text(official.total_seconds, cold.total_seconds)} / {ratio_text(official.total_seconds, warm.total_seconds)}**",
-            f"{memory_text(max(official.peak_bytes.values(), default=None), device)} / "
-            f"{memory_text(max((v for v in cold.peak_bytes.values() if v is not None), default=None), device)}",
-        ]
-    )
-    headers = ["stage", "official s", "fleet s (cold)", "fleet s (warm)", "official / fleet (cold / warm)", "peak GPU GiB official / fleet"]
-    transformer = config.checkpoint["transformer"]
-    lines = [
-        f"**Whole job: official {official.total_seconds:.1f} s; fleet {world} cold {cold.total_seconds:.1f} s "
-        f"(official / fleet = {official.total_seconds / cold.total_seconds:.2f}), warm {warm.total_seconds:.1f} s "
-        f"(official / fleet = {official.total_seconds / warm.total_seconds:.2f}).**",
-        "",
-        f"LTX-2 random-weight bundle ({transformer['num_layers']}-layer transformer, {transformer['num_attention_heads']} heads), "
-        f"{job.width}x{job.height}, {job.num_frames} frames, {job.frame_rate:g} fps, {job.steps} stage-1 steps, seed {job.seed}, "
-        f"bf16; {stage2_text(job)}. "
-        f"{gemma_deviation(config)}.",
-        "",
-        markdown_table(headers, rows),
-        "",
-    ]
-    per_step = []
-    for stage in ("stage 1", "stage 2"):
-        values = [median_step(run.step_seconds.get(stage, [])) for run in (official, cold, warm)]
-        per_step.append(f"{stage} s/step (median, first step left out): official {seconds_text(values[0])}, fleet cold {seconds_text(values[1])}, warm {seconds_text(values[2])}")
-    lines += [f"- {text}" for text in per_step]
-    stage1_steps = [median_step(run.step_seconds.get("stage 1", [])) for run in (official, cold, warm)]
-    if job.steps != 40 and all(value is not None for value in stage1_steps):
-        estimates = [run.total_seconds + (40 - job.steps) * step for run, step in zip((official, cold, warm), stage1_steps)]
-        lines.append(
-            f"- whole job at 40 stage-1 steps (extrapolated with these step times): official {estimates[0]:.1f} s, "
-            f"fleet cold {estimates[1]:.1f} s (official / fleet = {estimates[0] / estimates[1]:.2f}), "
-            f"warm {estimates[2]:.1f} s ({estimates[0] / estimates[2]:.2f})"
+    fleet_peak_text = memory_text(max((v for v in cold.peak_bytes.values() if v is not None), default=None), device)
+    if official is None:
+        rows.append(["**total**", f"**{cold.total_seconds:.2f}**", f"**{warm.total_seconds:.2f}**", fleet_peak_text])
+        headers = ["stage", "fleet s (cold)", "fleet s (warm)", "peak GPU GiB fleet"]
+        headline = (
+            f"**Whole job: fleet {world} cold {cold.total_seconds:.1f} s, warm {warm.total_seconds:.1f} s; the official pipeline "
+            "was not run (--fleet-only): no comparison.**"
         )
+    else:
+        official_other = official.total_seconds - sum(official.seconds.values())
+        rows.append([OTHER, seconds_text(official_other), "-", "-", "-", "-"])
+        rows.append(
+            [
+                "**total**",
+                f"**{official.total_seconds:.2f}**",
+                f"**{cold.total_seconds:.2f}**",
+                f"**{warm.total_seconds:.2f}**",
+                f"**{ratio_text(official.total_seconds, cold.total_seconds)} / {ratio_text(official.total_seconds, warm.total_seconds)}**",
+                f"{memory_text(max(official.peak_bytes.values(), default=None), device)} / {fleet_peak_text}",
+            ]
+        )
+        headers = ["stage", "official s", "fleet s (cold)", "fleet s (warm)", "official / fleet (cold / warm)", "peak GPU GiB official / fleet"]
+        headline = (
+            f"**Whole job: official {official.total_seconds:.1f} s; fleet {world} cold {cold.total_seconds:.1f} s "
+            f"(official / fleet = {official.total_seconds / cold.total_seconds:.2f}), warm {warm.total_seconds:.1f} s "
+            f"(official / fleet = {official.total_seconds / warm.total_seconds:.2f}).**"
+        )
+    lines = [headline, "", setup_text(job, config, memory_cap), "", markdown_table(headers, rows), ""]
+    lines += [f"- fleet residency (its load log): {line}" for line in cold.residency] or ["- fleet residency: no decision in the load job's log"]
+    sides = ([("official", official)] if official is not None else []) + [("fleet cold", cold), ("warm", warm)]
+    for stage in ("stage 1", "stage 2"):
+        values = ", ".join(f"{name} {seconds_text(median_step(run.step_seconds.get(stage, [])))}" for name, run in sides)
+        lines.append(f"- {stage} s/step (median, first step left out): {values}")
+    stage1_steps = [median_step(run.step_seconds.get("stage 1", [])) for _, run in sides]
+    if job.steps != job.official_steps and all(value is not None for value in stage1_steps):
+        estimates = {name: run.total_seconds + (job.official_steps - job.steps) * step for (name, run), step in zip(sides, stage1_steps)}
+        text = ", ".join(f"{name} {seconds:.1f} s" for name, seconds in estimates.items())
+        if official is not None:
+            text += f" (official / fleet cold = {estimates['official'] / estimates['fleet cold']:.2f}, warm {estimates['official'] / estimates['warm']:.2f})"
+        lines.append(f"- whole job at the official {job.official_steps} stage-1 steps (extrapolated with these step times): {text}")
     lines.append(
         f"- bytes the fleet read from model files: cold load {cold.load_bytes_read / 1e9:.2f} GB, cold job "
         f"{cold.bytes_read / 1e9:.2f} GB (Gemma and the LoRA are read when first used); warm load "
         f"{warm.load_bytes_read} bytes, warm job {warm.bytes_read} bytes"
     )
-    # Outputs: same seed, weights and sigmas, untiled stage 2; equal or within bf16 noise.
+    if official is not None:
+        lines += comparison_lines(job, official, cold)
+    same = cold.frames_digest == warm.frames_digest
+    lines.append(f"- fleet cold vs warm frames: {'bitwise equal' if same else 'DIFFER'}")
+    lines += [f"- {note}" for note in (official.notes if official is not None else []) + cold.notes]
+    if official is not None:
+        lines.append(f"- {OTHER}: the official pipeline's time outside the functions above (garbage collection and CUDA cache release between stages)")
+    if device.type == "cuda":
+        lines.append(
+            "- peak GPU memory: official = the peak within each stage (reset before it); fleet = rank 0's peak within "
+            "each job (ranks reset it per job), which holds the resident weights of every component loaded so far"
+        )
+    lines.append(
+        "- the bundle was written (or reused) just before, so the loads read its files mostly from the page "
+        "cache: they measure a machine that has read the model before, not a cold disk"
+    )
+    return "\n".join(lines)
+
+
+def comparison_lines(job: Job, official: Run, cold: Run) -> list[str]:
+    """How far the fleet's outputs are from the official ones: same seed, weights and sigmas, untiled
+    stage 2; equal or within bf16 noise."""
+    lines = []
     compared = ("stage 1 video", "stage 1 audio") if job.multi_gpu_stage2 else ("stage 1 video", "stage 1 audio", "stage 2 video")
     for name in compared:
         lines.append(f"- max abs diff official vs fleet, {name} latent: {max_abs_diff(official.latents[name], cold.latents[name]):.3g}")
@@ -575,20 +669,14 @@ def report(job: Job, config: random_bundle.BundleConfig, official: Run, cold: Ru
             f"{(frames_diff > 0).float().mean().item() * 100:.3g}% of values differ (the fleet's float frames converted as "
             "ltx-core converts; audio not compared: the fleet's stage 2 keeps the stage-1 audio by design, the official one re-denoises it)"
         )
-    same = cold.frames_digest == warm.frames_digest
-    lines.append(f"- fleet cold vs warm frames: {'bitwise equal' if same else 'DIFFER'}")
-    lines += [f"- {note}" for note in official.notes + cold.notes]
-    lines.append(f"- {OTHER}: the official pipeline's time outside the functions above (garbage collection and CUDA cache release between stages)")
-    if device.type == "cuda":
-        lines.append(
-            "- peak GPU memory: official = the peak within each stage (reset before it); fleet = rank 0's peak within "
-            "each job (ranks reset it per job), which holds the resident weights of every component loaded so far"
-        )
-    lines.append(
-        "- the bundle was written (or reused) just before, so both sides' loads read its files mostly from the page "
-        "cache: they measure a machine that has read the model before, not a cold disk"
-    )
-    return "\n".join(lines)
+    return lines
+
+
+def refusal_report(job: Job, config: random_bundle.BundleConfig, error: FleetError, world: str, memory_cap: str | None) -> str:
+    """What the bench prints when the fleet refuses the job (or a job fails): the fleet's own words."""
+    where = f" on rank {error.rank}" if error.rank is not None else ""
+    what = "refused the job" if error.kind == "input_error" else f"failed the job ({error.kind})"
+    return f"**The fleet {world} {what}{where}:** {error}\n\n{setup_text(job, config, memory_cap)}"
 
 
 def append_out(text: str, device: torch.device, out: str) -> None:
@@ -611,10 +699,34 @@ def check_space(path: Path, needed: int, what: str, remedy: str) -> None:
         raise SystemExit(f"error: {what} needs {needed / 1e9:.1f} GB but {path} has {free / 1e9:.1f} GB free; {remedy}")
 
 
+def cap_memory(memory_gib: float | None, device: torch.device) -> str | None:
+    """Cap the fleet's ranks (through the environment they inherit) and this process at ``memory_gib``;
+    returns the cap as the report states it (None: uncapped).
+
+    On a GPU the ranks apply ``MGPU_MEMORY_FRACTION`` (the rank loop's start-up hook) and the residency
+    policy plans for total x fraction; this process, which runs the official pipeline, gets the same
+    fraction. CPU ranks cannot be capped: the residency policy's budget ``MGPU_MEMORY_LIMIT_GIB`` is set
+    instead, so a model that would not fit is refused there as it would be on the GPU."""
+    if memory_gib is None:
+        return None
+    if device.type != "cuda":
+        os.environ[MEMORY_LIMIT_ENV] = f"{memory_gib:g}"
+        return f"CPU ranks planned for {memory_gib:g} GiB ({MEMORY_LIMIT_ENV}; nothing enforces it on a CPU)"
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = memory_gib * GIB / total
+    if fraction > 1:
+        raise SystemExit(f"error: --memory-gb {memory_gib:g} is more than the GPU's {total / GIB:.1f} GiB; leave it out to use the whole GPU")
+    os.environ[MEMORY_FRACTION_ENV] = repr(fraction)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return f"every process capped at {memory_gib:g} GiB of the GPU's {total / GIB:.1f} GiB (memory fraction {fraction:.4f})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the tiny configuration and size (CPU unless --gpus): a smoke run")
-    parser.add_argument("--config", default=str(REPO_ROOT / "configs" / "ltx2-19b-transformer.json"), help="full size: transformer configuration (default: LTX-2 19B)")
+    parser.add_argument("--model", choices=MODEL_VERSIONS, default="2.0", help="model version: 2.0 (19B) or 2.3 (22B layout); picks the bundle's configuration and the official defaults (default 2.0)")
+    parser.add_argument("--pipeline", choices=PIPELINES, default="two-stage", help="recipe (default two-stage, the only one served yet)")
+    parser.add_argument("--config", help="full size: transformer configuration (default: the --model's, configs/ltx2-19b-transformer.json or configs/ltx2.3-22b-transformer.json)")
     parser.add_argument("--gemma-layers", type=int, default=random_bundle.DEFAULT_GEMMA_LAYERS, help="full size: layers of the Gemma-3 12B text encoder (released: 48; default 6, text encode is then a lower bound)")
     parser.add_argument("--lora-rank", type=int, default=random_bundle.FULL_SIZE_LORA_RANK, help="full size: distilled LoRA rank (default 384, as the official one)")
     parser.add_argument("--steps", type=int, help="stage-1 steps (default 40, the official default; tiny: 4)")
@@ -628,9 +740,16 @@ def main() -> None:
     parser.add_argument("--gemma-dir", help="a folder on another disk (e.g. /dev/shm) for the bundle's Gemma, when the bundle's disk cannot hold it beside the checkpoint; a temporary folder inside it unless --bundle-dir is given")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (the job's seed is the official 10)")
     parser.add_argument("--multi-gpu-stage2", action="store_true", help="the fleet runs its own stage 2 (multi-GPU sigmas 0.625,0.4,0.0, TDP tiles over the fleet) instead of the official work; stage 2 and the frames are then not compared")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, help="fp8-cast: the transformer's weights in float8, upcast per layer, on both sides (default: none, bf16)")
+    parser.add_argument("--residency", choices=RESIDENCY_POLICIES, default="auto", help="what the fleet keeps on the GPU: what fits (auto, the default), everything (all), the transformer only (minimal)")
+    parser.add_argument("--memory-gb", type=float, help="cap every fleet rank, and the official run, at this many GiB of its GPU (torch.cuda.set_per_process_memory_fraction), as on a smaller GPU; CPU ranks: the residency policy's budget only")
+    parser.add_argument("--fleet-only", action="store_true", help="skip the official pipeline and the comparison of outputs: the fleet's cold and warm runs only")
     parser.add_argument("--fleet-log", help="copy the fleet's log (every job's lines from every rank: plans, bytes read, Gemma placement, per-rank decode memory) to this file")
     parser.add_argument("--out", help="append command, machine, date and the results to this file")
     args = parser.parse_args()
+    refuse_recipes_not_served(args.model, args.pipeline)
+    if args.memory_gb is not None and not args.memory_gb > 0:
+        parser.error(f"--memory-gb must be a positive number of GiB, got {args.memory_gb}")
 
     on_cpu = args.cpu_ranks is not None or (args.tiny and args.gpus is None) or not torch.cuda.is_available()
     if on_cpu and not args.tiny:
@@ -643,12 +762,14 @@ def main() -> None:
     world = f"world {len(gpus.split(','))} (GPU {gpus})" if gpus else f"world {cpu_ranks} (CPU)"
 
     if args.tiny:
-        config = random_bundle.tiny_config()
+        config = random_bundle.tiny_config(args.model)
         defaults = {"height": TINY_DEFAULTS["height"], "width": TINY_DEFAULTS["width"], "num_frames": TINY_DEFAULTS["num_frames"], "steps": TINY_DEFAULTS["num_inference_steps"]}
     else:
-        transformer = json.loads(Path(args.config).read_text())["transformer"]
+        transformer = json.loads(Path(args.config or REPO_ROOT / "configs" / TRANSFORMER_CONFIGS[args.model]).read_text())["transformer"]
         config = random_bundle.full_size_config(transformer, args.gemma_layers, args.lora_rank)
         defaults = {"height": None, "width": None, "num_frames": None, "steps": None}  # the official defaults
+    if not layout_version(config.checkpoint).startswith(args.model):
+        raise SystemExit(f"error: {args.config} is an LTX-{layout_version(config.checkpoint)} transformer, but --model is {args.model}; give the matching --model or --config")
     log(f"note: {gemma_deviation(config)}")
 
     with contextlib.ExitStack() as stack:
@@ -661,6 +782,7 @@ def main() -> None:
         gemma_dir = None
         if args.gemma_dir:
             gemma_dir = Path(args.gemma_dir) if args.bundle_dir else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-e2e-gemma-", dir=args.gemma_dir)))
+            gemma_dir.mkdir(parents=True, exist_ok=True)  # the Gemma folder itself (e.g. /dev/shm/e2e-gemma): its disk is checked next
         planned_files = random_bundle.planned_bytes(config)
         planned = sum(planned_files.values())
         gemma_bytes = sum(size for name, size in planned_files.items() if name.startswith(random_bundle.GEMMA_DIR_NAME + "/"))
@@ -680,38 +802,73 @@ def main() -> None:
 
         from ltx_pipelines.utils.constants import detect_params
 
-        official_params = detect_params(bundle.checkpoint_path)  # LTX-2.0: the bundle says model_version 2.0.0
+        official_params = detect_params(bundle.checkpoint_path)  # from the bundle's model_version metadata, as --model chose
         last_block = config.checkpoint["transformer"]["num_layers"] - 1
         guiders = [  # the official STG block 29, or a smaller model's last block
             replace(params, stg_blocks=[min(block, last_block) for block in params.stg_blocks])
             for params in (official_params.video_guider_params, official_params.audio_guider_params)
         ]
+        steps = args.steps or defaults["steps"] or official_params.num_inference_steps
+        official_steps = official_params.num_inference_steps
+        if args.pipeline == "distilled":  # one positive-only pass per step over the recipe's fixed sigmas
+            official_steps = defaults_for(args.model, "distilled").steps
+            if args.steps not in (None, official_steps):
+                raise SystemExit(f"error: the distilled pipeline runs its {official_steps} fixed sigmas, got --steps {args.steps}; leave --steps out")
+            guiders, steps = [MultiModalGuiderParams(), MultiModalGuiderParams()], official_steps
         job = Job(
             height=args.height or defaults["height"] or official_params.stage_2_height,
             width=args.width or defaults["width"] or official_params.stage_2_width,
             num_frames=args.num_frames or defaults["num_frames"] or official_params.num_frames,
             frame_rate=official_params.frame_rate,
             seed=official_params.seed,
-            steps=args.steps or defaults["steps"] or official_params.num_inference_steps,
+            steps=steps,
             video_guider=guiders[0],
             audio_guider=guiders[1],
             multi_gpu_stage2=args.multi_gpu_stage2,
+            model_version=args.model,
+            pipeline=args.pipeline,
+            quantization=args.quantization,
+            residency=args.residency,
+            official_steps=official_steps,
         )
         if job.height % 64 or job.width % 64 or (job.num_frames - 1) % 8:
             raise SystemExit(f"error: the two-stage job needs height and width multiples of 64 and 8k+1 frames, got {job.width}x{job.height}x{job.num_frames}")
         if os.path.isdir("/dev/shm"):
             check_space(Path("/dev/shm"), job.frames_bytes + (256 << 20), "the decoded frames' shared-memory handoff", "enlarge /dev/shm or lower the size")
 
-        log(f"official pipeline: {job.width}x{job.height}x{job.num_frames}, {job.steps} steps on {device} ...")
-        official = run_official(bundle, job, device)
-        log(f"official pipeline: {official.total_seconds:.1f} s")
+        memory_cap = cap_memory(args.memory_gb, device)
+        official = None
+        if args.fleet_only:
+            log("official pipeline: skipped (--fleet-only)")
+        else:
+            log(f"official pipeline: {job.width}x{job.height}x{job.num_frames}, {job.steps} steps on {device} ...")
+            try:
+                official = run_official(bundle, job, device)
+            except torch.OutOfMemoryError as exc:
+                raise SystemExit(
+                    f"error: the official pipeline ran out of GPU memory ({memory_cap or 'uncapped'}): {str(exc).splitlines()[0]}; "
+                    "run with --fleet-only to measure the fleet alone, or raise --memory-gb"
+                ) from None
+            log(f"official pipeline: {official.total_seconds:.1f} s")
         socket_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-e2e-fleet-"))
         os.chmod(socket_dir, 0o700)
-        cold, warm = run_fleet(bundle.spec().to_json(), job, device, gpus, cpu_ranks, socket_dir, args.fleet_log)
-        text = report(job, config, official, cold, warm, device, world)
+        spec = replace(bundle.spec(), quantization=job.quantization, residency=job.residency)
+        if job.pipeline == "distilled":  # its checkpoint runs as it is: no LoRA (the bundle's checkpoint stands in)
+            spec = replace(spec, distilled_lora=None)
+        spec = spec.to_json()
+        try:
+            cold, warm = run_fleet(spec, job, device, gpus, cpu_ranks, socket_dir, args.fleet_log)
+        except FleetError as exc:  # a model that does not fit is refused in the fleet's words, not with a traceback
+            text, failed = refusal_report(job, config, exc, world, memory_cap), True
+            if exc.kind != "input_error" and exc.traceback:  # a fault (an out of memory past the plan): where, for stderr only
+                log(f"the failing rank's traceback:\n{exc.traceback}")
+        else:
+            text, failed = report(job, config, official, cold, warm, device, world, memory_cap), False
     print(text, flush=True)
     if args.out:
         append_out(text, device, args.out)
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

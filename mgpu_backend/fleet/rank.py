@@ -43,6 +43,11 @@ from mgpu_backend.parallel.comm import Comm
 
 HEARTBEAT_SECONDS = 1.0
 _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+MEMORY_FRACTION_ENV = "MGPU_MEMORY_FRACTION"
+"""Share of its GPU a CUDA rank may allocate (0 < f <= 1), applied once at start-up with
+``torch.cuda.set_per_process_memory_fraction``: the allocator refuses more, and the residency policy
+plans for total x fraction. Unset: the whole GPU. For running as if on a smaller GPU (bench/e2e.py
+``--memory-gb``)."""
 
 
 class ServerChannel:
@@ -391,6 +396,20 @@ def _holds_other_comm(value, keep: tuple[Comm, ...], depth: int = 3) -> bool:
     return False
 
 
+def memory_fraction(environ) -> float | None:
+    """``MGPU_MEMORY_FRACTION`` from ``environ``, checked; None when unset or empty."""
+    text = environ.get(MEMORY_FRACTION_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value <= 1:
+        raise ValueError(f"{MEMORY_FRACTION_ENV} must be a share of the GPU above 0 and at most 1 (0.5: half), got {text!r}; unset it to use the whole GPU")
+    return value
+
+
 def main(rank: int, world_size: int, fd: int, device: str, store_path: str, owner_pid: int) -> None:
     # Ctrl-C on a foreground server reaches the whole process group; the server alone decides how
     # its ranks end (a rank that died of it would be taken for a fault and replaced).
@@ -399,6 +418,8 @@ def main(rank: int, world_size: int, fd: int, device: str, store_path: str, owne
     torch_device = torch.device(device)
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
+        if (fraction := memory_fraction(os.environ)) is not None:
+            torch.cuda.set_per_process_memory_fraction(fraction, torch_device)
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     rank_process = Rank(rank, world_size, sock, torch_device, store_path, owner_pid)
