@@ -644,7 +644,7 @@ from mgpu_backend.ltx import api
 
 sent = []
 
-def fleet_run(op, args, tensors=None, progress=None, should_cancel=None, log=None):
+def fleet_run(op, args, tensors=None, progress=None, should_cancel=None, log=None, preview=None):
     # The transport alone is replaced: requests are built and checked by the real api and schema.
     sent.append((op, json.loads(json.dumps(args)), sorted(tensors or {})))
     video, audio = torch.zeros(1, 128, 2, 2, 3), torch.zeros(1, 8, 9, 16)

@@ -180,7 +180,7 @@ def run_ours(loader: ModelLoader, image: torch.Tensor | None) -> dict:
     progress = []
     positive, negative = contexts_from_gemma(loader, [stand_in_gemma_output(p) for p in (PROMPT, NEGATIVE_PROMPT)])
     stage1_video, stage1_audio = sample_stage1(
-        loader, PARAMS, positive, negative, image=image, on_step=lambda step, total: progress.append((1, step, total))
+        loader, PARAMS, positive, negative, image=image, on_step=lambda step, total, video_x0: progress.append((1, step, total))
     )
     upsampled = upsample_video(loader, stage1_video)
     stage2_video, stage2_audio = refine_stage2(
@@ -190,7 +190,7 @@ def run_ours(loader: ModelLoader, image: torch.Tensor | None) -> dict:
         stage1_audio,
         positive,
         image=image,
-        on_step=lambda step, total: progress.append((2, step, total)),
+        on_step=lambda step, total, video_x0: progress.append((2, step, total)),
     )
     frames = decode_video(loader, stage2_video, generator=PARAMS.decoder_generator(loader.device, loader.dtype))
     return {
@@ -448,7 +448,7 @@ def test_on_step_exception_stops_the_stage_at_that_step_and_propagates():
     context = TextContext(torch.zeros(1, 4, 8, dtype=torch.bfloat16), torch.zeros(1, 4, 8, dtype=torch.bfloat16))
     seen = []
 
-    def cancel_at_second_step(step, total):
+    def cancel_at_second_step(step, total, video_x0):
         seen.append((step, total))
         if step == 2:
             raise Cancelled

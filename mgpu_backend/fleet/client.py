@@ -277,9 +277,13 @@ class FleetClient:
         on_progress: Callable[[dict], None] | None = None,
         on_log: Callable[[str], None] | None = None,
         should_cancel: Callable[[], bool] | None = None,
+        on_preview: Callable[[dict, torch.Tensor], None] | None = None,
     ) -> JobResult:
         """Run one job to its end. Raises FleetCancelled or FleetError (FleetUnavailable when the
-        server is gone); the fleet and this connection stay usable after any of them."""
+        server is gone); the fleet and this connection stay usable after any of them.
+
+        ``on_preview(fields, frames)`` receives the job's live previews (``protocol.preview_frames``);
+        a malformed one is dropped with a line to ``on_log``: a preview is never worth the job."""
         try:
             inline, shared = shm.split_for_transfer(tensors or {})
         except shm.SharedMemoryFull as exc:
@@ -315,6 +319,14 @@ class FleetClient:
                     continue
                 if message.type == "progress" and on_progress is not None:
                     on_progress(message.fields)
+                elif message.type == "preview" and on_preview is not None:
+                    try:
+                        frames = protocol.preview_frames(message)
+                    except protocol.ProtocolError as exc:
+                        if on_log is not None:
+                            on_log(f"preview dropped: {exc}")
+                        continue
+                    on_preview(message.fields, frames)
                 elif message.type == "log" and on_log is not None:
                     on_log(f"[rank {message.fields.get('rank')}] {message.fields.get('text', '')}")
                 elif message.type == "error":

@@ -499,6 +499,9 @@ class Fleet:
                     step_seconds[rank] = message.fields.get("seconds")
                     if rank == 0:
                         on_event(Message("progress", {**message.fields, "rank_seconds": list(step_seconds)}, job=job_id))
+                elif message.type == "preview":
+                    if rank == 0:  # only rank 0 sends previews; one from elsewhere would be a bug, not news
+                        on_event(message)
                 elif message.type == "log":
                     last_activity = time.monotonic()
                     job_log.add(rank, str(message.fields.get("text", "")))

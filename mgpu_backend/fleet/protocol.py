@@ -72,6 +72,28 @@ class FrameTimeout(ProtocolError):
     """A frame (or a handshake) did not arrive whole before its deadline."""
 
 
+PREVIEW_MAX_BYTES = 16 << 20
+"""A ``preview`` event carries one small image strip; anything bigger is not a preview."""
+
+
+def preview_frames(message: Message) -> torch.Tensor:
+    """The frames of a ``preview`` event: one tensor ``frames``, uint8 ``[n, height, width, 3]``,
+    at most ``PREVIEW_MAX_BYTES``, with integer ``stage``, ``step`` and ``total`` fields (stage a string)."""
+    frames = message.tensors.get("frames")
+    if message.type != "preview" or set(message.tensors) != {"frames"} or message.shm:
+        raise ProtocolError("a preview event carries exactly one inline tensor named 'frames'")
+    if frames.dtype != torch.uint8 or frames.ndim != 4 or frames.shape[-1] != 3 or 0 in frames.shape:
+        raise ProtocolError(f"preview frames must be uint8 [n, height, width, 3], got {frames.dtype} {list(frames.shape)}")
+    if frames.numel() > PREVIEW_MAX_BYTES:
+        raise ProtocolError(f"preview of {frames.numel()} bytes exceeds {PREVIEW_MAX_BYTES}")
+    fields = message.fields
+    if not isinstance(fields.get("stage"), str) or not all(
+        isinstance(fields.get(name), int) and not isinstance(fields.get(name), bool) for name in ("step", "total")
+    ):
+        raise ProtocolError("a preview event needs a 'stage' string and integer 'step' and 'total' fields")
+    return frames
+
+
 class ConnectionClosed(Exception):
     """The peer closed the connection (cleanly, or by dying)."""
 

@@ -6,7 +6,9 @@ fleet and returns tensors in ComfyUI's layouts: video latent ``[B,128,F',H/32,W/
 request with ``schema`` (which checks it and fills the official defaults: a keyword left as None
 means "the schema's default"). Every job carries the model spec, so a fleet that restarted reloads
 the model on its own; prompts travel by digest, their contexts resent only when the fleet lost them. ``progress`` receives the
-fleet's progress events; ``should_cancel`` is polled while a job runs (ComfyUI's interrupt).
+fleet's progress events; ``should_cancel`` is polled while a job runs (ComfyUI's interrupt);
+``preview(fields, frames)`` receives the denoising stages' live previews (``ltx.previews``: uint8
+``[n, h, w, 3]`` strips of the current x0, with the stage, step and total in ``fields``).
 
 The connection is shared by the whole process and serialised with a lock: the fleet runs one job
 at a time anyway. Nothing here imports ComfyUI.
@@ -24,6 +26,7 @@ import torch
 from mgpu_backend.fleet.client import FleetClient, FleetError, FleetUnavailable
 from mgpu_backend.ltx.schema import (
     CONTEXT_MISSING,
+    PREVIEW_EVERY,
     DecodeRequest,
     EncodeRequest,
     Guidance,
@@ -34,6 +37,7 @@ from mgpu_backend.ltx.schema import (
 
 Progress = Callable[[dict], None] | None
 ShouldCancel = Callable[[], bool] | None
+Preview = Callable[[dict, torch.Tensor], None] | None
 
 _lock = threading.RLock()
 _client: FleetClient | None = None
@@ -75,11 +79,12 @@ def _alive(client: FleetClient) -> bool:
         return False
 
 
-def run(op: str, args: dict, tensors: dict | None = None, progress: Progress = None, should_cancel: ShouldCancel = None, log: Callable[[str], None] | None = None):
+def run(op: str, args: dict, tensors: dict | None = None, progress: Progress = None, should_cancel: ShouldCancel = None, log: Callable[[str], None] | None = None,
+        preview: Preview = None):  # fmt: skip
     with _lock:
         client = fleet()
         try:
-            return client.run(op, args, tensors or {}, on_progress=progress, on_log=log, should_cancel=should_cancel)
+            return client.run(op, args, tensors or {}, on_progress=progress, on_log=log, should_cancel=should_cancel, on_preview=preview)
         except (OSError, ConnectionError) as exc:
             raise FleetUnavailable(f"lost the connection to the fleet server: {exc}") from exc
 
@@ -107,7 +112,16 @@ def _given(**fields) -> dict:
     return {name: value for name, value in fields.items() if value is not None}
 
 
-def run_naming_prompts(request, tensors: dict, prompts: dict[str, PromptEncoding], progress: Progress, should_cancel: ShouldCancel):
+def preview_rate(preview: Preview, preview_every: int | None) -> int:
+    """The request's ``preview_every``: none without a callback to show them, else the caller's
+    rate (0: off) or the schema's ``PREVIEW_EVERY``."""
+    if preview is None:
+        return 0
+    return PREVIEW_EVERY if preview_every is None else preview_every
+
+
+def run_naming_prompts(request, tensors: dict, prompts: dict[str, PromptEncoding], progress: Progress, should_cancel: ShouldCancel,
+                       preview: Preview = None):  # fmt: skip
     """Run a job whose request names its prompts by digest, sending only the contexts without one.
 
     When the fleet no longer holds a digest (it restarted, or kept newer prompts), the job fails on
@@ -118,13 +132,13 @@ def run_naming_prompts(request, tensors: dict, prompts: dict[str, PromptEncoding
         if encoding.digest is None:
             sent.update(_context_tensors(prefix, encoding))
     try:
-        return run(request.op, wire, sent, progress=progress, should_cancel=should_cancel)
+        return run(request.op, wire, sent, progress=progress, should_cancel=should_cancel, preview=preview)
     except FleetError as exc:
         if exc.kind != "input_error" or CONTEXT_MISSING not in str(exc):
             raise
     for prefix, encoding in prompts.items():
         sent.update(_context_tensors(prefix, encoding))
-    return run(request.op, wire, sent, progress=progress, should_cancel=should_cancel)
+    return run(request.op, wire, sent, progress=progress, should_cancel=should_cancel, preview=preview)
 
 
 def parse_tiles(text: str) -> tuple[int, int] | None:
@@ -187,6 +201,8 @@ def sample(
     dtype: str = "bfloat16",
     progress: Progress = None,
     should_cancel: ShouldCancel = None,
+    preview: Preview = None,
+    preview_every: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1: full-frame generation from noise at width x height (sequence/guidance parallel).
 
@@ -198,7 +214,8 @@ def sample(
     on GPU ranks (None: on with CUDA; equal to eager within bf16 noise; it pays off on the small
     shards of high SP degrees). ``compile_blocks`` also compiles the transformer blocks with
     torch.compile for this job (GPU ranks; a compile of tens of seconds per new shape, then fused
-    kernels: worth it on a warm fleet at SP degree 4+)."""
+    kernels: worth it on a warm fleet at SP degree 4+). ``preview`` gets a live preview every
+    ``preview_every`` steps (None: ``schema.PREVIEW_EVERY``; 0: none); previews never change the result."""
     prompts = {"positive": _encoding(positive)}
     if negative is not None:
         prompts["negative"] = _encoding(negative)
@@ -206,11 +223,12 @@ def sample(
         "spec": spec, "dtype": dtype, "model_version": model_version, "pipeline": pipeline, "parallel": parallel,
         "compile_blocks": compile_blocks, "positive_digest": prompts["positive"].digest,
         "negative_digest": prompts["negative"].digest if "negative" in prompts else None,
+        "preview_every": preview_rate(preview, preview_every),
         **_given(width=width, height=height, num_frames=num_frames, frame_rate=frame_rate, seed=seed, steps=steps, cuda_graphs=cuda_graphs),
         **_given(video_guidance=video_guidance and video_guidance.to_wire(), audio_guidance=audio_guidance and audio_guidance.to_wire()),
     })  # fmt: skip
     tensors = {} if image is None else {"image": image}
-    result = run_naming_prompts(request, tensors, prompts, progress, should_cancel)
+    result = run_naming_prompts(request, tensors, prompts, progress, should_cancel, preview)
     return result.tensors["video_latent"], result.tensors["audio_latent"]
 
 
@@ -234,6 +252,8 @@ def upscale(
     progress: Progress = None,
     should_cancel: ShouldCancel = None,
     fields: dict | None = None,
+    preview: Preview = None,
+    preview_every: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 2: 2x spatial upsample, then the recipe's refinement (two-stage: the distilled LoRA;
     distilled: the distilled checkpoint as it is), tiled data parallel or sequence parallel.
@@ -243,18 +263,19 @@ def upscale(
     for the distilled recipe: ``schema.STAGE2_PLANS``). ``tiles`` is (height tiles, width tiles), TDP
     only; None picks a balanced split over the fleet. Arguments left as None take the schema's
     defaults (sigmas ``schema.stage2_default_sigmas(pipeline)``). ``fields``, when given, receives
-    the job's result fields (the plan, and what the audio is).
+    the job's result fields (the plan, and what the audio is). ``preview`` and ``preview_every``
+    as in ``sample``.
     """
     prompts = {"positive": _encoding(positive)}
     request = UpscaleRequest.from_wire({
         "spec": spec, "dtype": dtype, "model_version": model_version, "pipeline": pipeline, "parallel": parallel,
-        "force_from_noise": force_from_noise, "positive_digest": prompts["positive"].digest,
+        "force_from_noise": force_from_noise, "positive_digest": prompts["positive"].digest, "preview_every": preview_rate(preview, preview_every),
         **_given(frame_rate=frame_rate, seed=seed, sigmas=sigmas and list(sigmas), tiles=tiles and list(tiles), overlap=overlap),
     })  # fmt: skip
     tensors = {"video_latent": video_latent, "audio_latent": audio_latent}
     if image is not None:
         tensors["image"] = image
-    result = run_naming_prompts(request, tensors, prompts, progress, should_cancel)
+    result = run_naming_prompts(request, tensors, prompts, progress, should_cancel, preview)
     if fields is not None:
         fields.update(result.fields)
     return result.tensors["video_latent"], result.tensors["audio_latent"]

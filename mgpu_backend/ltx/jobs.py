@@ -61,6 +61,7 @@ from mgpu_backend.ltx.decode import decode_audio
 from mgpu_backend.ltx.latents import StageGeometry, job_generator
 from mgpu_backend.ltx.loading import ModelLoader
 from mgpu_backend.ltx.parallelize import Stage1Options, parallelize_stage1, parallelize_stage2, stage1_cache
+from mgpu_backend.ltx.previews import stage_previews, step_reporter
 from mgpu_backend.ltx.schema import CONTEXT_MISSING, PROMPT_CACHE_ENTRIES, VIDEO_LATENT_CHANNELS, DecodeRequest, EncodeRequest, LoadRequest, ModelFileError, ModelSpec, SampleRequest, UnloadRequest, UpscaleRequest, pixel_geometry, validate_stg_blocks
 from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, guider_params, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
 from mgpu_backend.ltx.residency import component_sizes, device_memory_bytes, plan_residency
@@ -366,8 +367,14 @@ def _video_latent(tensors: dict, what: str) -> torch.Tensor:
     return latent.float()
 
 
-def _progress(ctx: JobContext, stage: str) -> Callable[[int, int], None]:
-    return lambda step, total: ctx.step(stage, step, total)
+def _progress(ctx: JobContext, stage: str) -> Callable[..., None]:
+    """Progress and cancel only; it also serves as a stage's ``on_step`` (which adds the step's x0)."""
+    return lambda step, total, video_x0=None: ctx.step(stage, step, total)
+
+
+def _stage_steps(ctx: JobContext, resident, stage: str, preview_every: int):
+    """A denoising stage's step callback: progress and cancel, plus live previews when asked for."""
+    return step_reporter(ctx, stage, stage_previews(ctx, resident, preview_every), preview_every)
 
 
 # -- jobs --------------------------------------------------------------------------------------
@@ -476,12 +483,13 @@ def sample(ctx: JobContext, args: dict, tensors: dict):
             wanted.append(("negative", request.negative_digest))
         positive, *rest = prompt_contexts(ctx, tensors, wanted)
         negative = rest[0] if rest else None  # no unconditional pass (the distilled recipe): no negative prompt
-    return run_stage1(ctx, resident, params, positive, negative, image, request.parallel, dims, cuda_graphs, request.batch_passes, compile_blocks)
+    return run_stage1(ctx, resident, params, positive, negative, image, request.parallel, dims, cuda_graphs, request.batch_passes, compile_blocks,
+                      request.preview_every)  # fmt: skip
 
 
 def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: TextContext, negative: TextContext | None,
                image: torch.Tensor | None, mode: str, dims: TransformerDims, cuda_graphs: bool = True,
-               batch_passes: str | bool = "auto", compile_blocks: bool = False):  # fmt: skip
+               batch_passes: str | bool = "auto", compile_blocks: bool = False, preview_every: int = 0):  # fmt: skip
     """Plan, memory check and the stage-1 loop under ``parallelize_stage1``: shared by ``sample`` and
     the benchmark job."""
     passes = active_passes(params.video_guider, params.audio_guider)
@@ -492,10 +500,11 @@ def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: Te
         options = Stage1Options(cuda_graphs=cuda_graphs, batch_passes=batched, compile_blocks=compile_blocks)
         check_generation_fits(params, ctx.device, dims, resident.dtype, sp_degree=plan.sp_degree, weights_resident=True)
     transformer = resident.transformer("none")
+    on_step = _stage_steps(ctx, resident, "stage1", preview_every)
     with parallelize_stage1(transformer, plan, ctx.comm, ctx.device, options, stage1_cache(ctx.state), ctx.log) as stage:
         video, audio = sample_stage1(
             resident, params, _moved(positive, resident), negative and _moved(negative, resident), image, pass_runner=stage.runner,
-            on_step=_progress(ctx, "stage1"),
+            on_step=on_step,
         )
     return stage.fields(), {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
 
@@ -570,10 +579,11 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
     lora_set = STAGE2_LORA_SETS[request.pipeline]
     stage2_transformer = resident.transformer(lora_set)  # the same working copy stage 1 used, clean again
     sequence_parallel = plan.technique == "sp"
+    on_step = _stage_steps(ctx, resident, "stage2", request.preview_every)
     with parallelize_stage2(stage2_transformer, ctx.comm, tiling, stage2_grid, ctx.log, sequence_parallel=sequence_parallel) as wrapper:
         video, audio = refine_stage2(
             resident, params, upsampled, audio_latent.float(), _moved(positive, resident), image,
-            sigmas=sigmas, transformer_wrapper=wrapper, on_step=_progress(ctx, "stage2"),
+            sigmas=sigmas, transformer_wrapper=wrapper, on_step=on_step,
             lora_set=lora_set, denoise_audio=plan.denoises_audio,
         )  # fmt: skip
     fields = {
@@ -628,7 +638,10 @@ def decode(ctx: JobContext, args: dict, tensors: dict):
     decoder = resident.video_decoder()
     out = ctx.shared_output("frames", decoded_images_shape(decoder, video_latent.shape)) if ctx.rank == 0 else None
     with torch.inference_mode():
-        frames_out = distributed_decode_images(decoder, video_latent.to(ctx.device, resident.dtype), tiling, ctx.comm, generator, out=out)
+        # One progress step per decoded tile, counted over all ranks (also the cancel point).
+        frames_out = distributed_decode_images(
+            decoder, video_latent.to(ctx.device, resident.dtype), tiling, ctx.comm, generator, out=out, on_tiles=_progress(ctx, "decode")
+        )
     stats = last_decode_stats()
     if stats is not None:
         peak = stats.device_peak_bytes if stats.device_peak_bytes is not None else stats.assembly_peak_bytes
@@ -636,7 +649,6 @@ def decode(ctx: JobContext, args: dict, tensors: dict):
             f"decode: {stats.tiles_decoded}/{stats.tiles_total} tiles on this rank, {stats.decode_seconds:.2f} s decoding, "
             f"{stats.reduce_seconds:.2f} s blending, peak {peak / 2**20:.1f} MiB"
         )
-    ctx.step("decode", 1, 2)
     result, out_tensors = {"frames": int(frames_out.shape[0]) if frames_out is not None else 0}, {}
     if ctx.rank == 0:
         out_tensors["frames"] = frames_out
@@ -644,7 +656,8 @@ def decode(ctx: JobContext, args: dict, tensors: dict):
             waveform, sample_rate = decode_audio(resident, audio_latent.float(), video_frames=frames, frame_rate=request.frame_rate)
             out_tensors["waveform"] = waveform.cpu()
             result["sample_rate"] = sample_rate
-    ctx.step("decode", 2, 2)
+    if audio_latent is not None:
+        ctx.step("audio decode", 1, 1)
     return result, out_tensors
 
 

@@ -72,6 +72,11 @@ fleet restarted, or the cache let it go); the client then resends the contexts i
 PROMPT_CACHE_ENTRIES = 32
 """Prompt encodings each rank keeps by digest (least recently used go first)."""
 
+PREVIEW_EVERY = 1
+"""Live previews of the denoising stages: one every this many steps (and the last), where the caller
+wants previews; a request's ``preview_every`` of 0 (its default) sends none."""
+MAX_PREVIEW_EVERY = MAX_STEPS
+
 
 class RequestError(ValueError):
     """A job argument that cannot be used; the message names it and says what to do."""
@@ -710,6 +715,7 @@ class SampleRequest:
     batch_passes: str | bool = "auto"
     positive_digest: str | None = None
     negative_digest: str | None = None
+    preview_every: int = 0  # live previews every this many steps; 0: none
 
     op = "sample"
 
@@ -768,6 +774,7 @@ class SampleRequest:
             batch_passes=batch_passes,
             positive_digest=_digest(data, "positive_digest"),
             negative_digest=_digest(data, "negative_digest"),
+            preview_every=integer_field(data, "preview_every", 0, 0, MAX_PREVIEW_EVERY),
         )
 
 
@@ -793,6 +800,7 @@ class UpscaleRequest:
     overlap: int = TDP_OVERLAP
     force_from_noise: bool = False
     positive_digest: str | None = None
+    preview_every: int = 0  # live previews every this many steps; 0: none
 
     op = "upscale"
 
@@ -841,6 +849,7 @@ class UpscaleRequest:
             overlap=integer_field(data, "overlap", TDP_OVERLAP, 0, 64),
             force_from_noise=force_from_noise,
             positive_digest=_digest(data, "positive_digest"),
+            preview_every=integer_field(data, "preview_every", 0, 0, MAX_PREVIEW_EVERY),
         )
 
 

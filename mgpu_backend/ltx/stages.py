@@ -76,7 +76,9 @@ from mgpu_backend.ltx.validation import (
     estimate_memory_bytes,
 )
 
-OnStep = Callable[[int, int], None]
+OnStep = Callable[..., None]
+"""``on_step(step, total, video_x0)`` after each step: ``video_x0()`` is that step's denoised video in
+ComfyUI layout, computed only when called (live previews); a callback may ignore it."""
 
 
 def guider_params(guidance: Guidance, official: Guidance, layer_count: int | None = None) -> MultiModalGuiderParams:
@@ -215,8 +217,10 @@ def _euler_loop(
     audio_state: LatentState,
     denoise: DenoiseFn,
     on_step: OnStep | None,
+    video_tools=None,
 ) -> tuple[LatentState, LatentState]:
-    """Step both modalities from ``sigmas[0]`` down to ``sigmas[-1]``; ``on_step`` after each step."""
+    """Step both modalities from ``sigmas[0]`` down to ``sigmas[-1]``; ``on_step`` after each step
+    (with the step's video x0 when ``video_tools`` can put it in ComfyUI layout)."""
     stepper = EulerDiffusionStep()
     total = len(sigmas) - 1
     for step in range(total):
@@ -227,7 +231,10 @@ def _euler_loop(
         audio_state = replace(audio_state, latent=stepper.step(audio_state.latent, denoised_audio, sigmas, step))
         if on_step is not None:
             # Progress report and cancel point: an exception here ends the stage at a step boundary.
-            on_step(step + 1, total)
+            if video_tools is None:
+                on_step(step + 1, total)
+            else:
+                on_step(step + 1, total, lambda x0=denoised_video, state=video_state: state_to_comfy(replace(state, latent=x0), video_tools))
     return video_state, audio_state
 
 
@@ -396,7 +403,7 @@ def sample_stage1(
             previous = combine_guidance(guidance, passes, outputs, previous)
             return previous
 
-        video_state, audio_state = _euler_loop(sigmas, video_state, audio_state, guided_denoise, on_step)
+        video_state, audio_state = _euler_loop(sigmas, video_state, audio_state, guided_denoise, on_step, video_tools)
         return state_to_comfy(video_state, video_tools), state_to_comfy(audio_state, audio_tools)
 
 
@@ -501,7 +508,7 @@ def refine_stage2(
                 perturbations=None,
             )
 
-        video_state, denoised_audio = _euler_loop(sigmas, video_state, audio_state, positive_only, on_step)
+        video_state, denoised_audio = _euler_loop(sigmas, video_state, audio_state, positive_only, on_step, video_tools)
         if denoise_audio:
             return state_to_comfy(video_state, video_tools), state_to_comfy(denoised_audio, audio_tools)
         return state_to_comfy(video_state, video_tools), audio_latent

@@ -41,12 +41,21 @@ Shared-memory-friendly assembly
 What it costs
     Decode time per rank falls to about ceil(tiles / ranks) tile decodes. Each rank decodes its
     tiles one round ahead of the reduction (it may hold the weighted tiles of the current and next
-    round), so ranks with no tile in one temporal group keep working instead of waiting. Traffic is
+    round), so ranks with no tile in one temporal group keep working instead of waiting; a round is
+    decoded before a group's reduction when the round starts before the group's end plus one round,
+    the same rounds on every rank, so that the progress calls line up. Traffic is
     one all-reduce per temporal group of a buffer holding that group's frames at full resolution
     (about the video size times the temporal overlap factor in total). Per-rank memory: the decoder's
     activations for one tile (unchanged by the rank count: tiles keep their size), one group buffer,
     and the rank's held tiles (these fall as 1/ranks); rank 0 also holds the frame window.
     ``last_decode_stats()`` reports tiles, seconds and peak bytes of the last call in this process.
+
+Progress
+    ``on_tiles(done, total)`` is called after every round of tiles (one tile per rank: tiles
+    ``k*N .. k*N+N-1`` in round k) with the number of tiles all ranks have decoded so far and the
+    tile count: on every rank, at the same points and with the same arguments, so it may be a
+    collective (the fleet's step report, which is also its cancel point). With one rank it is one
+    call per tile.
 
 Every rank must pass the same decoder weights, latent, tiling, timestep and generator state.
 This module must never edit or fork ltx-core (the decoder is called as is, per tile), never change
@@ -58,7 +67,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -71,6 +79,9 @@ from ltx_core.model.video_vae.video_vae import VideoDecoder
 from mgpu_backend.parallel.comm import Comm
 
 logger = logging.getLogger(__name__)
+
+OnTiles = Callable[[int, int], None]
+"""``on_tiles(tiles_decoded_on_all_ranks, tiles_total)`` after each round of tiles."""
 
 # ltx-core's tiled decode divides by the summed mask weights clamped at this value.
 _MIN_BLEND_WEIGHT = 1e-8
@@ -120,6 +131,7 @@ def distributed_decode_video(
     generator: torch.Generator | None = None,
     *,
     timestep: torch.Tensor | None = None,
+    on_tiles: OnTiles | None = None,
 ) -> torch.Tensor | None:
     """Decode ``latent`` [B, 128, F', H', W'] with its tiles spread over ``comm``'s ranks.
 
@@ -137,7 +149,7 @@ def distributed_decode_video(
     def write_frames(first_frame: int, chunk: torch.Tensor) -> None:
         video[:, :, first_frame : first_frame + chunk.shape[2]] = chunk
 
-    _decode_tiles_and_assemble(decoder, latent, tiling_config, comm, generator, timestep, write_frames)
+    _decode_tiles_and_assemble(decoder, latent, tiling_config, comm, generator, timestep, write_frames, on_tiles)
     return video
 
 
@@ -150,6 +162,7 @@ def distributed_decode_images(
     *,
     timestep: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    on_tiles: OnTiles | None = None,
 ) -> torch.Tensor | None:
     """Like ``distributed_decode_video`` but rank 0 gets ComfyUI IMAGE frames: float32
     [B*F, H, W, 3] in 0..1, written chunk by chunk into ``out`` when given (for instance a tensor
@@ -175,7 +188,7 @@ def distributed_decode_images(
         per_batch = images.view(batch, -1, *images.shape[1:])
         per_batch[:, first_frame : first_frame + chunk.shape[2]] = _to_image_layout(chunk).to(images.device)
 
-    _decode_tiles_and_assemble(decoder, latent, tiling_config, comm, generator, timestep, write_frames)
+    _decode_tiles_and_assemble(decoder, latent, tiling_config, comm, generator, timestep, write_frames, on_tiles)
     return images
 
 
@@ -426,6 +439,7 @@ def _decode_tiles_and_assemble(
     generator: torch.Generator | None,
     timestep: torch.Tensor | None,
     emit: Callable[[int, torch.Tensor], None],
+    on_tiles: OnTiles | None = None,
 ) -> None:
     global _last_stats
     started = time.perf_counter()
@@ -441,7 +455,8 @@ def _decode_tiles_and_assemble(
         group_of_tile = [index for index, group in enumerate(groups) for _ in range(group.first_tile, group.end_tile)]
         tile_decoder = _TileDecoder(decoder, latent, tiles, generator, timestep)
         own_tiles = list(range(comm.rank, len(tiles), comm.world_size))
-        pending = deque(own_tiles)
+        rounds = -(-len(tiles) // comm.world_size)
+        next_round = 0
         held: dict[int, tuple[tuple[slice, ...], torch.Tensor]] = {}
         window = _FrameWindow(emit) if comm.rank == 0 else None
         decode_seconds = reduce_seconds = 0.0
@@ -455,8 +470,12 @@ def _decode_tiles_and_assemble(
         # never waits and needs no lookahead.
         lookahead_tiles = comm.world_size if comm.world_size > 1 else 0
         for group in groups:
-            while pending and pending[0] < group.end_tile + lookahead_tiles:
-                tile_index = pending.popleft()
+            while next_round < rounds and next_round * comm.world_size < group.end_tile + lookahead_tiles:
+                tile_index = next_round * comm.world_size + comm.rank
+                next_round += 1
+                if tile_index >= len(tiles):  # the last round has fewer tiles than ranks
+                    _report_round(on_tiles, next_round, comm.world_size, len(tiles))
+                    continue
                 tile_started = time.perf_counter()
                 decoded = tile_decoder.decode(tile_index)
                 coords, mask, frames = _blend_region(
@@ -468,6 +487,7 @@ def _decode_tiles_and_assemble(
                     torch.cuda.synchronize(latent.device)
                 decode_seconds += time.perf_counter() - tile_started
                 peak_bytes = max(peak_bytes, held_bytes())
+                _report_round(on_tiles, next_round, comm.world_size, len(tiles))
 
             group_values = torch.zeros(
                 (batch, channels, group.frames, height, width), device=latent.device, dtype=latent.dtype
@@ -496,7 +516,7 @@ def _decode_tiles_and_assemble(
                 peak_bytes = max(peak_bytes, held_bytes())
             del group_values
 
-        assert not held and not pending, "every own tile is decoded and reduced"
+        assert not held and next_round == rounds, "every own tile is decoded and reduced"
         if window is not None:
             window.flush()
         # Leave the generator where the single-GPU loop leaves it, on every rank alike.
@@ -524,6 +544,11 @@ def _decode_tiles_and_assemble(
         len(groups),
         _last_stats.total_seconds,
     )
+
+
+def _report_round(on_tiles: OnTiles | None, rounds_done: int, world_size: int, tiles: int) -> None:
+    if on_tiles is not None:
+        on_tiles(min(rounds_done * world_size, tiles), tiles)
 
 
 def _to_image_layout(video: torch.Tensor) -> torch.Tensor:

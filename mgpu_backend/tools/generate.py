@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -99,6 +99,8 @@ def add_generate_parser(commands) -> None:
     job.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the stage-1 forward eagerly instead of replaying captured CUDA graphs (GPU only; default: graphs on with CUDA)")
     job.add_argument("--compile-blocks", action="store_true", help="torch.compile the transformer blocks for stage 1 (GPU only; tens of seconds of compile per new shape, then faster small shards: for SP degree 4+; default off)")
     job.add_argument("--debug-dump", metavar="PATH", help="write stage latents, frames (uint8) and waveform to this safetensors file (default: none)")
+    job.add_argument("--preview-dir", metavar="DIR", help="write the live previews of stages 1 and 2 (latent-to-RGB strips of a few frames) there as PNGs (default: none)")
+    job.add_argument("--preview-every", type=int, default=PREVIEW_EVERY, help=f"steps per preview with --preview-dir, 0 for none (default {PREVIEW_EVERY}: every step)")
 
     # Unset guidance flags take the schema's official values of --model-version (shown: 2.0's).
     guidance = parser.add_argument_group("guidance (default: the official values of the model version)")
@@ -155,6 +157,24 @@ def refuse(message: str) -> SystemExit:
 
 def warn(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
+
+
+class PreviewWriter:
+    """``--preview-dir``: each live preview as ``<stage>_step<NNN>.png`` (the frames side by side)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.written = 0
+
+    def __call__(self, fields: dict, frames: torch.Tensor) -> None:
+        from PIL import Image
+
+        from mgpu_backend.ltx.previews import side_by_side
+
+        name = f"{fields['stage']}_step{int(fields['step']):03d}.png"
+        Image.fromarray(side_by_side(frames).numpy()).save(self.directory / name)
+        self.written += 1
 
 
 def _parse_floats(text: str, name: str) -> tuple[float, ...]:
@@ -349,6 +369,8 @@ def check_inputs(args, spec: dict) -> dict:
         raise refuse(f"--tiles: {exc}") from None
     _check_tiles(tiles, args.height, args.width)
     _check_output(args.output)
+    if args.preview_every < 0:
+        raise refuse(f"--preview-every must be 0 (no previews) or a number of steps, got {args.preview_every}; e.g. {PREVIEW_EVERY}")
     image = _load_image(args.image) if args.image else None
     return {"prompt": prompt, "negative": negative, "tiles": tiles, "sigmas": sigmas, "image": image}
 
@@ -488,6 +510,8 @@ def run_generate(args) -> int:
     signal.signal(signal.SIGINT, on_interrupt)
     progress = StageProgress()
     common = dict(progress=progress, should_cancel=lambda: cancelled["flag"], dtype=args.dtype)
+    previews = PreviewWriter(args.preview_dir) if args.preview_dir and args.preview_every > 0 else None
+    denoising = dict(preview=previews, preview_every=args.preview_every)
     started = time.perf_counter()
     try:
         loaded = api.load(spec, **common)
@@ -501,14 +525,14 @@ def run_generate(args) -> int:
             num_frames=args.num_frames, frame_rate=args.frame_rate, seed=args.seed, steps=args.num_inference_steps,
             video_guidance=None if distilled else video_guidance, audio_guidance=None if distilled else audio_guidance,
             image=image, parallel=args.parallel, cuda_graphs=args.cuda_graphs, compile_blocks=args.compile_blocks,
-            model_version=args.model_version, pipeline=args.pipeline, **common,
+            model_version=args.model_version, pipeline=args.pipeline, **common, **denoising,
         )  # fmt: skip
         stage1_video, stage1_audio = video, audio
         stage2_fields: dict = {}
         video, audio = api.upscale(
             spec, video, audio, positive, frame_rate=args.frame_rate, seed=args.seed, sigmas=inputs["sigmas"], tiles=inputs["tiles"],
             image=image, model_version=args.model_version, pipeline=args.pipeline, parallel=args.stage2_parallel,
-            fields=stage2_fields, **common,
+            fields=stage2_fields, **common, **denoising,
         )  # fmt: skip
         progress.close()
         print(f"{stage2_fields.get('plan', 'stage 2')}; audio: {stage2_fields.get('audio', '?')}", file=sys.stderr)
@@ -527,6 +551,8 @@ def run_generate(args) -> int:
         return 1
     output = write_mp4(args.output, frames, args.frame_rate, waveform, sample_rate)
     print(f"wrote {output} ({frames.shape[0]} frames {frames.shape[1]}x{frames.shape[2]} (height x width), audio {sample_rate} Hz) in {time.perf_counter() - started:.1f} s")
+    if previews is not None:
+        print(f"{previews.written} live previews in {previews.directory}")
     if args.debug_dump:
         from safetensors.torch import save_file
 

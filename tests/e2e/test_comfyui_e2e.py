@@ -13,11 +13,13 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+import uuid
 from pathlib import Path
 
 import pytest
@@ -212,6 +214,78 @@ def test_interrupt_stops_a_long_run_and_the_same_fleet_serves_the_next(comfyui):
     assert saved_video(comfyui, outcome).is_file()
     print(f"the next run on the same fleet: {outcome.seconds:.1f} s")
     assert get_json(f"{comfyui.url}/mgpu/status")["server_pid"] == before["server_pid"]
+
+
+PREVIEW_IMAGE, TEXT_EVENT = 1, 3  # ComfyUI's binary websocket event types (its protocol.BinaryEventTypes)
+
+
+def run_listening(comfyui: ComfyUI, workflow: dict, preview_method: str) -> tuple[list[bytes], list[bytes]]:
+    """Queue ``workflow`` with ComfyUI's per-prompt preview setting; return the binary websocket
+    messages of the client that queued it and of another client watching the same server."""
+    ws_url = comfyui.url.replace("http://", "ws://") + "/ws?clientId="
+    own_id, other_id = uuid.uuid4().hex, uuid.uuid4().hex
+    own, other = comfy_queue.WebSocket.connect(ws_url + own_id), comfy_queue.WebSocket.connect(ws_url + other_id)
+    own.sock.settimeout(600)
+    other_binary: list[bytes] = []
+
+    def watch() -> None:
+        try:
+            other_binary.extend(message for message in other.messages() if isinstance(message, bytes))
+        except (OSError, ConnectionError, ValueError):
+            pass  # closed below once the prompt is done
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    own_binary: list[bytes] = []
+    try:
+        status, body = comfy_queue.http_json(
+            f"{comfyui.url}/prompt", {"prompt": workflow, "client_id": own_id, "extra_data": {"preview_method": preview_method}}
+        )
+        assert status == 200, body
+        for message in own.messages():
+            if isinstance(message, bytes):
+                own_binary.append(message)
+                continue
+            event = json.loads(message)
+            data = event.get("data") or {}
+            if data.get("prompt_id") != body["prompt_id"]:
+                continue
+            assert event["type"] not in ("execution_error", "execution_interrupted"), event
+            if event["type"] == "execution_success":
+                break
+    finally:
+        own.close()
+        other.close()
+        watcher.join(timeout=30)
+    return own_binary, other_binary
+
+
+def binary_kinds(messages: list[bytes]) -> list[int]:
+    return [struct.unpack(">I", message[:4])[0] for message in messages]
+
+
+def test_previews_reach_the_prompts_client_as_jpegs_and_only_with_previews_on(comfyui):
+    from io import BytesIO
+
+    from PIL import Image
+
+    workflow = json.loads(TINY_WORKFLOW.read_text())
+    on = comfy_queue.apply_overrides(workflow, ["4.seed=21", "5.seed=21"])
+    own, other = run_listening(comfyui, on, "latent2rgb")
+    previews = [message for message in own if struct.unpack(">I", message[:4])[0] == PREVIEW_IMAGE]
+    # SP Sampler's 3 steps and TDP Upscale's 2: a preview after each.
+    assert len(previews) == 5, binary_kinds(own)
+    for message in previews:
+        assert struct.unpack(">I", message[4:8])[0] == 1  # JPEG
+        with Image.open(BytesIO(message[8:])) as image:
+            assert image.format == "JPEG" and image.width > image.height  # frames side by side
+    assert TEXT_EVENT in binary_kinds(own), "the nodes' per-rank text should reach the prompt's client"
+    assert PREVIEW_IMAGE not in binary_kinds(other) and TEXT_EVENT not in binary_kinds(other), "another browser saw this prompt's node messages"
+
+    off = comfy_queue.apply_overrides(workflow, ["4.seed=22", "5.seed=22"])
+    own, _ = run_listening(comfyui, off, "none")
+    assert PREVIEW_IMAGE not in binary_kinds(own), "--preview-method none must send no preview"
+    assert TEXT_EVENT in binary_kinds(own)
 
 
 def test_stopping_comfyui_ends_its_fleet(comfyui):
