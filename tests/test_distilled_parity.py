@@ -112,14 +112,14 @@ def run_ours(loader: ModelLoader, spec: ModelSpec, image: torch.Tensor | None) -
     stage1 = stage1_params(sample_request, layer_count=2)
     passes = active_passes(stage1.video_guider, stage1.audio_guider)
     stage1_video, stage1_audio = sample_stage1(
-        loader, stage1, positive, None, image=image, on_step=lambda step, total: progress.append((1, step, total))
+        loader, stage1, positive, None, image=image, on_step=lambda step, total, video_x0: progress.append((1, step, total))
     )
     upsampled = upsample_video(loader, stage1_video)
     upscale_request = UpscaleRequest(spec=spec, pipeline="distilled", seed=SEED)
     stage2 = GenerationParams(height=HEIGHT, width=WIDTH, num_frames=FRAMES, frame_rate=FRAME_RATE, seed=SEED, two_stage=True)
     stage2_video, stage2_audio = refine_stage2(
         loader, stage2, upsampled, stage1_audio, positive, image=image, sigmas=upscale_request.sigmas, lora_set="none",
-        denoise_audio=True, on_step=lambda step, total: progress.append((2, step, total)),
+        denoise_audio=True, on_step=lambda step, total, video_x0: progress.append((2, step, total)),
     )  # fmt: skip
     frames = decode_video(loader, stage2_video, generator=stage2.decoder_generator(loader.device, loader.dtype))
     return {
