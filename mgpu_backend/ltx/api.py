@@ -182,14 +182,15 @@ def sample(
     parallel: str = "auto",
     cuda_graphs: bool | None = None,
     compile_blocks: bool = False,
-    model_version: str = "2.0",
+    model_version: str | None = None,
     dtype: str = "bfloat16",
     progress: Progress = None,
     should_cancel: ShouldCancel = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1: full-frame generation from noise at width x height (sequence/guidance parallel).
 
-    Arguments left as None take the schema's official defaults of ``model_version``; a guidance's
+    Arguments left as None take the schema's official defaults of the checkpoint's model version
+    (``model_version`` None; a version given must agree with the checkpoint); a guidance's
     fields left as None too. ``cuda_graphs`` replays each pass's forward from a captured CUDA graph
     on GPU ranks (None: on with CUDA; equal to eager within bf16 noise; it pays off on the small
     shards of high SP degrees). ``compile_blocks`` also compiles the transformer blocks with
@@ -220,7 +221,7 @@ def upscale(
     overlap: int | None = None,
     image: torch.Tensor | None = None,
     force_from_noise: bool = False,
-    model_version: str = "2.0",
+    model_version: str | None = None,
     dtype: str = "bfloat16",
     progress: Progress = None,
     should_cancel: ShouldCancel = None,

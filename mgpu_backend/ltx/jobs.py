@@ -64,6 +64,7 @@ log = logging.getLogger("mgpu.ltx")
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 EMBEDDED_BUNDLE_FOLDER = "embedded-tiny-ltx2"
+EMBEDDED_23_FOLDER = "embedded-tiny-ltx2.3"
 
 
 @contextmanager
@@ -199,7 +200,7 @@ _embedded_bundles: dict[str, object] = {}  # cache folder -> TinyBundle, once th
 
 def embedded_bundle_folder(version: str = "2.0") -> str:
     """Where the embedded tiny LTX-``version`` bundle lives: ``$MGPU_CACHE_DIR``, else ~/.cache/comfyui-mgpu."""
-    name = EMBEDDED_BUNDLE_FOLDER if version == "2.0" else f"{EMBEDDED_BUNDLE_FOLDER}.{version}"
+    name = {"2.0": EMBEDDED_BUNDLE_FOLDER, "2.3": EMBEDDED_23_FOLDER}[version]
     return str(Path(os.environ.get("MGPU_CACHE_DIR") or Path.home() / ".cache" / "comfyui-mgpu") / name)
 
 

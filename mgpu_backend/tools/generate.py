@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MODEL_VERSIONS, OFFICIAL, QUANTIZATIONS, RESIDENCY_POLICIES, STAGE_2_SIGMAS, TDP_UPSCALE_SIGMAS, ModelSpec, defaults_for
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MODEL_VERSIONS, OFFICIAL, QUANTIZATIONS, RESIDENCY_POLICIES, STAGE_2_SIGMAS, TDP_UPSCALE_SIGMAS, ModelSpec, RequestError, defaults_for, request_model_version
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -60,7 +60,7 @@ def add_generate_parser(commands) -> None:
     model.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype (default bfloat16, as the official pipeline)")
     model.add_argument("--quantization", choices=QUANTIZATIONS, help="fp8-cast: transformer weights in float8, upcast per layer (about half its memory; as the official --quantization fp8-cast). Default: none")
     model.add_argument("--residency", choices=RESIDENCY_POLICIES, default=RESIDENCY_POLICIES[0], help="what stays on each GPU between jobs: auto (what fits), all, minimal (the transformer only) (default auto)")
-    model.add_argument("--model-version", choices=MODEL_VERSIONS, default="2.0", help="LTX-2 version whose official defaults apply (default 2.0)")
+    model.add_argument("--model-version", choices=MODEL_VERSIONS, help="LTX-2 version: a check only, the checkpoint's model_version metadata decides whose official defaults apply (a contradicting value is refused); without model flags, which embedded tiny bundle runs (default 2.0)")
 
     job = parser.add_argument_group("generation")
     job.add_argument("--prompt", required=True)
@@ -153,7 +153,7 @@ def build_spec(args) -> tuple[dict, bool]:
     given = [args.checkpoint_path, args.gemma_root, args.spatial_upsampler_path, args.distilled_lora]
     held = {"quantization": args.quantization, "residency": args.residency}
     if not any(given):
-        return replace(ModelSpec.embedded_tiny(), **held).to_wire(), True
+        return replace(ModelSpec.embedded_tiny(version=args.model_version or "2.0"), **held).to_wire(), True
     missing = [flag for flag, value in zip(("--checkpoint-path", "--gemma-root", "--spatial-upsampler-path", "--distilled-lora"), given) if not value]
     if missing:
         raise SystemExit(f"error: a real model needs {', '.join(missing)} too (or omit all model flags for the tiny bundle)")
@@ -181,13 +181,17 @@ def run_generate(args) -> int:
     from mgpu_backend.tools.media import write_mp4
 
     spec, tiny = build_spec(args)
+    try:
+        args.model_version = request_model_version(ModelSpec.from_wire(spec), args.model_version)
+    except RequestError as error:
+        raise SystemExit(f"error: --model-version: {error}") from None
     defaults = TINY_DEFAULTS if tiny else real_defaults(args.model_version)
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     if tiny:
         print(
-            "No checkpoint given: using the embedded tiny LTX-2 bundle (random weights; the video is noise, every "
+            f"No checkpoint given: using the embedded tiny LTX-2 bundle of version {args.model_version} (random weights; the video is noise, every "
             f"real component runs) at {args.width}x{args.height}, {args.num_frames} frames, {args.num_inference_steps} steps.",
             file=sys.stderr,
         )
