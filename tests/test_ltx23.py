@@ -237,7 +237,7 @@ def test_every_job_of_ltx23_at_four_cpu_ranks_equals_one_process_bf16(fleet, cac
     decoded = run(fleet, "decode", decode, {"video_latent": video2, "audio_latent": audio})
     tiling = decode_tiling(DecodeRequest.from_wire(decode))
     frames = decode_video(loader, video2, tiling=tiling, generator=job_generator(7, torch.device("cpu"), torch.bfloat16))
-    assert_equal(decoded.tensors["frames"], frames, "decoded frames (16 tiles over 4 ranks)")
+    assert_equal(decoded.tensors["frames"], frames, "decoded frames (64-pixel tiles spread over 4 ranks)")
     waveform, sample_rate = decode_audio(loader, audio)
     assert decoded.fields["sample_rate"] == sample_rate == 48000
     assert_equal(decoded.tensors["waveform"], waveform, "decoded waveform")

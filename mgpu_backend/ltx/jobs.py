@@ -549,7 +549,8 @@ def decode_tiling(request: DecodeRequest) -> TilingConfig:
     spatial, temporal = request.spatial_tile_pixels, request.temporal_tile_frames
     return TilingConfig(
         spatial_config=SpatialTilingConfig(tile_size_in_pixels=spatial, tile_overlap_in_pixels=min(64, spatial // 4 // 32 * 32)),
-        temporal_config=TemporalTilingConfig(tile_size_in_frames=temporal, tile_overlap_in_frames=min(24, temporal // 8 * 3)),
+        # ltx-core takes temporal overlaps in whole latent frames (multiples of 8): 24 for the default 64.
+        temporal_config=TemporalTilingConfig(tile_size_in_frames=temporal, tile_overlap_in_frames=min(24, temporal * 3 // 8 // 8 * 8)),
     )
 
 
