@@ -127,7 +127,7 @@ def test_distilled_lora_of_the_other_version_is_refused_naming_the_version_it_is
     assert str(info.value) == (
         f"distilled LoRA {lora_20} is a LoRA for LTX-2.0 (it adapts the attention layers but none of the attention gates "
         f"LTX-2.3 has), but checkpoint {bundles['2.3'].checkpoint_path} is LTX-2.3; use the distilled LoRA made for LTX-2.3 "
-        "(ltx-2.3-22b-distilled-lora-384.safetensors), or a checkpoint of LTX-2.0"
+        "(ltx-2.3-22b-distilled-lora-384-1.1.safetensors), or a checkpoint of LTX-2.0"
     )
     with pytest.raises(ModelFileError) as info:
         validate_model_files(spec_of(bundles["2.0"], distilled_lora=lora_23))

@@ -245,7 +245,7 @@ def _validate_upsampler(path: str, checkpoint: _SafetensorsHeader) -> None:
 # and scales the text cross-attention by the sigma (prompt AdaLN); the 19B (LTX-2.0) layout projects
 # the caption inside the transformer.
 _LAYOUT_ONLY_LAYERS = {".to_gate_logits.": "2.3", "prompt_adaln_single.": "2.3", "caption_projection.": "2.0"}
-_DISTILLED_LORA_FILES = {"2.0": "ltx-2-19b-distilled-lora-384.safetensors", "2.3": "ltx-2.3-22b-distilled-lora-384.safetensors"}
+_DISTILLED_LORA_FILES = {"2.0": "ltx-2-19b-distilled-lora-384.safetensors", "2.3": "ltx-2.3-22b-distilled-lora-384-1.1.safetensors"}
 
 
 def _lora_model_version(role: str, pairs: dict, transformer: dict) -> tuple[str | None, str]:
