@@ -246,3 +246,31 @@ def test_every_job_of_ltx23_at_four_cpu_ranks_equals_one_process_bf16(fleet, cac
 def test_a_request_naming_the_other_version_is_refused_by_the_ranks(fleet):
     with pytest.raises(FleetError, match="model_version 2.0 contradicts the checkpoint embedded:tiny-2.3, which is LTX-2.3"):
         run(fleet, "sample", sample_args(model_version="2.0", steps=1))
+
+
+def test_generate_refuses_a_model_version_that_contradicts_the_checkpoint_before_starting_a_fleet(bundles, tmp_path):
+    bundle = bundles["2.3"]
+    command = [
+        sys.executable, "-m", "mgpu_backend", "generate", "--prompt", "x", "--output", str(tmp_path / "o.mp4"), "--model-version", "2.0",
+        "--checkpoint-path", bundle.checkpoint_path, "--gemma-root", bundle.gemma_root, "--spatial-upsampler-path",
+        bundle.spatial_upsampler_path, "--distilled-lora", bundle.distilled_lora_path, "--socket", str(tmp_path / "none.sock"),
+    ]  # fmt: skip
+    completed = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert completed.returncode != 0
+    assert completed.stderr.strip().endswith(
+        f"error: --model-version: model_version 2.0 contradicts the checkpoint {bundle.checkpoint_path}, which is LTX-2.3 "
+        "(its model_version metadata); leave model_version out to use LTX-2.3's defaults, or choose an LTX-2.0 checkpoint"
+    ), completed.stderr[-2000:]
+    assert not (tmp_path / "none.sock").exists()
+
+
+def test_benchmark_contexts_have_the_widths_each_full_size_transformer_takes():
+    from mgpu_backend.ltx.diagnostics import bench_config, context_widths, random_contexts, transformer_version
+
+    widths = {version: context_widths(bench_config(version)["transformer"]) for version in ("2.0", "2.3")}
+    assert widths == {"2.0": (3840, 3840), "2.3": (4096, 2048)}
+    assert [transformer_version(bench_config(version)["transformer"]) for version in ("2.0", "2.3")] == ["2.0", "2.3"]
+    tiny = bench_config("2.3", tiny=True)["transformer"]
+    positive, negative = random_contexts(tiny, torch.device("cpu"), torch.float32, seed=3, tokens=8)
+    assert positive.video_context.shape == negative.video_context.shape == (1, 8, 128)
+    assert positive.audio_context.shape == (1, 8, 64) and not torch.equal(positive.video_context[..., :64], positive.audio_context)
