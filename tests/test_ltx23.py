@@ -75,6 +75,14 @@ def test_checkpoint_version_is_read_from_the_metadata_as_ltx_pipelines_detects_i
         path = write_safetensors(tmp_path / f"{name}.safetensors", metadata)
         assert checkpoint_model_version(path) == version, name
         assert detect_params(path) == official[version], name
+    # Without model_version metadata (a converter dropped it) the 22B layout still says 2.3, where
+    # detect_params falls back to 2.0: from the config metadata, or from the gated attention's weights.
+    config_23 = write_safetensors(tmp_path / "config.safetensors", {"config": json.dumps({"transformer": {"caption_proj_before_connector": True}})})
+    assert checkpoint_model_version(config_23) == "2.3" and detect_params(config_23) == LTX_2_PARAMS
+    gated = tmp_path / "gated.safetensors"
+    header = json.dumps({"model.diffusion_model.transformer_blocks.0.attn1.to_gate_logits.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    gated.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    assert checkpoint_model_version(str(gated)) == "2.3"
     (tmp_path / "not.safetensors").write_bytes(b"GGUF and more")
     with pytest.raises(ModelFileError, match="is not a .safetensors file"):
         checkpoint_model_version(str(tmp_path / "not.safetensors"))

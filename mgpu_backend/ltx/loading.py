@@ -282,7 +282,7 @@ def _validate_lora(role: str, path: str, checkpoint_path: str, checkpoint: _Safe
                 pairs.setdefault(key[: -len(f".{half}.weight")] + ".weight", {})[half] = shape
     if not pairs:
         raise ModelFileError(f"{role} {path} holds no LoRA A/B weight pairs (keys '<layer>.lora_A.weight'). {remedy}")
-    checkpoint_version = model_version_of(checkpoint.metadata)
+    checkpoint_version = model_version_of(checkpoint.metadata, checkpoint.tensors)
     lora_version, evidence = _lora_model_version(role, pairs, transformer)
     if lora_version is not None and lora_version != checkpoint_version:
         example = f" ({_DISTILLED_LORA_FILES[checkpoint_version]})" if role == "distilled LoRA" else ""

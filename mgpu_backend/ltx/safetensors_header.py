@@ -62,15 +62,31 @@ def read_header(path: str, role: str, remedy: str) -> SafetensorsHeader:
     return SafetensorsHeader(tensors=tensors, metadata=metadata)
 
 
-def model_version_of(metadata: dict) -> str:
-    """The pack's model version ("2.0" or "2.3") of a checkpoint with this header metadata."""
-    version = metadata.get("model_version", "")
-    return "2.3" if isinstance(version, str) and version.startswith(LTX_2_3_VERSION_PREFIX) else "2.0"
+def model_version_of(metadata: dict, tensors: dict | None = None) -> str:
+    """The pack's model version ("2.0" or "2.3") of a checkpoint with this header metadata (and tensors).
+
+    The ``model_version`` metadata decides, as in ``detect_params``. A file without it (re-saved by
+    a converter that drops metadata) is read from its layout instead, where ``detect_params`` would
+    take 2.0: the 22B layout's transformer config projects the caption before the connectors, and
+    its attention has gates."""
+    version = metadata.get("model_version")
+    if isinstance(version, str) and version:
+        return "2.3" if version.startswith(LTX_2_3_VERSION_PREFIX) else "2.0"
+    try:
+        transformer = json.loads(metadata.get("config", "{}")).get("transformer", {})
+    except (ValueError, AttributeError):
+        transformer = {}
+    if isinstance(transformer, dict) and transformer.get("caption_proj_before_connector"):
+        return "2.3"
+    if tensors and any(".to_gate_logits." in name and name.startswith("model.diffusion_model.") for name in tensors):
+        return "2.3"
+    return "2.0"
 
 
 def checkpoint_model_version(path: str) -> str:
     """The LTX-2 version of the checkpoint at ``path``: "2.3" when its ``model_version`` metadata
-    starts with "2.3", else "2.0" (as ``detect_params``). Raises ModelFileError for a file that is
-    not safetensors, where ``detect_params`` would quietly fall back to 2.0."""
+    starts with "2.3", else "2.0" (as ``detect_params``; ``model_version_of`` for a file without
+    that metadata). Raises ModelFileError for a file that is not safetensors, where
+    ``detect_params`` would quietly fall back to 2.0."""
     header = read_header(path, "checkpoint", "Choose the LTX-2 audio+video checkpoint (e.g. ltx-2.3-22b-dev.safetensors).")
-    return model_version_of(header.metadata)
+    return model_version_of(header.metadata, header.tensors)
