@@ -287,10 +287,10 @@ def test_benchmark_contexts_have_the_widths_each_full_size_transformer_takes():
 def test_ltx23_transformer_layout_stage1_loop_at_two_ranks_sp_and_guidance_matches_one_rank_fp32():
     """The guidance loop of the degree tests on the 22B layout (gated attention, cross-attention
     AdaLN, split RoPE) at two ranks; four ranks under sp, guidance and hybrid run in the fleet test."""
-    from tests.test_guidance_parallel import TOLERANCE, euler_stage1_loop, stage1_loops_on_ranks
-    from tests.test_sequence_parallel import build_tiny_model, from_portable, single_threaded
     from mgpu_backend.ltx.passes import SequentialPassRunner
     from tests.dist_harness import run_ranks
+    from tests.test_guidance_parallel import TOLERANCE, euler_stage1_loop, stage1_loops_on_ranks
+    from tests.test_sequence_parallel import build_tiny_model, from_portable, single_threaded
 
     reference = single_threaded(euler_stage1_loop, build_tiny_model("22b"), SequentialPassRunner())
     per_rank = from_portable(run_ranks(2, stage1_loops_on_ranks, ["sp", "guidance"], "22b"))
