@@ -8,6 +8,7 @@ here); the fleet tests run a real server with gloo ranks on the embedded tiny LT
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -301,3 +302,22 @@ def test_ltx23_transformer_layout_stage1_loop_at_two_ranks_sp_and_guidance_match
             for name in ("video", "audio"):
                 diff = (results[mode][name] - reference[name]).abs().max().item()
                 assert diff <= TOLERANCE, f"{mode} at 2 ranks: {name} differs from one rank by {diff}"
+
+
+def test_generate_runs_the_embedded_ltx23_bundle_end_to_end_into_an_mp4_with_48_khz_audio(tmp_path):
+    from mgpu_backend.tools import media
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MGPU_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("MGPU_SOCKET", None)
+    (tmp_path / "sock").mkdir(mode=0o700)
+    command = [
+        sys.executable, "-m", "mgpu_backend", "generate", "--prompt", PROMPT, "--model-version", "2.3", "--output", str(tmp_path / "o.mp4"),
+        "--cpu-ranks", "2", "--socket", str(tmp_path / "sock" / "fleet.sock"), "--debug-dump", str(tmp_path / "o.safetensors"),
+    ]  # fmt: skip
+    completed = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "embedded tiny LTX-2 bundle of version 2.3" in completed.stderr
+    assert (tmp_path / "cache" / EMBEDDED_23_FOLDER / "ltx-2.3-tiny.safetensors").is_file()
+    facts = media.probe(tmp_path / "o.mp4")
+    assert facts["video"] == {"codec": "h264", "width": 192, "height": 128, "frames": 9}
+    assert facts["audio"]["codec"] == "aac" and facts["audio"]["sample_rate"] == 48000
