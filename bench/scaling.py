@@ -7,6 +7,7 @@ passes. It prints, per token count and plan, the median step time, the speed-up 
 the max abs difference of the final latents against world 1 (SP is faithful: bf16 noise only).
 
     python bench/scaling.py --worlds 1,2 --plans sp,guidance,auto        # on a machine with 2 GPUs
+    python bench/scaling.py --worlds 1,2 --plans sp,guidance --model 2.3 # the LTX-2.3 22B transformer
     python bench/scaling.py --tiny --worlds 1,2 --plans sp,guidance      # CPU smoke run (gloo)
     python bench/scaling.py --worlds 1,2 --plans sp --batch-passes off   # SP forwards replayed from CUDA graphs
 """
@@ -14,7 +15,6 @@ the max abs difference of the final latents against world 1 (SP is faithful: bf1
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,11 +29,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from mgpu_backend.fleet.client import FleetClient  # noqa: E402
+from mgpu_backend.ltx.diagnostics import MODEL_CONFIGS, bench_config  # noqa: E402
 
-TINY_OVERRIDES = {
-    "num_layers": 2, "num_attention_heads": 8, "attention_head_dim": 16, "audio_num_attention_heads": 8,
-    "audio_attention_head_dim": 8, "cross_attention_dim": 128, "audio_cross_attention_dim": 64, "caption_channels": 64,
-}  # fmt: skip
 GUIDANCE = {
     "video_guidance": {"cfg_scale": 3.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0},
     "audio_guidance": {"cfg_scale": 7.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0},
@@ -42,7 +39,8 @@ GUIDANCE = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", default=str(REPO / "configs" / "ltx2-19b-transformer.json"))
+    parser.add_argument("--model", choices=tuple(MODEL_CONFIGS), default="2.0", help="model version whose full-size transformer runs: 2.0 (19B) or 2.3 (22B); default 2.0")
+    parser.add_argument("--config", help="transformer configuration file (default: the --model one in configs/)")
     parser.add_argument("--worlds", default="1,2", help="world sizes; 1 is always run as the reference")
     parser.add_argument("--plans", default="sp,guidance,auto", help="stage-1 plans to time at worlds above 1")
     parser.add_argument("--sizes", default="768x512x121,1536x1024x121", help="WxHxF stage-1 sizes (6144 and 24576 video tokens)")
@@ -53,9 +51,8 @@ def main() -> None:
     parser.add_argument("--out", help="append the table, with command, machine and date, to this file")
     args = parser.parse_args()
 
-    config = {"transformer": json.loads(Path(args.config).read_text())["transformer"]}
+    config = bench_config(args.model, args.config, args.tiny)
     if args.tiny:
-        config["transformer"].update(TINY_OVERRIDES)
         args.sizes = "96x64x9,192x128x17"
     worlds = sorted({1, *(int(w) for w in args.worlds.split(","))})
     plans = args.plans.split(",")

@@ -12,14 +12,14 @@ same random transformer (built on the GPU from a seed, so both hold identical we
 It prints a table of median step times and the fleet's overhead (target <= 2%), and the max abs
 difference between the two runs' latents (SP degree 1 must equal plain ltx-core within bf16 noise).
 
-    python bench/step.py --device cuda --config ../shared/configs/ltx2-19b-transformer.json
-    python bench/step.py --tiny            # CPU smoke run on a 2-layer model
+    python bench/step.py --device cuda                 # the LTX-2.0 19B transformer
+    python bench/step.py --device cuda --model 2.3     # the LTX-2.3 22B transformer
+    python bench/step.py --tiny [--model 2.3]          # CPU smoke run on a 2-layer model of that layout
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -34,13 +34,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from mgpu_backend.fleet.client import FleetClient  # noqa: E402
-from mgpu_backend.ltx.diagnostics import random_contexts, random_transformer  # noqa: E402
+from mgpu_backend.ltx.diagnostics import MODEL_CONFIGS, bench_config, random_contexts, random_transformer, transformer_version  # noqa: E402
 from mgpu_backend.ltx.latents import StageGeometry  # noqa: E402
+from mgpu_backend.ltx.schema import defaults_for  # noqa: E402
 
-TINY_OVERRIDES = {
-    "num_layers": 2, "num_attention_heads": 8, "attention_head_dim": 16, "audio_num_attention_heads": 8,
-    "audio_attention_head_dim": 8, "cross_attention_dim": 128, "audio_cross_attention_dim": 64, "caption_channels": 64,
-}  # fmt: skip
 GUIDANCE = {
     "video": {"cfg_scale": 3.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0, "skip_step": 0},
     "audio": {"cfg_scale": 7.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0, "skip_step": 0},
@@ -60,7 +57,7 @@ def plain_ltx_core(config: dict, size: tuple[int, int, int], steps: int, device:
     width, height, frames = size
     dtype = torch.bfloat16
     model = random_transformer(config, device, dtype, seed)
-    positive, negative = random_contexts(config["transformer"]["caption_channels"], device, dtype, seed)
+    positive, negative = random_contexts(config["transformer"], device, dtype, seed)
     guiders = {m: MultiModalGuiderParams(**GUIDANCE[m], stg_blocks=[stg_block]) for m in GUIDANCE}
     geometry = StageGeometry(height, width, frames, 24.0)
     marks = []
@@ -107,20 +104,22 @@ def fleet_stage1(client: FleetClient, config: dict, size, steps: int, seed: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--config", default=str(REPO / "configs" / "ltx2-19b-transformer.json"), help="transformer configuration (default: the LTX-2 19B one)")
+    parser.add_argument("--model", choices=tuple(MODEL_CONFIGS), default="2.0", help="model version whose full-size transformer runs: 2.0 (19B) or 2.3 (22B); default 2.0")
+    parser.add_argument("--config", help="transformer configuration file (default: the --model one in configs/)")
     parser.add_argument("--sizes", default="768x512x121,1536x1024x121", help="WxHxF stage-1 sizes")
     parser.add_argument("--steps", default="6,3", help="steps per size (the first step is warm-up)")
     parser.add_argument("--tiny", action="store_true", help="2-layer model on the CPU, small sizes (smoke run)")
     parser.add_argument("--out", help="append the table, with command, machine and date, to this file")
     args = parser.parse_args()
-    config = {"transformer": json.loads(Path(args.config).read_text())["transformer"]}
+    config = bench_config(args.model, args.config, args.tiny)
     if args.tiny:
-        config["transformer"].update(TINY_OVERRIDES)
         args.device, args.sizes, args.steps = "cpu", "96x64x9,192x128x17", "4,3"
     sizes = [tuple(int(v) for v in size.split("x")) for size in args.sizes.split(",")]
     steps_per_size = [int(v) for v in args.steps.split(",")]
     device = torch.device(args.device)
-    stg_block = min(29, config["transformer"]["num_layers"] - 1)
+    # The version's official STG block (29 for 2.0, 28 for 2.3), or the last block of a smaller model.
+    official_block = defaults_for(transformer_version(config["transformer"])).video_guidance.stg_blocks[0]
+    stg_block = min(official_block, config["transformer"]["num_layers"] - 1)
     seed = 10
 
     rows = []

@@ -54,6 +54,28 @@ TINY_DECODER_CONFIG = {
     }
 }
 
+# The LTX-2.3 decoder's layout at tiny width: space and time upsampled by separate blocks, no
+# timestep conditioning (so no decoder noise), zero padding (configs/ltx2.3-22b-transformer.json's
+# bundle, docs/full-size-config.md).
+TINY_LTX23_DECODER_CONFIG = {
+    "vae": {
+        **{key: value for key, value in TINY_DECODER_CONFIG["vae"].items() if key != "decoder_blocks"},
+        "timestep_conditioning": False,
+        "spatial_padding_mode": "zeros",
+        "decoder_blocks": [
+            ["res_x", {"num_layers": 1}],
+            ["compress_space", {"multiplier": 2}],
+            ["res_x", {"num_layers": 1}],
+            ["compress_time", {"multiplier": 2}],
+            ["res_x", {"num_layers": 1}],
+            ["compress_all", {"multiplier": 1}],
+            ["res_x", {"num_layers": 1}],
+            ["compress_all", {"multiplier": 2}],
+            ["res_x", {"num_layers": 1}],
+        ],
+    }
+}
+
 SPATIAL_64_32 = SpatialTilingConfig(tile_size_in_pixels=64, tile_overlap_in_pixels=32)
 
 # name -> (latent shape [B, 128, F', H', W'], tiling for the distributed decode, tiling for
@@ -95,8 +117,8 @@ DEFAULT_GENERATOR_SCENARIO = "three_way_temporal_overlap"
 IMAGE_SCENARIO = "spatial_and_temporal"
 
 
-def build_tiny_decoder() -> VideoDecoder:
-    decoder = VideoDecoderConfigurator.from_config(TINY_DECODER_CONFIG).eval()
+def build_tiny_decoder(config: dict = TINY_DECODER_CONFIG) -> VideoDecoder:
+    decoder = VideoDecoderConfigurator.from_config(config).eval()
     weights = torch.Generator().manual_seed(1234)
     with torch.no_grad():
         # Several parameters and the latent statistics are created with torch.empty: fill them all.
@@ -302,3 +324,25 @@ def test_wrong_latent_and_out_shapes_get_actionable_errors(decoder):
     latent = scenario_latent("no_tiling")
     with pytest.raises(ValueError, match="decoded_images_shape"):
         distributed_decode_images(decoder, latent, None, Comm(None), out=torch.zeros(1, 64, 64, 3))
+
+
+def decode_with_the_ltx23_decoder(world_size: int) -> dict:
+    """Runs on every rank: the 2.3-layout decoder's distributed decode of the tiled scenarios."""
+    torch.set_num_threads(1)
+    comm = Comm.world()
+    decoder = build_tiny_decoder(TINY_LTX23_DECODER_CONFIG)
+    names = ("spatial_and_temporal", "three_way_temporal_overlap")
+    return _tensors_as_numpy({name: distributed_decode_video(decoder, scenario_latent(name), SCENARIOS[name][1], comm, None) for name in names})
+
+
+def test_ltx23_decoder_layout_at_four_ranks_matches_ltx_core_tiled_decode_fp32():
+    torch.set_num_threads(1)
+    decoder = build_tiny_decoder(TINY_LTX23_DECODER_CONFIG)
+    ranks = [_numpy_as_tensors(result) for result in run_ranks(4, decode_with_the_ltx23_decoder, 4)]
+    for name, video in ranks[0].items():
+        _, _, reference_tiling, _ = SCENARIOS[name]
+        expected = single_gpu_decode_video(decoder, scenario_latent(name), reference_tiling, None)
+        assert expected.abs().max().item() > 0.1, f"{name}: the reference decode is trivial"
+        diff = _max_abs_diff(video, expected)
+        assert diff <= TOLERANCE, f"{name}: 4 ranks differ from ltx-core's tiled decode by {diff}"
+        assert all(result[name] is None for result in ranks[1:]), f"{name}: only rank 0 returns frames"

@@ -122,14 +122,14 @@ def euler_stage1_loop(transformer, runner) -> dict:
     return {"video": video_state.latent, "audio": audio_state.latent, "passes": pass_names}
 
 
-def stage1_loops_on_ranks(modes: list[str]) -> dict:
+def stage1_loops_on_ranks(modes: list[str], variant: str = "19b") -> dict:
     torch.set_num_threads(1)
     world = Comm.world()
     results = {}
     for mode in modes:
         plan = plan_stage1(world.world_size, VIDEO_TOKENS, PASS_NAMES, mode, **TINY_HEADS)
         sp_comm, runner = build_stage1_groups(world, plan), apply_guidance_parallel(world, plan)
-        transformer = apply_sequence_parallel(build_tiny_model(), sp_comm)
+        transformer = apply_sequence_parallel(build_tiny_model(variant), sp_comm)
         results[mode] = {"layout": (plan.guidance_groups, plan.sp_degree), **euler_stage1_loop(transformer, runner)}
     return portable(results)
 

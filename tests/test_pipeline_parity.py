@@ -1,6 +1,7 @@
 """Our LTX-2 stages against the official single-GPU pipeline (ltx-pipelines 1.0.0), world size 1.
 
-The reference ``TI2VidTwoStagesPipeline`` runs on the tiny bundle in bfloat16 on the CPU, with its
+The reference ``TI2VidTwoStagesPipeline`` runs on the tiny bundle of each model version (LTX-2.0 in the
+19B layout, LTX-2.3 in the 22B layout) in bfloat16 on the CPU, with its
 intermediate latents captured by wrapping its internals from the test side; our stages run on the
 same files, seed and parameters. Stage-1 video and audio, the upsampled latent, the stage-2 video,
 the text contexts and the decoded frames must be equal bitwise.
@@ -73,6 +74,8 @@ PARAMS = GenerationParams(
     video_guider=VIDEO_GUIDER,
     audio_guider=AUDIO_GUIDER,
 )
+# The 2.3 vocoder extends the bandwidth to 48 kHz; the 2.0 one stops at 24 kHz.
+VOCODER_SAMPLE_RATE = {"2.0": 24000, "2.3": 48000}
 TEXT_TOKENS = 128  # a multiple of the connectors' 128 learnable registers, as Gemma's 1024 is
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
@@ -100,9 +103,10 @@ def assert_bitwise(ours: torch.Tensor, reference: torch.Tensor, what: str) -> No
     assert torch.equal(ours.float(), reference.float()), f"{what}: max abs diff {max_abs_diff(ours, reference):.3e}"
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    return tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny-ltx2"))
+@pytest.fixture(scope="module", params=tiny.VERSIONS, ids=lambda version: f"ltx-{version}")
+def bundle(request, tmp_path_factory):
+    """The tiny bundle of each model version: LTX-2.0 (19B layout) and LTX-2.3 (22B layout)."""
+    return tiny.make_tiny_bundle(tmp_path_factory.mktemp(f"tiny-ltx{request.param}"), version=request.param)
 
 
 @pytest.fixture(scope="module")
@@ -251,7 +255,7 @@ def check_run(ours: dict, reference: dict) -> None:
     assert ours["progress"] == expected_progress
 
 
-def test_text_to_video_stages_match_the_official_pipeline_bitwise_bf16(loader, reference_side):
+def test_text_to_video_stages_match_the_official_pipeline_bitwise_bf16(bundle, loader, reference_side):
     reference = run_reference(reference_side, image_path=None)
     ours = run_ours(loader, image=None)
     check_run(ours, reference)
@@ -279,7 +283,7 @@ def test_text_to_video_stages_match_the_official_pipeline_bitwise_bf16(loader, r
     ledger = reference_side.pipeline.stage_2_model_ledger
     with torch.inference_mode():
         expected = ltx_decode_audio(reference["stage1_audio"], ledger.audio_decoder(), ledger.vocoder())
-    assert sample_rate == expected.sampling_rate == 24000
+    assert sample_rate == expected.sampling_rate == VOCODER_SAMPLE_RATE[bundle.version]
     assert waveform.dtype == torch.float32 and waveform.ndim == 3 and waveform.shape[:2] == (1, 2), waveform.shape
     assert_bitwise(waveform[0], expected.waveform, "decoded audio waveform")
 

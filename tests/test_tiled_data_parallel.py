@@ -49,9 +49,14 @@ FPS = 24.0
 # --------------------------------------------------------------------------------------------------
 
 
-def _tiny_transformer_config() -> dict:
+LAYOUTS = ("19b", "22b")
+"""The transformer layouts of LTX-2.0 (19B) and LTX-2.3 (22B: split RoPE, gated attention,
+cross-attention AdaLN, cross-modal timesteps scaled by 1000), both checked under TDP."""
+
+
+def _tiny_transformer_config(layout: str = "19b") -> dict:
     # Values ltx-core's configurator insists on, plus tiny dimensions: 4 heads of 8 for video and audio.
-    return {
+    config = {
         "transformer": {
             "num_attention_heads": 4,
             "attention_head_dim": 8,
@@ -68,11 +73,14 @@ def _tiny_transformer_config() -> dict:
             **LTX2_TRANSFORMER_ARCHITECTURE,
         }
     }
+    if layout == "22b":
+        config["transformer"].update(rope_type="split", apply_gated_attention=True, cross_attention_adaln=True, av_ca_timestep_scale_multiplier=1000)
+    return config
 
 
-def _tiny_x0_model(seed: int = 0) -> X0Model:
+def _tiny_x0_model(seed: int = 0, layout: str = "19b") -> X0Model:
     torch.manual_seed(seed)
-    velocity_model = LTXModelConfigurator.from_config(_tiny_transformer_config())
+    velocity_model = LTXModelConfigurator.from_config(_tiny_transformer_config(layout))
     with torch.no_grad():
         for parameter in velocity_model.parameters():
             parameter.normal_(0.0, 0.2)  # several parameters are created with torch.empty
@@ -338,8 +346,9 @@ def test_identity_model_blended_through_overlapping_tiles_returns_the_input_exac
 # --------------------------------------------------------------------------------------------------
 
 
-def test_1x1x1_tiling_equals_the_untiled_model_call_bitwise():
-    model = _tiny_x0_model()
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_1x1x1_tiling_equals_the_untiled_model_call_bitwise(layout):
+    model = _tiny_x0_model(layout=layout)
     video_grid = (2, 6, 8)
     video, audio = _stage2_inputs(video_grid)
     tdp = apply_tiled_data_parallel(model, Comm(None), TileCounts(), video_grid)
@@ -387,10 +396,10 @@ SAME_TILING_GRID = (2, 6, 9)
 SAME_TILING = TileCounts(height=DimensionTiling(2, 1), width=DimensionTiling(3, 1))  # 6 tiles
 
 
-def _tiled_stage2_call_on_rank():
+def _tiled_stage2_call_on_rank(layout: str = "19b"):
     torch.set_num_threads(1)
     comm = Comm.world()
-    model = _tiny_x0_model()
+    model = _tiny_x0_model(layout=layout)
     video, audio = _stage2_inputs(SAME_TILING_GRID)
     tdp = apply_tiled_data_parallel(model, comm, SAME_TILING, SAME_TILING_GRID)
     with torch.no_grad():
@@ -398,11 +407,12 @@ def _tiled_stage2_call_on_rank():
     return denoised_video, denoised_audio, tdp.tiles_of_this_rank
 
 
-def test_same_tiling_gives_the_same_video_on_1_2_and_4_ranks_fp32():
-    single_video, single_audio, single_tiles = _tiled_stage2_call_on_rank()
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_same_tiling_gives_the_same_video_on_1_2_and_4_ranks_fp32(layout):
+    single_video, single_audio, single_tiles = _tiled_stage2_call_on_rank(layout)
     assert single_tiles == [0, 1, 2, 3, 4, 5]
     for world_size, expected_tiles in ((2, [[0, 2, 4], [1, 3, 5]]), (4, [[0, 4], [1, 5], [2], [3]])):
-        results = run_ranks(world_size, _tiled_stage2_call_on_rank)
+        results = run_ranks(world_size, _tiled_stage2_call_on_rank, layout)
         assert [tiles for _, _, tiles in results] == expected_tiles
         for rank, (video, audio, _) in enumerate(results):
             assert torch.equal(video, results[0][0]) and torch.equal(audio, results[0][1]), f"rank {rank} differs"

@@ -196,7 +196,7 @@ def sample(
     parallel: str = "auto",
     cuda_graphs: bool | None = None,
     compile_blocks: bool = False,
-    model_version: str = "2.0",
+    model_version: str | None = None,
     pipeline: str = "two-stage",
     dtype: str = "bfloat16",
     progress: Progress = None,
@@ -209,7 +209,8 @@ def sample(
     ``pipeline`` "distilled" runs the distilled recipe's stage 1 (8 fixed sigmas, one positive-only
     pass per step): ``negative`` may then be None, and steps and guidance default to the recipe's.
 
-    Arguments left as None take the schema's official defaults of ``model_version``; a guidance's
+    Arguments left as None take the schema's official defaults of the checkpoint's model version
+    (``model_version`` None; a version given must agree with the checkpoint); a guidance's
     fields left as None too. ``cuda_graphs`` replays each pass's forward from a captured CUDA graph
     on GPU ranks (None: on with CUDA; equal to eager within bf16 noise; it pays off on the small
     shards of high SP degrees). ``compile_blocks`` also compiles the transformer blocks with
@@ -245,7 +246,7 @@ def upscale(
     overlap: int | None = None,
     image: torch.Tensor | None = None,
     force_from_noise: bool = False,
-    model_version: str = "2.0",
+    model_version: str | None = None,
     pipeline: str = "two-stage",
     parallel: str = "auto",
     dtype: str = "bfloat16",

@@ -2,7 +2,7 @@
 
 No LTX-2 weights exist on the machines this project is measured on, and compute does not depend on
 the weights' values: ``random_transformer`` builds ltx-core's LTXModel at a given configuration
-(for example the 19B one in shared/configs) directly on the device with seeded random weights, so
+(the 19B or the 22B one in configs/) directly on the device with seeded random weights, so
 two processes that build it with the same seed hold the same weights. ``bench_stage1`` runs the
 fleet's own stage-1 code on it (``jobs.run_stage1``: the plan, the techniques applied and undone by
 ``parallelize.parallelize_stage1``, the guidance passes, progress and cancel points).
@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import torch
 from ltx_core.model.transformer import LTXModelConfigurator, X0Model
 
+from mgpu_backend.bundles.configs import model_version
 from mgpu_backend.bundles.random_weights import materialize_random_
 from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
 from mgpu_backend.ltx.jobs import input_errors, run_stage1
-from mgpu_backend.ltx.schema import MAX_FRAMES, MAX_SIDE, MAX_STEPS, OFFICIAL, Guidance, integer_field, number_field
+from mgpu_backend.ltx.safetensors_header import model_version_of
+from mgpu_backend.ltx.schema import MAX_FRAMES, MAX_SIDE, MAX_STEPS, OFFICIAL, Guidance, defaults_for, integer_field, number_field
 from mgpu_backend.ltx.stages import GenerationParams, guider_params, transformer_layer_count
 from mgpu_backend.ltx.text import TextContext
 from mgpu_backend.ltx.validation import TransformerDims
@@ -29,6 +32,26 @@ from mgpu_backend.parallel.compiled_blocks import compile_blocks_wanted
 from mgpu_backend.parallel.cuda_graphs import cuda_graphs_wanted
 
 BENCH_STEPS = 4  # a few stage-1 steps time a step; the official 40 would only repeat them
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+MODEL_CONFIGS = {"2.0": CONFIGS / "ltx2-19b-transformer.json", "2.3": CONFIGS / "ltx2.3-22b-transformer.json"}
+"""The full-size transformer configuration of each model version: LTX-2.0 19B, LTX-2.3 22B."""
+# Tiny dimensions for CPU smoke runs of the benchmarks; either layout keeps its own structure (the
+# 22B one: gates, cross-attention AdaLN, contexts at the cross-attention widths 128 and 64).
+TINY_OVERRIDES = {
+    "num_layers": 2, "num_attention_heads": 8, "attention_head_dim": 16, "audio_num_attention_heads": 8,
+    "audio_attention_head_dim": 8, "cross_attention_dim": 128, "audio_cross_attention_dim": 64, "caption_channels": 64,
+}  # fmt: skip
+
+
+def bench_config(model_version: str = "2.0", path: str | None = None, tiny: bool = False) -> dict:
+    """``{"transformer": ...}`` for a benchmark: the file at ``path``, else the full-size
+    configuration of ``model_version``; ``tiny`` shrinks it to ``TINY_OVERRIDES``."""
+    source = Path(path) if path else MODEL_CONFIGS[model_version]
+    config = {"transformer": json.loads(source.read_text())["transformer"]}
+    if tiny:
+        config["transformer"].update(TINY_OVERRIDES)
+    return config
 
 
 def random_transformer(config: dict, device: torch.device, dtype: torch.dtype, seed: int) -> X0Model:
@@ -38,11 +61,28 @@ def random_transformer(config: dict, device: torch.device, dtype: torch.dtype, s
     return X0Model(materialize_random_(velocity_model, device, dtype, seed)).eval()
 
 
-def random_contexts(caption_channels: int, device: torch.device, dtype: torch.dtype, seed: int, tokens: int = 1024) -> tuple[TextContext, TextContext]:
-    """Positive and negative text contexts of the shape the embeddings processor returns."""
+def context_widths(transformer_config: dict) -> tuple[int, int]:
+    """(video, audio) width of the text contexts the embeddings processor hands this transformer.
+
+    The 19B (LTX-2.0) layout projects the caption inside the transformer, so both contexts come at
+    the Gemma width (``caption_channels``, 3840); the 22B (LTX-2.3) layout projects it in the text
+    encoder, so the transformer takes contexts already at its cross-attention widths (4096 and 2048)."""
+    if transformer_config.get("caption_proj_before_connector"):
+        return transformer_config.get("cross_attention_dim", 4096), transformer_config.get("audio_cross_attention_dim", 2048)
+    return transformer_config["caption_channels"], transformer_config["caption_channels"]
+
+
+def transformer_version(transformer_config: dict) -> str:
+    """The model version of a transformer configuration, as its checkpoint's metadata would say it."""
+    return model_version_of({"model_version": model_version({"transformer": transformer_config})})
+
+
+def random_contexts(transformer_config: dict, device: torch.device, dtype: torch.dtype, seed: int, tokens: int = 1024) -> tuple[TextContext, TextContext]:
+    """Positive and negative text contexts of the shapes the embeddings processor returns for this transformer."""
+    video_width, audio_width = context_widths(transformer_config)
     generator = torch.Generator(device=device).manual_seed(seed + 1)
-    make = lambda: torch.randn(1, tokens, caption_channels, device=device, dtype=dtype, generator=generator)  # noqa: E731
-    return TextContext(make(), make()), TextContext(make(), make())
+    make = lambda width: torch.randn(1, tokens, width, device=device, dtype=dtype, generator=generator)  # noqa: E731
+    return TextContext(make(video_width), make(audio_width)), TextContext(make(video_width), make(audio_width))
 
 
 class RandomModel:
@@ -79,19 +119,20 @@ def bench_stage1(ctx: JobContext, args: dict, tensors: dict):
         ctx.state["bench_key"] = key
     model = ctx.state["bench_model"]
     layers = model.layer_count()
+    official = defaults_for(transformer_version(config["transformer"]))  # STG on block 28 for 2.3, 29 for 2.0
     with input_errors():
-        video, audio = (Guidance.from_wire(args.get(f"{m}_guidance"), f"{m}_guidance", getattr(OFFICIAL, f"{m}_guidance")) for m in ("video", "audio"))
+        video, audio = (Guidance.from_wire(args.get(f"{m}_guidance"), f"{m}_guidance", getattr(official, f"{m}_guidance")) for m in ("video", "audio"))
         params = GenerationParams(
             height=integer_field(args, "height", OFFICIAL.stage1_height, 32, MAX_SIDE),
             width=integer_field(args, "width", OFFICIAL.stage1_width, 32, MAX_SIDE),
             num_frames=integer_field(args, "num_frames", OFFICIAL.num_frames, 1, MAX_FRAMES),
             frame_rate=number_field(args, "frame_rate", OFFICIAL.frame_rate, 1.0, 240.0),
             seed=seed, num_inference_steps=integer_field(args, "steps", BENCH_STEPS, 1, MAX_STEPS),
-            video_guider=guider_params(video, OFFICIAL.video_guidance, layers),
-            audio_guider=guider_params(audio, OFFICIAL.audio_guidance, layers),
+            video_guider=guider_params(video, official.video_guidance, layers),
+            audio_guider=guider_params(audio, official.audio_guidance, layers),
             two_stage=False,
         )  # fmt: skip
-    positive, negative = random_contexts(config["transformer"]["caption_channels"], ctx.device, dtype, seed)
+    positive, negative = random_contexts(config["transformer"], ctx.device, dtype, seed)
     original_step = ctx.step
     marks: list[float] = []
 

@@ -19,8 +19,9 @@ needs no negative prompt). ``check_recipe_files`` refuses a spec that does not f
 Every job reads its arguments with the request type of ``schema`` (``SampleRequest.from_wire`` ...),
 which also holds every default. Every job names its model spec; the rank keeps one model resident
 (``ResidentModel``), so a job with the same spec reads nothing from disk, and a fleet that restarted
-reloads on the next job by itself. A spec naming the embedded tiny bundle (``schema.EMBEDDED_TINY``)
-is resolved here, on the ranks: rank 0 writes the bundle into the cache folder (or finds it there).
+reloads on the next job by itself. A spec naming an embedded tiny bundle (``schema.EMBEDDED_TINY`` for
+LTX-2.0, ``schema.EMBEDDED_TINY_2_3`` for LTX-2.3) is resolved here, on the ranks: rank 0 writes the
+bundle into the cache folder (or finds it there). A job's model version is its checkpoint's.
 
 Prompt encodings stay in the fleet: the encode job keeps each prompt's contexts on every rank by a
 content digest (``schema.prompt_digest``, at most ``PROMPT_CACHE_ENTRIES``, least recently used
@@ -62,7 +63,7 @@ from mgpu_backend.ltx.latents import StageGeometry, job_generator
 from mgpu_backend.ltx.loading import ModelLoader
 from mgpu_backend.ltx.parallelize import Stage1Options, parallelize_stage1, parallelize_stage2, stage1_cache
 from mgpu_backend.ltx.previews import stage_previews, step_reporter
-from mgpu_backend.ltx.schema import CONTEXT_MISSING, PROMPT_CACHE_ENTRIES, VIDEO_LATENT_CHANNELS, DecodeRequest, EncodeRequest, LoadRequest, ModelFileError, ModelSpec, SampleRequest, UnloadRequest, UpscaleRequest, pixel_geometry, validate_stg_blocks
+from mgpu_backend.ltx.schema import CONTEXT_MISSING, PROMPT_CACHE_ENTRIES, VIDEO_LATENT_CHANNELS, DecodeRequest, EncodeRequest, LoadRequest, ModelFileError, ModelSpec, SampleRequest, UnloadRequest, UpscaleRequest, model_version_contradiction, pixel_geometry, validate_stg_blocks
 from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, guider_params, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
 from mgpu_backend.ltx.residency import component_sizes, device_memory_bytes, plan_residency
 from mgpu_backend.ltx.text import TextContext
@@ -72,6 +73,7 @@ log = logging.getLogger("mgpu.ltx")
 
 TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 EMBEDDED_BUNDLE_FOLDER = "embedded-tiny-ltx2"
+EMBEDDED_23_FOLDER = "embedded-tiny-ltx2.3"
 
 
 @contextmanager
@@ -184,12 +186,18 @@ keep_across_replacement("model")
 
 
 def resident_model(ctx: JobContext, request) -> ResidentModel:
-    """The model the request names, loading it (and dropping another) when it is not resident yet."""
+    """The model the request names, loading it (and dropping another) when it is not resident yet.
+
+    A request that runs a model version (sample, upscale) must name the checkpoint's: the request
+    schema already holds it to the file where the client could read it; here it meets the file loaded."""
     with input_errors():
         spec = request.spec
         if spec.names_embedded:
-            spec = spec.resolve_embedded(embedded_bundle(ctx))
+            spec = spec.resolve_embedded(embedded_bundle(ctx, spec.embedded_version))
         spec.check_files_exist()
+        asked = getattr(request, "model_version", None)
+        if asked is not None and spec.model_version != asked:
+            raise JobInputError(model_version_contradiction(asked, spec.model_version, spec.checkpoint_path))
         dtype = TORCH_DTYPES[request.dtype]
         resident = ctx.state.get("model")
         if resident is not None and resident.spec == spec and resident.dtype == dtype:
@@ -204,28 +212,34 @@ def resident_model(ctx: JobContext, request) -> ResidentModel:
 _embedded_bundles: dict[str, object] = {}  # cache folder -> TinyBundle, once this process has seen it complete
 
 
-def embedded_bundle(ctx: JobContext):
-    """The embedded tiny bundle in this host's cache folder (``$MGPU_CACHE_DIR``, else
-    ~/.cache/comfyui-mgpu), written by rank 0 on first use while the other ranks wait.
+def embedded_bundle_folder(version: str = "2.0") -> str:
+    """Where the embedded tiny LTX-``version`` bundle lives: ``$MGPU_CACHE_DIR``, else ~/.cache/comfyui-mgpu."""
+    name = {"2.0": EMBEDDED_BUNDLE_FOLDER, "2.3": EMBEDDED_23_FOLDER}[version]
+    return str(Path(os.environ.get("MGPU_CACHE_DIR") or Path.home() / ".cache" / "comfyui-mgpu") / name)
+
+
+def embedded_bundle(ctx: JobContext, version: str = "2.0"):
+    """The embedded tiny LTX-``version`` bundle in this host's cache folder (``embedded_bundle_folder``),
+    written by rank 0 on first use while the other ranks wait.
 
     Collective: every rank calls it for a job whose spec names the embedded bundle."""
     from mgpu_backend.bundles.tiny import make_tiny_bundle
 
-    folder = str(Path(os.environ.get("MGPU_CACHE_DIR") or Path.home() / ".cache" / "comfyui-mgpu") / EMBEDDED_BUNDLE_FOLDER)
+    folder = embedded_bundle_folder(version)
     failure = ""
     if ctx.rank == 0 and folder not in _embedded_bundles:
         try:
-            _embedded_bundles[folder] = make_tiny_bundle(folder)
+            _embedded_bundles[folder] = make_tiny_bundle(folder, version)
         except Exception as exc:  # noqa: BLE001 - the other ranks wait below: every failure must reach them
             failure = f"{type(exc).__name__}: {exc}"
     failed = ctx.control.all_reduce_max(torch.tensor([int(bool(failure))], dtype=torch.int64))
     if failed.item():
         raise JobInputError(
-            f"could not write the embedded tiny bundle to {folder} ({failure or 'on rank 0'}); "
+            f"could not write the embedded tiny LTX-{version} bundle to {folder} ({failure or 'on rank 0'}); "
             "set MGPU_CACHE_DIR to a writable folder, or choose real model files"
         )
     if folder not in _embedded_bundles:
-        _embedded_bundles[folder] = make_tiny_bundle(folder)  # complete since rank 0 wrote it: only checked
+        _embedded_bundles[folder] = make_tiny_bundle(folder, version)  # complete since rank 0 wrote it: only checked
     return _embedded_bundles[folder]
 
 
@@ -601,7 +615,8 @@ def decode_tiling(request: DecodeRequest) -> TilingConfig:
     spatial, temporal = request.spatial_tile_pixels, request.temporal_tile_frames
     return TilingConfig(
         spatial_config=SpatialTilingConfig(tile_size_in_pixels=spatial, tile_overlap_in_pixels=min(64, spatial // 4 // 32 * 32)),
-        temporal_config=TemporalTilingConfig(tile_size_in_frames=temporal, tile_overlap_in_frames=min(24, temporal // 8 * 3)),
+        # ltx-core takes temporal overlaps in whole latent frames (multiples of 8): 24 for the default 64.
+        temporal_config=TemporalTilingConfig(tile_size_in_frames=temporal, tile_overlap_in_frames=min(24, temporal * 3 // 8 // 8 * 8)),
     )
 
 

@@ -28,8 +28,6 @@ Never edits ltx-core, never downloads anything.
 from __future__ import annotations
 
 import json
-import os
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +57,7 @@ from ltx_core.model.video_vae import (
 )
 
 from mgpu_backend.ltx import fp8
+from mgpu_backend.ltx.safetensors_header import SafetensorsHeader, model_version_of, read_header
 from mgpu_backend.ltx.schema import ModelFileError, ModelSpec  # noqa: F401 - re-exported: the loader's callers name them here
 
 LORA_SETS = ("none", "distilled")
@@ -66,8 +65,6 @@ LORA_SETS = ("none", "distilled")
 
 
 # --- Checks before any heavy work ------------------------------------------------------------------
-
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 # Key prefixes every LTX-2 audio+video checkpoint holds, and what each is for.
 _CHECKPOINT_PARTS = {
@@ -84,37 +81,9 @@ _CHECKPOINT_PARTS = {
 _UPSAMPLER_KEYS = ("initial_conv.weight", "final_conv.weight")
 
 
-@dataclass(frozen=True)
-class _SafetensorsHeader:
-    tensors: dict[str, tuple[str, tuple[int, ...]]]  # name -> (dtype, shape)
-    metadata: dict[str, str]
-
-
-def _read_header(path: str, role: str, remedy: str) -> _SafetensorsHeader:
-    """The header of a safetensors file, or a ModelFileError that says the file is not one."""
-    not_safetensors = ModelFileError(f"{role} {path} is not a .safetensors file. {remedy}")
-    try:
-        with open(path, "rb") as f:
-            size_bytes = f.read(8)
-            if len(size_bytes) != 8:
-                raise not_safetensors
-            (header_size,) = struct.unpack("<Q", size_bytes)
-            if header_size > min(_MAX_HEADER_BYTES, os.path.getsize(path) - 8):
-                raise not_safetensors
-            header = json.loads(f.read(header_size))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        if isinstance(error, ModelFileError):
-            raise
-        raise not_safetensors from error
-    if not isinstance(header, dict):
-        raise not_safetensors
-    metadata = header.pop("__metadata__", None) or {}
-    tensors = {}
-    for name, entry in header.items():
-        if not isinstance(entry, dict) or "shape" not in entry or "dtype" not in entry:
-            raise not_safetensors
-        tensors[name] = (entry["dtype"], tuple(entry["shape"]))
-    return _SafetensorsHeader(tensors=tensors, metadata=metadata)
+# The one torch-free header reader, under the names the loader's callers import.
+_SafetensorsHeader = SafetensorsHeader
+_read_header = read_header
 
 
 def _gemma_files(gemma_root: str) -> tuple[Path, list[str]]:
@@ -272,6 +241,31 @@ def _validate_upsampler(path: str, checkpoint: _SafetensorsHeader) -> None:
         )
 
 
+# Layers that exist in one transformer layout only: the 22B (LTX-2.3) layout gates every attention
+# and scales the text cross-attention by the sigma (prompt AdaLN); the 19B (LTX-2.0) layout projects
+# the caption inside the transformer.
+_LAYOUT_ONLY_LAYERS = {".to_gate_logits.": "2.3", "prompt_adaln_single.": "2.3", "caption_projection.": "2.0"}
+_DISTILLED_LORA_FILES = {"2.0": "ltx-2-19b-distilled-lora-384.safetensors", "2.3": "ltx-2.3-22b-distilled-lora-384-1.1.safetensors"}
+
+
+def _lora_model_version(role: str, pairs: dict, transformer: dict) -> tuple[str | None, str]:
+    """The LTX-2 version a LoRA was made for, from the layers it adapts, and the evidence; None when
+    its layers exist in both layouts.
+
+    A layer of one layout only names that version. Beyond that, the distilled LoRA adapts every
+    linear layer of the transformer: one that adapts attention but none of the attention gates of a
+    gated (LTX-2.3) transformer was made for LTX-2.0. User LoRAs often adapt q/k/v/out only, so that
+    second rule is for the distilled LoRA alone."""
+    for marker, version in _LAYOUT_ONLY_LAYERS.items():
+        layers = sorted(target for target in pairs if marker in target)
+        if layers:
+            return version, f"it adapts {layers[0].removesuffix('.weight')}, a layer only LTX-{version} has"
+    gated = any(".to_gate_logits." in name for name in transformer)
+    if role == "distilled LoRA" and gated and any(".to_q." in target for target in pairs):
+        return "2.0", "it adapts the attention layers but none of the attention gates LTX-2.3 has"
+    return None, ""
+
+
 def _validate_lora(role: str, path: str, checkpoint_path: str, checkpoint: _SafetensorsHeader) -> None:
     remedy = "Use a LoRA trained for this LTX-2 checkpoint, or remove it."
     header = _read_header(path, role, remedy)
@@ -288,6 +282,14 @@ def _validate_lora(role: str, path: str, checkpoint_path: str, checkpoint: _Safe
                 pairs.setdefault(key[: -len(f".{half}.weight")] + ".weight", {})[half] = shape
     if not pairs:
         raise ModelFileError(f"{role} {path} holds no LoRA A/B weight pairs (keys '<layer>.lora_A.weight'). {remedy}")
+    checkpoint_version = model_version_of(checkpoint.metadata, checkpoint.tensors)
+    lora_version, evidence = _lora_model_version(role, pairs, transformer)
+    if lora_version is not None and lora_version != checkpoint_version:
+        example = f" ({_DISTILLED_LORA_FILES[checkpoint_version]})" if role == "distilled LoRA" else ""
+        raise ModelFileError(
+            f"{role} {path} is a LoRA for LTX-{lora_version} ({evidence}), but checkpoint {checkpoint_path} is "
+            f"LTX-{checkpoint_version}; use the {role} made for LTX-{checkpoint_version}{example}, or a checkpoint of LTX-{lora_version}"
+        )
     misfits = []
     for target, halves in sorted(pairs.items()):
         shape = transformer.get(target)

@@ -5,7 +5,10 @@ the frozen request types below. A request is built on the client side (ComfyUI n
 CLI), sent as ``to_wire()``'s plain JSON, and read back on every rank with ``from_wire(dict)``, which
 checks types and ranges and says what was wrong and what to do. A field a job leaves out gets the
 official default of its model version and pipeline, written once in ``DEFAULTS``; everything else
-in the pack (jobs, api, CLI flags, node widgets) reads its defaults here.
+in the pack (jobs, api, CLI flags, node widgets) reads its defaults here. The model version is the
+checkpoint's own (``ModelSpec.model_version``: its ``model_version`` metadata, read from the file
+header by ``safetensors_header`` as ltx-pipelines' ``detect_params`` reads it); a request that names
+a version only checks it (``request_model_version``).
 
 The torch-free facts and input checks the ComfyUI side needs before it queues anything (latent
 channels and compression, frame counts, sizes, sigma schedules) live here too, so that the ComfyUI
@@ -24,6 +27,8 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
+
+from mgpu_backend.ltx.safetensors_header import ModelFileError, checkpoint_model_version
 
 # --- Facts of the LTX-2 latent space --------------------------------------------------------------
 
@@ -59,11 +64,15 @@ MAX_PROMPT_CHARS = 20_000
 EMBEDDED_TINY = "embedded:tiny"
 """A model spec path that names the embedded tiny random-weight bundle: the ranks make it (or find it
 in their cache) and put the real paths in place, so that the ComfyUI process writes no model file."""
-
+EMBEDDED_TINY_2_3 = "embedded:tiny-2.3"
+"""The same for the embedded tiny LTX-2.3 bundle (the 22B layout)."""
 EMBEDDED_TINY_DISTILLED = "embedded:tiny-distilled"
-"""A checkpoint path that names the embedded tiny bundle's distilled checkpoint (its own weights,
-the dev checkpoint's layout), resolved on the ranks like ``EMBEDDED_TINY``."""
-EMBEDDED_NAMES = (EMBEDDED_TINY, EMBEDDED_TINY_DISTILLED)
+EMBEDDED_TINY_2_3_DISTILLED = "embedded:tiny-2.3-distilled"
+"""Checkpoint paths that name an embedded tiny bundle's distilled checkpoint (its own weights, the
+dev checkpoint's layout), resolved on the ranks like the bundle's other files."""
+EMBEDDED_DISTILLED_CHECKPOINTS = {"2.0": EMBEDDED_TINY_DISTILLED, "2.3": EMBEDDED_TINY_2_3_DISTILLED}
+EMBEDDED_TINY_VERSIONS = {EMBEDDED_TINY: "2.0", EMBEDDED_TINY_2_3: "2.3", EMBEDDED_TINY_DISTILLED: "2.0", EMBEDDED_TINY_2_3_DISTILLED: "2.3"}
+"""Every embedded name and the model version of the bundle its file belongs to."""
 
 CONTEXT_MISSING = "context missing"
 """Start of the job error a rank raises when a request names a prompt digest it does not hold (the
@@ -80,10 +89,6 @@ MAX_PREVIEW_EVERY = MAX_STEPS
 
 class RequestError(ValueError):
     """A job argument that cannot be used; the message names it and says what to do."""
-
-
-class ModelFileError(ValueError):
-    """A model file or folder that cannot be used; the message names it and says what to do."""
 
 
 def parse_quantization(value) -> str | None:
@@ -313,6 +318,14 @@ def pixel_geometry(latent_frames: int, latent_height: int, latent_width: int) ->
     )
 
 
+def embedded_tiny_name(version: str) -> str:
+    """The model spec path that names the embedded tiny bundle of LTX-``version``."""
+    for name in (EMBEDDED_TINY, EMBEDDED_TINY_2_3):
+        if EMBEDDED_TINY_VERSIONS[name] == version:
+            return name
+    raise ModelFileError(f"there is no embedded tiny bundle of LTX-{version}; choose one of {', '.join(MODEL_VERSIONS)}")
+
+
 # --- The model spec ---------------------------------------------------------------------------------
 
 
@@ -321,8 +334,8 @@ class ModelSpec:
     """The files of one LTX-2 model and how each GPU holds them (``quantization``, ``residency``).
     Small and JSON-able: it travels in the MGPU model handle, so every job names the same model.
 
-    A path may be ``EMBEDDED_TINY``: the embedded tiny bundle's file of that role, resolved on the
-    ranks (``resolve_embedded``)."""
+    A path may be ``EMBEDDED_TINY`` (or ``EMBEDDED_TINY_2_3``): the embedded tiny bundle's file of that
+    role, resolved on the ranks (``resolve_embedded``). ``model_version`` is the checkpoint's own."""
 
     checkpoint_path: str
     gemma_root: str
@@ -334,59 +347,90 @@ class ModelSpec:
     residency: str = "auto"
 
     @classmethod
-    def embedded_tiny(cls, spatial_upsampler: bool = True, distilled_lora: bool = True, distilled_lora_strength: float = DISTILLED_LORA_STRENGTH) -> ModelSpec:
-        """The embedded tiny random-weight bundle, named symbolically (nothing is written here)."""
+    def embedded_tiny(cls, spatial_upsampler: bool = True, distilled_lora: bool = True, distilled_lora_strength: float = DISTILLED_LORA_STRENGTH,
+                      version: str = "2.0") -> ModelSpec:  # fmt: skip
+        """The embedded tiny random-weight bundle of LTX-``version``, named symbolically (nothing is written here)."""
+        name = embedded_tiny_name(version)
         return cls(
-            checkpoint_path=EMBEDDED_TINY,
-            gemma_root=EMBEDDED_TINY,
-            spatial_upsampler_path=EMBEDDED_TINY if spatial_upsampler else None,
-            distilled_lora=EMBEDDED_TINY if distilled_lora else None,
+            checkpoint_path=name,
+            gemma_root=name,
+            spatial_upsampler_path=name if spatial_upsampler else None,
+            distilled_lora=name if distilled_lora else None,
             distilled_lora_strength=distilled_lora_strength,
         )
 
     @classmethod
-    def embedded_tiny_for(cls, pipeline: str) -> ModelSpec:
-        """The embedded tiny bundle as ``pipeline`` loads it: the two-stage recipe with its distilled
-        LoRA; the distilled recipe with the distilled checkpoint and no LoRA."""
+    def embedded_tiny_for(cls, pipeline: str, version: str = "2.0") -> ModelSpec:
+        """The embedded tiny bundle of LTX-``version`` as ``pipeline`` loads it: the two-stage recipe with
+        its distilled LoRA; the distilled recipe with the distilled checkpoint and no LoRA."""
         if pipeline == "distilled":
-            return replace(cls.embedded_tiny(distilled_lora=False), checkpoint_path=EMBEDDED_TINY_DISTILLED)
-        return cls.embedded_tiny()
+            return replace(cls.embedded_tiny(distilled_lora=False, version=version), checkpoint_path=EMBEDDED_DISTILLED_CHECKPOINTS[version])
+        return cls.embedded_tiny(version=version)
 
     @classmethod
-    def tiny(cls) -> ModelSpec:
-        """The embedded tiny bundle with its real paths, made in the cache folder on first use.
+    def tiny(cls, version: str = "2.0") -> ModelSpec:
+        """The embedded tiny bundle of LTX-``version`` with its real paths, made in the cache folder on first use.
 
         Writes files: for the fleet's processes and tests. The ComfyUI side uses ``embedded_tiny``."""
         from mgpu_backend.bundles.tiny import default_tiny_bundle
 
-        return cls.embedded_tiny().resolve_embedded(default_tiny_bundle())
+        return cls.embedded_tiny(version=version).resolve_embedded(default_tiny_bundle(version))
+
+    def _paths(self) -> tuple[str | None, ...]:
+        return (self.checkpoint_path, self.gemma_root, self.spatial_upsampler_path, self.distilled_lora, *(path for path, _ in self.loras))
 
     @property
     def names_embedded(self) -> bool:
-        return any(path in EMBEDDED_NAMES for path in (self.checkpoint_path, self.gemma_root, self.spatial_upsampler_path, self.distilled_lora))
+        return any(path in EMBEDDED_TINY_VERSIONS for path in self._paths())
+
+    @property
+    def embedded_version(self) -> str | None:
+        """The model version of the embedded tiny bundle this spec names (None: it names none).
+        A spec naming the tiny bundles of both versions is refused: their files do not fit each other."""
+        versions = {EMBEDDED_TINY_VERSIONS[path] for path in self._paths() if path in EMBEDDED_TINY_VERSIONS}
+        if len(versions) > 1:
+            raise ModelFileError(
+                f"the model spec names both embedded tiny bundles ({EMBEDDED_TINY!r} is LTX-2.0, {EMBEDDED_TINY_2_3!r} is "
+                "LTX-2.3); their files do not fit each other: name one of them for every file"
+            )
+        return versions.pop() if versions else None
 
     def resolve_embedded(self, bundle) -> ModelSpec:
-        """This spec with every ``EMBEDDED_TINY`` path replaced by the file of ``bundle`` (a
-        ``TinyBundle``: ``checkpoint_path``, ``gemma_root``, ``spatial_upsampler_path``,
-        ``distilled_lora_path``, ``distilled_checkpoint_path`` for ``EMBEDDED_TINY_DISTILLED``). The
-        embedded checkpoints only work with their own Gemma, and the other way round."""
-        if (self.checkpoint_path in EMBEDDED_NAMES) != (self.gemma_root == EMBEDDED_TINY):
+        """This spec with every embedded path replaced by the file of ``bundle`` (a ``TinyBundle``:
+        ``version``, ``checkpoint_path``, ``gemma_root``, ``spatial_upsampler_path``,
+        ``distilled_lora_path``, ``distilled_checkpoint_path`` for a distilled name), which must be the
+        bundle of the version the spec names. The embedded checkpoints only work with their own Gemma,
+        and the other way round."""
+        version = self.embedded_version
+        if version is None:
+            return self
+        name = embedded_tiny_name(version)
+        assert bundle.version == version, (bundle.version, version)
+        if (self.checkpoint_path in EMBEDDED_TINY_VERSIONS) != (self.gemma_root == name):
             raise ModelFileError(
                 "the embedded tiny checkpoint only works with its own text encoder: name both checkpoint_path and "
-                f"gemma_root {EMBEDDED_TINY!r}, or real files for both"
+                f"gemma_root {name!r}, or real files for both"
             )
 
         def resolved(path, real):
-            return real if path == EMBEDDED_TINY else path
+            return real if path == name else path
 
-        checkpoint = bundle.distilled_checkpoint_path if self.checkpoint_path == EMBEDDED_TINY_DISTILLED else bundle.checkpoint_path
+        checkpoint = bundle.distilled_checkpoint_path if self.checkpoint_path in EMBEDDED_DISTILLED_CHECKPOINTS.values() else bundle.checkpoint_path
         return replace(
             self,
-            checkpoint_path=checkpoint if self.checkpoint_path in EMBEDDED_NAMES else self.checkpoint_path,
+            checkpoint_path=checkpoint if self.checkpoint_path in EMBEDDED_TINY_VERSIONS else self.checkpoint_path,
             gemma_root=resolved(self.gemma_root, bundle.gemma_root),
             spatial_upsampler_path=resolved(self.spatial_upsampler_path, bundle.spatial_upsampler_path),
             distilled_lora=resolved(self.distilled_lora, bundle.distilled_lora_path),
         )
+
+    @property
+    def model_version(self) -> str:
+        """The LTX-2 version of this spec's checkpoint: the embedded bundle's, or read from the
+        checkpoint file's ``model_version`` metadata (header only, no torch)."""
+        if self.checkpoint_path in EMBEDDED_TINY_VERSIONS:
+            return EMBEDDED_TINY_VERSIONS[self.checkpoint_path]
+        return checkpoint_model_version(self.checkpoint_path)
 
     def to_wire(self) -> dict:
         return {
@@ -460,9 +504,9 @@ class ModelSpec:
             files.append(("distilled LoRA", self.distilled_lora))
         files += [("LoRA", path) for path, _ in self.loras]
         for role, path in files:
-            if path not in EMBEDDED_NAMES and not Path(path).is_file():
+            if path not in EMBEDDED_TINY_VERSIONS and not Path(path).is_file():
                 raise ModelFileError(f"{role} file {path} does not exist; check the path (or download the file there)")
-        if self.gemma_root != EMBEDDED_TINY and not Path(self.gemma_root).is_dir() and not Path(self.gemma_root).is_file():
+        if self.gemma_root not in EMBEDDED_TINY_VERSIONS and not Path(self.gemma_root).is_dir() and not Path(self.gemma_root).is_file():
             raise ModelFileError(
                 f"Gemma folder {self.gemma_root} does not exist (nor a file of that name); point gemma_root at the "
                 "Gemma-3 Hugging Face folder (config.json, model*.safetensors, tokenizer.model) or at ComfyUI's single "
@@ -622,6 +666,31 @@ OFFICIAL = defaults_for()
 """The LTX-2.0 two-stage defaults: what the running jobs use today."""
 
 
+def request_model_version(spec: ModelSpec, asked: str | None = None) -> str:
+    """The model version a request runs: its checkpoint's (``ModelSpec.model_version``), whatever the
+    pipeline. ``asked`` (a request's or the CLI's ``model_version``) is only a check: a version that
+    contradicts the checkpoint is refused. A checkpoint this process cannot read takes ``asked`` or
+    2.0, as ``detect_params`` falls back; the ranks check that against the file they load."""
+    if asked is not None and (isinstance(asked, bool) or asked not in MODEL_VERSIONS):
+        raise RequestError(f"model_version must be one of {', '.join(MODEL_VERSIONS)}, got {asked!r}; leave it out to follow the checkpoint")
+    try:
+        found = spec.model_version
+    except (ModelFileError, OSError):
+        found = None
+    if found is None:
+        return asked or "2.0"
+    if asked is not None and asked != found:
+        raise RequestError(model_version_contradiction(asked, found, spec.checkpoint_path))
+    return found
+
+
+def model_version_contradiction(asked: str, found: str, checkpoint_path: str) -> str:
+    return (
+        f"model_version {asked} contradicts the checkpoint {checkpoint_path}, which is LTX-{found} (its model_version "
+        f"metadata); leave model_version out to use LTX-{found}'s defaults, or choose an LTX-{asked} checkpoint"
+    )
+
+
 # --- Requests -----------------------------------------------------------------------------------------
 
 
@@ -694,12 +763,13 @@ def prompt_digest(prompt: str, spec: ModelSpec, dtype: str, gemma_mode: str) -> 
 class SampleRequest:
     """Stage 1: full-frame generation from noise at ``width`` x ``height`` (sequence/guidance parallel).
 
-    Fields left as None take ``defaults_for(model_version, pipeline)``. The prompts' contexts come as
+    Fields left as None take ``defaults_for(model_version, pipeline)``, where the model version is the
+    checkpoint's (an explicit one must agree with it). The prompts' contexts come as
     tensors with the job, or by the digests of an earlier encode job (``positive_digest``, ...)."""
 
     spec: ModelSpec
     dtype: str = "bfloat16"
-    model_version: str = "2.0"
+    model_version: str | None = None  # None: the checkpoint's (request_model_version)
     pipeline: str = "two-stage"
     width: int | None = None
     height: int | None = None
@@ -720,6 +790,7 @@ class SampleRequest:
     op = "sample"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "model_version", request_model_version(self.spec, self.model_version))
         official = defaults_for(self.model_version, self.pipeline)
         filled = {
             "width": official.stage1_width, "height": official.stage1_height, "num_frames": official.num_frames,
@@ -743,7 +814,8 @@ class SampleRequest:
     @classmethod
     def from_wire(cls, data: dict) -> SampleRequest:
         _no_unknown_fields(data, cls, cls.op)
-        version = _choice(data, "model_version", "2.0", MODEL_VERSIONS)
+        spec = _spec_of(data, cls.op)
+        version = request_model_version(spec, data.get("model_version"))
         pipeline = _choice(data, "pipeline", "two-stage", PIPELINES)
         official = defaults_for(version, pipeline)
         steps = integer_field(data, "steps", official.steps, 1, MAX_STEPS)
@@ -756,7 +828,7 @@ class SampleRequest:
         if batch_passes != "auto" and not isinstance(batch_passes, bool):
             raise RequestError(f'batch_passes must be "auto", true or false, got {batch_passes!r}; leave it out for "auto"')
         return cls(
-            spec=_spec_of(data, cls.op),
+            spec=spec,
             dtype=_choice(data, "dtype", "bfloat16", DTYPES),
             model_version=version,
             pipeline=pipeline,
@@ -790,7 +862,7 @@ class UpscaleRequest:
 
     spec: ModelSpec
     dtype: str = "bfloat16"
-    model_version: str = "2.0"
+    model_version: str | None = None  # None: the checkpoint's (request_model_version)
     pipeline: str = "two-stage"
     frame_rate: float | None = None
     seed: int | None = None
@@ -805,6 +877,7 @@ class UpscaleRequest:
     op = "upscale"
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "model_version", request_model_version(self.spec, self.model_version))
         official = defaults_for(self.model_version, self.pipeline)
         if self.frame_rate is None:
             object.__setattr__(self, "frame_rate", official.frame_rate)
@@ -821,7 +894,8 @@ class UpscaleRequest:
     @classmethod
     def from_wire(cls, data: dict) -> UpscaleRequest:
         _no_unknown_fields(data, cls, cls.op)
-        version = _choice(data, "model_version", "2.0", MODEL_VERSIONS)
+        spec = _spec_of(data, cls.op)
+        version = request_model_version(spec, data.get("model_version"))
         pipeline = _choice(data, "pipeline", "two-stage", PIPELINES)
         official = defaults_for(version, pipeline)
         sigmas = data.get("sigmas")
@@ -837,7 +911,7 @@ class UpscaleRequest:
         if tiles is not None and parallel == "sp":
             raise RequestError(f"tiles {list(tiles)} apply to tiled data parallel only; leave them out with parallel 'sp', or use parallel 'tdp'")
         return cls(
-            spec=_spec_of(data, cls.op),
+            spec=spec,
             dtype=_choice(data, "dtype", "bfloat16", DTYPES),
             model_version=version,
             pipeline=pipeline,

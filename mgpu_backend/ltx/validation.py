@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mgpu_backend.ltx.safetensors_header import read_header
 from mgpu_backend.ltx.schema import VIDEO_SPATIAL_COMPRESSION as SPATIAL
 from mgpu_backend.ltx.schema import VIDEO_TEMPORAL_COMPRESSION as TEMPORAL
 
@@ -26,7 +27,11 @@ GIB = 1024**3
 
 @dataclass(frozen=True)
 class TransformerDims:
-    """The transformer dimensions the memory estimate needs (defaults: the LTX-2 19B model)."""
+    """The transformer dimensions the memory estimate needs (defaults: the LTX-2.0 19B model).
+
+    They serve LTX-2.3 as they are: its transformer has the same widths, heads and layers and 18.99B
+    parameters against 2.0's 18.88B (counted from configs/ at full size). Its "22B" is the whole
+    checkpoint (22.08B: the 8-layer text connectors at the stream widths, the VAEs, the vocoder)."""
 
     num_layers: int = 48
     video_heads: int = 32
@@ -45,16 +50,21 @@ class TransformerDims:
 
     @classmethod
     def from_checkpoint(cls, checkpoint_path: str) -> TransformerDims:
-        """From an LTX-2 checkpoint's header: its config metadata and its transformer tensor sizes."""
-        from safetensors import safe_open
+        """From an LTX-2 checkpoint's header: its config metadata and its transformer tensor sizes.
 
-        with safe_open(checkpoint_path, framework="pt") as checkpoint:
-            config = json.loads((checkpoint.metadata() or {}).get("config", "{}"))
-            parameter_count = sum(
-                math.prod(checkpoint.get_slice(key).get_shape())
-                for key in checkpoint.keys()  # noqa: SIM118 - safe_open is not a mapping
-                if key.startswith("model.diffusion_model.") and "_embeddings_connector." not in key
-            )
+        The transformer's parameters are the ``model.diffusion_model.`` tensors but the text
+        connectors': about 19B in both versions (2.0's caption projection; 2.3's gates and
+        cross-attention AdaLN; 2.3's text projection lives in the text encoder, outside)."""
+        header = read_header(checkpoint_path, "checkpoint", "Choose the LTX-2 audio+video checkpoint.")
+        try:
+            config = json.loads(header.metadata.get("config", "{}"))
+        except ValueError:
+            config = {}
+        parameter_count = sum(
+            math.prod(shape)
+            for key, (_, shape) in header.tensors.items()
+            if key.startswith("model.diffusion_model.") and "_embeddings_connector." not in key
+        )
         return cls.from_config(config.get("transformer", {}), parameter_count)
 
     @classmethod

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -73,7 +73,7 @@ def add_generate_parser(commands) -> None:
     model.add_argument("--dtype", choices=("bfloat16",), default="bfloat16", help="compute dtype (default bfloat16, as the official pipeline; the two-stage job fuses the distilled LoRA, which needs bfloat16)")
     model.add_argument("--quantization", choices=QUANTIZATIONS, help="fp8-cast: transformer weights in float8, upcast per layer (about half its memory; as the official --quantization fp8-cast). Default: none")
     model.add_argument("--residency", choices=RESIDENCY_POLICIES, default=RESIDENCY_POLICIES[0], help="what stays on each GPU between jobs: auto (what fits), all, minimal (the transformer only) (default auto)")
-    model.add_argument("--model-version", choices=MODEL_VERSIONS, default="2.0", help="LTX-2 version whose official defaults apply (default 2.0)")
+    model.add_argument("--model-version", choices=MODEL_VERSIONS, help="LTX-2 version: a check only, the checkpoint's model_version metadata decides whose official defaults apply (a contradicting value is refused); without model flags, which embedded tiny bundle runs (default 2.0)")
 
     job = parser.add_argument_group("generation")
     prompt = job.add_mutually_exclusive_group(required=True)
@@ -299,7 +299,7 @@ def build_spec(args) -> tuple[dict, bool]:
         loras.append((lora[0], _strength(lora, "--lora", 1.0)))
     held = {"quantization": args.quantization, "residency": args.residency, "loras": tuple(loras)}
     if not any(given):
-        spec = replace(ModelSpec.embedded_tiny_for(pipeline), **held)
+        spec = replace(ModelSpec.embedded_tiny_for(pipeline, version=args.model_version or "2.0"), **held)
         try:  # the bundle itself is made on the ranks; a user LoRA must exist here already
             spec.check_files_exist()
         except ModelFileError as error:
@@ -469,6 +469,10 @@ def run_generate(args) -> int:
     from mgpu_backend.tools.media import write_mp4
 
     spec, tiny = build_spec(args)
+    try:
+        args.model_version = request_model_version(ModelSpec.from_wire(spec), args.model_version)
+    except RequestError as error:
+        raise refuse(f"--model-version: {error}") from None
     distilled = args.pipeline == "distilled"
     if distilled:
         check_distilled_flags(args)
@@ -481,7 +485,7 @@ def run_generate(args) -> int:
     inputs = check_inputs(args, spec)
     if tiny:
         print(
-            "No checkpoint given: using the embedded tiny LTX-2 bundle (random weights; the video is noise, every "
+            f"No checkpoint given: using the embedded tiny LTX-2 bundle of version {args.model_version} (random weights; the video is noise, every "
             f"real component runs) at {args.height}x{args.width} (height x width), {args.num_frames} frames, {args.num_inference_steps} steps, "
             f"{args.pipeline} pipeline.",
             file=sys.stderr,
