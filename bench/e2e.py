@@ -45,7 +45,7 @@ N GiB of the GPU (``torch.cuda.set_per_process_memory_fraction``, applied by the
 fleet refuses (it cannot fit even at the minimal residency) prints the fleet's refusal as the result
 and exits 1. ``--fleet-only`` skips the official run and the comparison (a 10-minute machine slot
 then holds the bundle and both fleet runs). ``--model 2.0|2.3`` picks the bundle's configuration;
-``--pipeline`` names the recipe, of which the served ones are listed in ``SERVED``.
+``--pipeline two-stage|distilled`` the recipe (official side ``DistilledPipeline`` for the distilled one).
 
 It never downloads anything; everything it writes goes to --bundle-dir (default: a temporary folder,
 removed at the end) and --gemma-dir.
@@ -91,17 +91,6 @@ PROMPT = (
 STAGES = ("fleet spawn", "load", "text encode", "stage 1", "upsample", "stage 2", "decode", "handoff")
 OTHER = "other"  # official time outside every timed function: its gc / memory clean-up between stages
 TRANSFORMER_CONFIGS = {"2.0": "ltx2-19b-transformer.json", "2.3": "ltx2.3-22b-transformer.json"}  # in configs/
-SERVED = {("2.0", "two-stage"), ("2.3", "two-stage"), ("2.0", "distilled"), ("2.3", "distilled")}
-"""(model version, pipeline) pairs this benchmark runs on both sides. The one place that changes when the
-fleet serves another recipe: the distilled one is ready here (official side ``DistilledPipeline`` on the
-bundle's checkpoint, fleet spec without the LoRA, no guidance, ``pipeline`` passed to the sample and
-upscale jobs) and waits for the fleet and ``api`` to take ``pipeline: "distilled"``."""
-
-
-def refuse_recipes_not_served(model_version: str, pipeline: str) -> None:
-    if (model_version, pipeline) not in SERVED:
-        served = ", ".join(f"LTX-{version} {recipe}" for version, recipe in sorted(SERVED))
-        raise SystemExit(f"error: the {pipeline} pipeline of LTX-{model_version} is not yet served by this benchmark (it runs {served}); use --pipeline two-stage")
 
 
 @dataclass(frozen=True)
@@ -748,7 +737,6 @@ def main() -> None:
     parser.add_argument("--fleet-log", help="copy the fleet's log (every job's lines from every rank: plans, bytes read, Gemma placement, per-rank decode memory) to this file")
     parser.add_argument("--out", help="append command, machine, date and the results to this file")
     args = parser.parse_args()
-    refuse_recipes_not_served(args.model, args.pipeline)
     if args.memory_gb is not None and not args.memory_gb > 0:
         parser.error(f"--memory-gb must be a positive number of GiB, got {args.memory_gb}")
 

@@ -21,13 +21,11 @@ Target: preview under 1% of a pass. Prints a markdown table on stdout only; neve
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import torch
 
 from _common import (  # noqa: I001 - _common puts the repository on sys.path first
-    REPO_ROOT,
     bench_dtype,
     bench_parser,
     log,
@@ -38,11 +36,10 @@ from _common import (  # noqa: I001 - _common puts the repository on sys.path fi
     run_bench,
     time_calls,
 )
-from step import TINY_OVERRIDES  # the one tiny transformer of the step benches
 from ltx_core.model.video_vae import VideoDecoderConfigurator
 
 from mgpu_backend.bundles.configs import FULL_SIZE_VIDEO_VAE_CONFIG, VIDEO_VAE_CONFIG
-from mgpu_backend.ltx.diagnostics import random_transformer, random_transformer_inputs
+from mgpu_backend.ltx.diagnostics import bench_config, random_transformer, random_transformer_inputs
 from mgpu_backend.ltx.latents import StageGeometry, state_to_comfy
 from mgpu_backend.ltx.previews import fit_latent_rgb
 
@@ -91,9 +88,7 @@ def measure_size(model, factors, config: dict, size: tuple[int, int, int], devic
 def measure(args) -> str:
     device = resolve_device(args.device)
     dtype = bench_dtype(device) if args.tiny else torch.bfloat16
-    config = {"transformer": json.loads((REPO_ROOT / "configs" / "ltx2-19b-transformer.json").read_text())["transformer"]}
-    if args.tiny:
-        config["transformer"].update(TINY_OVERRIDES)
+    config = bench_config("2.0", tiny=args.tiny)
     sizes = [tuple(int(v) for v in size.split("x")) for size in (args.sizes or (TINY_SIZES if args.tiny else FULL_SIZES)).split(",")]
 
     log(f"building the random transformer ({'tiny' if args.tiny else '19B'}) and video decoder on {device}")

@@ -247,8 +247,9 @@ def test_every_job_of_ltx23_at_four_cpu_ranks_equals_one_process_bf16(fleet, cac
     tiling = decode_tiling(DecodeRequest.from_wire(decode))
     frames = decode_video(loader, video2, tiling=tiling, generator=job_generator(7, torch.device("cpu"), torch.bfloat16))
     assert_equal(decoded.tensors["frames"], frames, "decoded frames (64-pixel tiles spread over 4 ranks)")
-    waveform, sample_rate = decode_audio(loader, audio)
-    assert decoded.fields["sample_rate"] == sample_rate == 48000
+    # The decode job's audio lasts exactly as long as its video: 9 frames at the request's 24 fps.
+    waveform, sample_rate = decode_audio(loader, audio, video_frames=frames.shape[0], frame_rate=DecodeRequest.from_wire(decode).frame_rate)
+    assert decoded.fields["sample_rate"] == sample_rate == 48000 and waveform.shape[-1] == 48000 * 9 // 24
     assert_equal(decoded.tensors["waveform"], waveform, "decoded waveform")
 
 
