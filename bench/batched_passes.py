@@ -1,5 +1,5 @@
 """The four guidance passes of one stage-1 step on ONE GPU: one after another vs one batched forward,
-eager and replayed from CUDA graphs (issue 12, item 2).
+eager and replayed from CUDA graphs.
 
 A stage-1 step runs the transformer four times with batch 1 (conditional, unconditional with the
 negative prompt, STG-perturbed in block 29, modality-isolated). At the shard sizes a rank sees under

@@ -1,4 +1,4 @@
-"""Batch-1 conditional-pass forward on ONE GPU: eager vs CUDA-graph replay (issue 12).
+"""Batch-1 conditional-pass forward on ONE GPU: eager vs CUDA-graph replay.
 
 At high SP degrees a rank's shard of the video tokens is small and an eager forward is bound by
 kernel launches and Python. This bench times ltx-core's X0Model called plainly and through

@@ -64,6 +64,15 @@ def prompt_client(server) -> str | None:
     return getattr(server, "client_id", None)
 
 
+def node_note(node_id, text: str) -> None:
+    """A line of text on the node, for the prompt's own client only (where this ComfyUI shows
+    progress text), and in the log."""
+    log.info(text)
+    server = prompt_server()
+    if server is not None and hasattr(server, "send_progress_text") and node_id is not None:
+        server.send_progress_text(text, node_id, sid=prompt_client(server))
+
+
 PREVIEW_EVERY_VARIABLE = "MGPU_PREVIEW_EVERY"
 DEFAULT_PREVIEW_SIZE = 512  # ComfyUI's --preview-size default, for a ComfyUI that does not say
 

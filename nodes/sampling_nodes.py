@@ -12,7 +12,6 @@ parallel, tiled data parallel) is decided in the fleet, never here.
 
 from __future__ import annotations
 
-import logging
 
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.api import parse_tiles
@@ -31,7 +30,7 @@ from mgpu_backend.ltx.schema import (
     validate_upscale_sigmas,
 )
 
-from .fleet_job import FleetJob, prompt_server
+from .fleet_job import FleetJob, node_note
 from .layouts import (
     MODEL_TYPE,
     check_model_handle,
@@ -44,7 +43,6 @@ from .layouts import (
 )
 from .model_nodes import CATEGORY
 
-log = logging.getLogger("comfyui-mgpu")
 
 FROM_LOADER = "(from loader)"
 MAX_FRAMES = 1025  # the widget's range: about 40 s at 24 fps
@@ -78,14 +76,6 @@ def parse_sigmas(text: str, force_from_noise: bool, pipeline: str = "two-stage")
 
 DEFAULT_SIGMAS = ", ".join(map(str, TDP_UPSCALE_SIGMAS))
 DISTILLED_IGNORED = ("steps", "video_cfg", "audio_cfg", "stg_scale", "stg_blocks", "rescale", "modality_scale", "negative")
-
-
-def node_note(node_id, text: str) -> None:
-    """A line of text on the node (where this ComfyUI shows progress text), and in the log."""
-    log.info(text)
-    server = prompt_server()
-    if server is not None and hasattr(server, "send_progress_text") and node_id is not None:
-        server.send_progress_text(text, node_id)
 
 
 class SPSampler:
