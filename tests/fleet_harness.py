@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from mgpu_backend.fleet.client import FleetClient
@@ -88,3 +89,22 @@ def raw_handshake(sock, token: str):
     proof = protocol.handshake_proof(token, "client", client_nonce, challenge.fields["nonce"])
     protocol.send_message(sock, protocol.Message("auth", {"proof": proof}))
     return protocol.recv_message(sock)
+
+
+def module_fleet(tmp_path_factory, name: str, cpu_ranks: int = 2, *extra: str, env: dict | None = None) -> Iterator[Path]:
+    """A fleet server for one test module, in a private folder of its own; yields its socket and
+    stops it when the module is done (``yield from`` it in a module-scoped fixture)."""
+    directory = tmp_path_factory.mktemp(name)
+    directory.chmod(0o700)
+    socket_path = directory / "fleet.sock"
+    process = start_server(socket_path, cpu_ranks, "--idle-timeout", "0", *extra, env=env)
+    try:
+        yield socket_path
+    finally:
+        stop_server(process)
+
+
+def run_job(socket_path, op: str, args: dict, tensors: dict | None = None, **callbacks):
+    """One job on the fleet at ``socket_path`` through a connection of its own."""
+    with FleetClient.connect(str(socket_path), autostart=False) as client:
+        return client.run(op, args, tensors or {}, **callbacks)

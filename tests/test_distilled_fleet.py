@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from mgpu_backend.bundles.tiny import make_tiny_bundle
-from mgpu_backend.fleet.client import FleetClient, FleetError
+from mgpu_backend.fleet.client import FleetError
 from mgpu_backend.ltx.jobs import stage1_params
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.ltx.schema import STAGE_2_SIGMAS, SampleRequest
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import encode_prompts
 
-from .fleet_harness import start_server, stop_server
+from .fleet_harness import module_fleet, run_job
 
 PROMPT = "a paper boat drifts down a rain-filled gutter"
 
@@ -36,17 +36,10 @@ def spec(bundle) -> dict:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("distilledfleet")
-    directory.chmod(0o700)
-    socket_path = directory / "fleet.sock"
-    process = start_server(socket_path, 2, "--idle-timeout", "0")
-    yield socket_path
-    stop_server(process)
+    yield from module_fleet(tmp_path_factory, "distilledfleet")
 
 
-def run(socket_path, op, args, tensors=None, **callbacks):
-    with FleetClient.connect(str(socket_path), autostart=False) as client:
-        return client.run(op, args, tensors or {}, **callbacks)
+run = run_job
 
 
 def sample_args(spec, **overrides):

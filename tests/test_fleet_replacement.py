@@ -14,7 +14,7 @@ from mgpu_backend.bundles.tiny import make_tiny_bundle
 from mgpu_backend.fleet.client import FleetClient
 from mgpu_backend.ltx.loading import ModelSpec
 
-from .fleet_harness import start_server, stop_server, wait_gone
+from .fleet_harness import module_fleet, wait_gone
 from .test_ltx_fleet import NEGATIVE, PROMPT, SINGLE_GPU_SIGMAS, context_tensors, sample_args
 
 
@@ -31,12 +31,7 @@ def spec(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("replacement")
-    directory.chmod(0o700)
-    socket_path = directory / "fleet.sock"
-    process = start_server(socket_path, 2, "--idle-timeout", "0", "--rank-timeout", "60")
-    yield socket_path
-    stop_server(process)
+    yield from module_fleet(tmp_path_factory, "replacement", 2, "--rank-timeout", "60")
 
 
 def mib_read(lines: list[str], job: str) -> dict[int, float]:

@@ -18,7 +18,7 @@ import torch
 from ltx_pipelines.utils.constants import LTX_2_3_PARAMS, LTX_2_PARAMS, detect_params
 
 from mgpu_backend.bundles.tiny import make_tiny_bundle
-from mgpu_backend.fleet.client import FleetClient, FleetError
+from mgpu_backend.fleet.client import FleetError
 from mgpu_backend.ltx.decode import decode_audio, decode_video
 from mgpu_backend.ltx.jobs import EMBEDDED_23_FOLDER, decode_tiling, stage1_params
 from mgpu_backend.ltx.latents import job_generator
@@ -37,7 +37,7 @@ from mgpu_backend.ltx.schema import (
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import encode_prompts
 
-from .fleet_harness import REPO, start_server, stop_server
+from .fleet_harness import REPO, module_fleet, run_job
 
 PROMPT = "a lighthouse beam sweeps over a stormy sea at night"
 NEGATIVE = "blurry, low quality"
@@ -162,17 +162,10 @@ def cache(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, cache):
-    directory = tmp_path_factory.mktemp("ltx23fleet")
-    directory.chmod(0o700)
-    socket_path = directory / "fleet.sock"
-    process = start_server(socket_path, 4, "--idle-timeout", "0", env={"MGPU_CACHE_DIR": str(cache)})
-    yield socket_path
-    stop_server(process)
+    yield from module_fleet(tmp_path_factory, "ltx23fleet", 4, env={"MGPU_CACHE_DIR": str(cache)})
 
 
-def run(socket_path, op, args, tensors=None):
-    with FleetClient.connect(str(socket_path), autostart=False) as client:
-        return client.run(op, args, tensors or {})
+run = run_job
 
 
 SPEC = ModelSpec.embedded_tiny(version="2.3").to_wire()

@@ -21,7 +21,7 @@ from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stag
 from mgpu_backend.ltx.text import encode_prompts
 from mgpu_backend.bundles.tiny import make_tiny_bundle
 
-from .fleet_harness import REPO, start_server, stop_server
+from .fleet_harness import REPO, module_fleet, run_job
 
 PROMPT = "a red fox runs through fresh snow at dawn"
 NEGATIVE = "blurry, low quality"
@@ -45,17 +45,10 @@ def spec(bundle) -> dict:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("ltxfleet")
-    directory.chmod(0o700)
-    socket_path = directory / "fleet.sock"
-    process = start_server(socket_path, 2, "--idle-timeout", "0")
-    yield socket_path
-    stop_server(process)
+    yield from module_fleet(tmp_path_factory, "ltxfleet")
 
 
-def run(socket_path, op, args, tensors=None, **callbacks):
-    with FleetClient.connect(str(socket_path), autostart=False) as client:
-        return client.run(op, args, tensors or {}, **callbacks)
+run = run_job
 
 
 def contexts_of(result, index):

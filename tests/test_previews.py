@@ -33,7 +33,7 @@ from tests.dist_harness import run_ranks
 from tests.test_distributed_decode import SCENARIOS, build_tiny_decoder, noise_seed, scenario_latent
 from tests.test_nodes import FakeComfy, fleet_job
 
-from .fleet_harness import REPO, start_server, stop_server
+from .fleet_harness import REPO, module_fleet, start_server, stop_server
 
 PROMPT = "a red fox runs through fresh snow at dawn"
 NEGATIVE = "blurry, low quality"
@@ -152,14 +152,10 @@ def spec(tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("previewfleet")
-    directory.chmod(0o700)
-    socket_path = directory / "fleet.sock"
-    process = start_server(socket_path, 2, "--idle-timeout", "0")
-    api.configure(address=str(socket_path))
-    yield socket_path
-    api.configure()
-    stop_server(process)
+    for socket_path in module_fleet(tmp_path_factory, "previewfleet"):
+        api.configure(address=str(socket_path))
+        yield socket_path
+        api.configure()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 
 from mgpu_backend.bundles import full_size
 from mgpu_backend.bundles.tiny import make_tiny_bundle
-from mgpu_backend.fleet.client import FleetClient, FleetError
+from mgpu_backend.fleet.client import FleetError
 from mgpu_backend.ltx.loading import ModelSpec
 from mgpu_backend.ltx.residency import (
     GIB,
@@ -33,7 +33,7 @@ from mgpu_backend.ltx.residency import (
 from mgpu_backend.parallel.comm import Comm
 from tests.dist_harness import run_ranks
 
-from .fleet_harness import REPO, start_server, stop_server
+from .fleet_harness import REPO, module_fleet, run_job
 
 GB = 10**9
 EVERYTHING_BUT_THE_TRANSFORMER = {
@@ -159,9 +159,7 @@ def test_a_rank_refuses_a_model_larger_than_its_memory_limit_before_loading(spec
     assert out["error"] is not None and "even with residency 'minimal'" in out["error"], out
 
 
-def _run(socket_path, op, args, tensors=None, **callbacks):
-    with FleetClient.connect(str(socket_path), autostart=False) as client:
-        return client.run(op, args, tensors or {}, **callbacks)
+_run = run_job
 
 
 def _two_stage_job(socket_path, spec: dict, residency: str, logs: list) -> dict:
@@ -186,11 +184,7 @@ def _two_stage_job(socket_path, spec: dict, residency: str, logs: list) -> dict:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("residencyfleet")
-    directory.chmod(0o700)
-    process = start_server(directory / "fleet.sock", 2, "--idle-timeout", "0")
-    yield directory / "fleet.sock"
-    stop_server(process)
+    yield from module_fleet(tmp_path_factory, "residencyfleet")
 
 
 def test_a_tiny_fleet_job_under_minimal_residency_gives_bitwise_the_latents_of_all(fleet, spec):
