@@ -127,7 +127,10 @@ _EMBEDDINGS_PROCESSOR_KEYS = (
 # The inverse of ltx-core's GEMMA_LLM_KEY_OPS: the key names of Google's released checkpoint.
 _GEMMA_KEYS = (
     ("model.language_model.", "language_model.model."),
-    ("model.vision_tower.", "vision_tower."),
+    # transformers 4 names the SigLIP tower's modules vision_model.*, transformers 5 drops that level:
+    # the file keeps the released checkpoint's names under either.
+    ("model.vision_tower.vision_model.", "vision_tower.vision_model."),
+    ("model.vision_tower.", "vision_tower.vision_model."),
     ("model.multi_modal_projector.", "multi_modal_projector."),
 )
 
