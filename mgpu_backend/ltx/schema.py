@@ -759,6 +759,15 @@ def prompt_digest(prompt: str, spec: ModelSpec, dtype: str, gemma_mode: str) -> 
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
 
 
+def _recipe_of(data: dict, op: str) -> tuple[ModelSpec, str, str, PipelineDefaults]:
+    """A stage request's model spec, model version (the checkpoint's, checked against a given one),
+    pipeline, and that recipe's official defaults."""
+    spec = _spec_of(data, op)
+    version = request_model_version(spec, data.get("model_version"))
+    pipeline = _choice(data, "pipeline", "two-stage", PIPELINES)
+    return spec, version, pipeline, defaults_for(version, pipeline)
+
+
 @dataclass(frozen=True)
 class SampleRequest:
     """Stage 1: full-frame generation from noise at ``width`` x ``height`` (sequence/guidance parallel).
@@ -814,10 +823,7 @@ class SampleRequest:
     @classmethod
     def from_wire(cls, data: dict) -> SampleRequest:
         _no_unknown_fields(data, cls, cls.op)
-        spec = _spec_of(data, cls.op)
-        version = request_model_version(spec, data.get("model_version"))
-        pipeline = _choice(data, "pipeline", "two-stage", PIPELINES)
-        official = defaults_for(version, pipeline)
+        spec, version, pipeline, official = _recipe_of(data, cls.op)
         steps = integer_field(data, "steps", official.steps, 1, MAX_STEPS)
         if official.stage1_sigmas is not None and steps != official.steps:
             raise RequestError(
@@ -894,10 +900,7 @@ class UpscaleRequest:
     @classmethod
     def from_wire(cls, data: dict) -> UpscaleRequest:
         _no_unknown_fields(data, cls, cls.op)
-        spec = _spec_of(data, cls.op)
-        version = request_model_version(spec, data.get("model_version"))
-        pipeline = _choice(data, "pipeline", "two-stage", PIPELINES)
-        official = defaults_for(version, pipeline)
+        spec, version, pipeline, official = _recipe_of(data, cls.op)
         sigmas = data.get("sigmas")
         sigmas = stage2_default_sigmas(pipeline) if sigmas is None else _floats(sigmas, "sigmas")
         force_from_noise = bool(_flag(data, "force_from_noise", False))
