@@ -251,7 +251,11 @@ def test_loader_names_the_official_files_of_the_examples_version_with_their_down
 
 @pytest.mark.parametrize("name", sorted(builder.EXAMPLES))
 def test_widget_values_are_the_official_defaults_of_the_examples_version_and_pipeline(name):
-    from mgpu_backend.ltx.schema import DEFAULTS, DISTILLED_LORA_STRENGTH, stage2_default_sigmas
+    from mgpu_backend.ltx.schema import (
+        DEFAULTS,
+        DISTILLED_LORA_STRENGTH,
+        stage2_default_sigmas,
+    )
 
     example = builder.EXAMPLES[name]
     recipe = DEFAULTS[(example.version, example.pipeline)]

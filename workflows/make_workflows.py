@@ -30,7 +30,16 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mgpu_backend.ltx.schema import DEFAULTS, DISTILLED_LORA_STRENGTH, MODEL_VERSIONS, PipelineDefaults, stage2_default_sigmas
+from mgpu_backend.ltx.schema import (
+    DECODE_SPATIAL_TILE_PIXELS,
+    DECODE_TEMPORAL_TILE_FRAMES,
+    DEFAULTS,
+    DISTILLED_LORA_STRENGTH,
+    MODEL_VERSIONS,
+    TDP_OVERLAP,
+    PipelineDefaults,
+    stage2_default_sigmas,
+)
 
 HERE = Path(__file__).resolve().parent
 PACK_DIR = HERE.parent
@@ -88,7 +97,7 @@ MODEL_FILES = {
         "spatial_upsampler": "ltx-2-spatial-upscaler-x2-1.0.safetensors", "gemma": GEMMA,
     },
     # The 1.1 release of LTX-2.3 (Lightricks/LTX-2.3), as docs/techniques.md and the loader's
-    # messages name it; the 1.0 files (no "-1.1" in the name) load the same way.
+    # messages name it; the 1.0 files (no "-1.1" in the name) fill the same roles.
     ("2.3", "two-stage"): {
         "ckpt_name": "ltx-2.3-22b-dev.safetensors", "distilled_lora": "ltx-2.3-22b-distilled-lora-384-1.1.safetensors",
         "spatial_upsampler": "ltx-2.3-spatial-upscaler-x2-1.1.safetensors", "gemma": GEMMA,
@@ -317,13 +326,16 @@ to try the graph (the output is noise). Frames must be 8k+1; the fleet panel is 
 """
 
 
-def recipe_text(recipe: PipelineDefaults) -> str:
+def recipe_text(recipe: PipelineDefaults, tiny: bool) -> str:
+    """The note's recipe line (a tiny example runs fewer steps and STG on its model's last block)."""
     if recipe.pipeline == "distilled":
         return (f"The distilled recipe of LTX-{recipe.model_version}: the distilled checkpoint, {recipe.steps} unguided steps (one pass each; "
                 "the sampler's steps and guidance widgets are ignored), then the 3-step tail, no LoRA.")  # fmt: skip
     blocks = ",".join(map(str, recipe.video_guidance.stg_blocks))
-    return (f"The two-stage recipe of LTX-{recipe.model_version}: the dev checkpoint, {recipe.steps} steps of up to 4 guided passes "
-            f"(STG on block {blocks}), then 3 steps with the distilled LoRA.")  # fmt: skip
+    steps = f"{TINY_SIZE['steps']} steps (the official {recipe.steps}, fewer for the tiny bundle)" if tiny else f"{recipe.steps} steps"
+    stg = f"STG on the tiny model's last block; officially block {blocks}" if tiny else f"STG on block {blocks}"
+    return (f"The two-stage recipe of LTX-{recipe.model_version}: the dev checkpoint, {steps} of up to 4 guided passes "
+            f"({stg}), then 3 steps with the distilled LoRA.")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -375,11 +387,11 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
     width, height = sampler["width"], sampler["height"]
     x = 40
     listed = ", ".join(f"{MODEL_SOURCES[name][1]}/{name}" for name in files.values() if name in MODEL_SOURCES)
-    note = NOTE_TWO_STAGE.format(version=example.version, stage1=f"{width}x{height}", final=f"{2 * width}x{2 * height}", recipe=recipe_text(recipe),
+    note = NOTE_TWO_STAGE.format(version=example.version, stage1=f"{width}x{height}", final=f"{2 * width}x{2 * height}", recipe=recipe_text(recipe, example.tiny),
                                  files=listed or "none (the embedded bundle)", embedded=embedded_entry(example.version))  # fmt: skip
     # Two-stage: TDP Upscale's own schedule, written out; distilled: empty, the recipe's official tail.
     sigmas = ", ".join(map(str, stage2_default_sigmas(example.pipeline))) if example.pipeline == "two-stage" else ""
-    overlap = TINY_SIZE["overlap"] if example.tiny else 4
+    overlap = TINY_SIZE["overlap"] if example.tiny else TDP_OVERLAP
     nodes = [
         Node(1, "MGPULoadCheckpoint", (x, 60), {**files, "distilled_lora_strength": DISTILLED_LORA_STRENGTH, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto",
                                                 "dtype": "bfloat16", "quantization": "none", "residency": "auto", "pipeline": example.pipeline},
@@ -393,7 +405,8 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
             {"seed": recipe.seed, "sigmas": sigmas, "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False, "stage2_parallel": "auto"},
             {"model": (1, 0), "av_latent": (4, 0), "positive": (2, 0)}, size=(340, 330),
         ),
-        Node(6, "MGPUDistributedVAEDecode", (x + 1640, 60), {"seed": recipe.seed, "spatial_tile_pixels": 512, "temporal_tile_frames": 64},
+        Node(6, "MGPUDistributedVAEDecode", (x + 1640, 60), {"seed": recipe.seed, "spatial_tile_pixels": DECODE_SPATIAL_TILE_PIXELS,
+                                                                   "temporal_tile_frames": DECODE_TEMPORAL_TILE_FRAMES},
              {"model": (1, 0), "av_latent": (5, 0)}, size=(340, 200)),
         Node(7, "CreateVideo", (x + 1640, 320), {"fps": recipe.frame_rate}, {"images": (6, 0), "audio": (6, 1), "fps": (3, 0)}, size=(300, 100)),
         Node(8, "SaveVideo", (x + 2020, 60), {"filename_prefix": prefix, "format": "mp4", "codec": "h264"}, {"video": (7, 0)}, size=(480, 520)),
