@@ -2,9 +2,22 @@
 
 The loader picks files from ComfyUI's model folders (checkpoints, loras, latent_upscale_models,
 text_encoders) and the recipe they are for (``pipeline``: two-stage = the dev checkpoint plus the
-distilled LoRA; distilled = the distilled checkpoint, no LoRA), builds the model spec, and loads it into every rank right away so that a wrong
-file fails here and not three nodes later. Its output is a small handle, not a model: the weights
-live in the fleet processes. It never touches the weights itself.
+distilled LoRA; distilled = the distilled checkpoint, no LoRA), builds the model spec, and loads it
+into every rank right away so that a wrong file fails here and not three nodes later. Its output is
+a small handle, not a model: the weights live in the fleet processes. It never touches the weights
+itself.
+
+Model versions (LTX-2.0 19B, LTX-2.3 22B): the version is the checkpoint's own ``model_version``
+metadata, read from the file header (``ModelSpec.model_version``, torch-free), never a widget, so a
+graph cannot contradict its file. Every file list offers the embedded tiny bundle of each version
+(``EMBEDDED_ENTRIES``: one entry per version, resolving to ``embedded:tiny`` / ``embedded:tiny-2.3``
+and, for the distilled pipeline, their distilled checkpoints); the bundle is one set, so all
+embedded inputs must name the same version. The node side follows the version where a default
+matters: the fleet fills every value a node leaves open from ``DEFAULTS[(version, pipeline)]`` (SP
+Sampler's empty ``stg_blocks``, TDP Upscale's empty ``sigmas``), and the explicit widgets stay
+what the user set: SP Sampler only notes on the node when its steps or STG blocks hold the other
+version's official values (``version_default_notes``). The loader names the version it found on
+the node.
 """
 
 from __future__ import annotations
@@ -14,16 +27,20 @@ import os
 from dataclasses import replace
 
 from mgpu_backend.ltx import api
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, ModelSpec, validate_dtype_with_loras
+from mgpu_backend.ltx.safetensors_header import ModelFileError
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, ModelSpec, defaults_for, validate_dtype_with_loras
 
 from .fleet_admin import format_status, status_snapshot, stop_fleet, unload_models
-from .fleet_job import FleetJob, prompt_server
+from .fleet_job import FleetJob, node_note, prompt_server
 from .layouts import DTYPES, MODEL_TYPE, make_model_handle, parse_gpus
 
 log = logging.getLogger("comfyui-mgpu")
 
 CATEGORY = "MGPU/LTX-2"
 EMBEDDED = "(embedded tiny LTX-2, random weights)"
+EMBEDDED_2_3 = "(embedded tiny LTX-2.3, random weights)"
+EMBEDDED_ENTRIES = {EMBEDDED: "2.0", EMBEDDED_2_3: "2.3"}
+"""The loader's embedded tiny bundle entries, one per model version (the first is the default)."""
 NO_FILE = "(none)"
 NO_QUANTIZATION = "none"
 
@@ -94,9 +111,9 @@ def _resolve_gemma(name: str) -> str:
 
 def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: float, spatial_upsampler: str, gemma: str,
                quantization: str = NO_QUANTIZATION, residency: str = RESIDENCY_POLICIES[0], pipeline: str = "two-stage") -> dict:  # fmt: skip
-    """The ModelSpec JSON for the chosen files; the embedded tiny bundle is one set, never mixed, and
-    named symbolically: the fleet makes (or finds) its files, nothing is written in this process.
-    The distilled recipe takes no distilled LoRA (its checkpoint is the distilled model)."""
+    """The ModelSpec JSON for the chosen files; the embedded tiny bundle is one set of one version,
+    never mixed, and named symbolically: the fleet makes (or finds) its files, nothing is written in
+    this process. The distilled recipe takes no distilled LoRA (its checkpoint is the distilled model)."""
     if pipeline not in PIPELINES:
         raise ValueError(f"pipeline must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
     if pipeline == "distilled" and distilled_lora != NO_FILE:
@@ -104,26 +121,28 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
             f"the distilled pipeline runs the distilled checkpoint with no distilled LoRA, but distilled_lora is {distilled_lora!r}; "
             f"set distilled_lora to {NO_FILE!r} (or pipeline to two-stage with the dev checkpoint)"
         )
-    if ckpt_name == EMBEDDED:
-        if gemma != EMBEDDED:
-            raise ValueError(f"the embedded tiny checkpoint only works with its own text encoder: set gemma to {EMBEDDED!r}")
-        for input_name, value in (("distilled_lora", distilled_lora), ("spatial_upsampler", spatial_upsampler)):
-            if value not in (EMBEDDED, NO_FILE):
+    holding = (("distilled_lora", distilled_lora), ("spatial_upsampler", spatial_upsampler), ("gemma", gemma))
+    if ckpt_name in EMBEDDED_ENTRIES:
+        version = EMBEDDED_ENTRIES[ckpt_name]
+        if gemma != ckpt_name:
+            raise ValueError(f"the embedded tiny checkpoint only works with its own text encoder: set gemma to {ckpt_name!r}")
+        for input_name, value in holding[:2]:
+            if value not in (ckpt_name, NO_FILE):
                 raise ValueError(
-                    f"{input_name} {value!r} does not fit the embedded tiny checkpoint; choose {EMBEDDED!r} or {NO_FILE!r}"
+                    f"{input_name} {value!r} does not fit the embedded tiny checkpoint {ckpt_name!r}; choose {ckpt_name!r} or {NO_FILE!r}"
                 )
         spec = ModelSpec.embedded_tiny(
-            spatial_upsampler=spatial_upsampler == EMBEDDED, distilled_lora=distilled_lora == EMBEDDED,
-            distilled_lora_strength=distilled_lora_strength,
+            spatial_upsampler=spatial_upsampler == ckpt_name, distilled_lora=distilled_lora == ckpt_name,
+            distilled_lora_strength=distilled_lora_strength, version=version,
         )  # fmt: skip
         if pipeline == "distilled":
-            spec = replace(spec, checkpoint_path=ModelSpec.embedded_tiny_for(pipeline).checkpoint_path)
+            spec = replace(spec, checkpoint_path=ModelSpec.embedded_tiny_for(pipeline, version).checkpoint_path)
         return replace(spec, quantization=None if quantization == NO_QUANTIZATION else quantization, residency=residency).to_wire()
-    embedded = [name for name, value in (("distilled_lora", distilled_lora), ("spatial_upsampler", spatial_upsampler), ("gemma", gemma)) if value == EMBEDDED]
+    embedded = [name for name, value in holding if value in EMBEDDED_ENTRIES]
     if embedded:
         raise ValueError(
-            f"{', '.join(embedded)} is set to the embedded tiny bundle but the checkpoint is {ckpt_name!r}; "
-            "the tiny bundle is one set: choose real files for every input, or the embedded entry for the checkpoint too"
+            f"{', '.join(embedded)} is set to an embedded tiny bundle but the checkpoint is {ckpt_name!r}; "
+            "the tiny bundle is one set: choose real files for every input, or the same embedded entry for the checkpoint too"
         )
     if gemma == NO_FILE:
         raise ValueError("choose the Gemma 3 text encoder folder; LTX-2 cannot run without it")
@@ -137,6 +156,23 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
         residency=residency,
     )
     return spec.to_wire()
+
+
+def spec_model_version(spec: dict) -> str | None:
+    """The LTX-2 version of a model spec's checkpoint (its header metadata, or the embedded bundle's);
+    None when this process cannot read the file (the ranks then decide, and say so if it is no checkpoint)."""
+    try:
+        return ModelSpec.from_wire(spec).model_version
+    except (ModelFileError, OSError):
+        return None
+
+
+def describe_version(version: str, pipeline: str) -> str:
+    """One line naming a model version and the official stage-1 defaults its recipe runs."""
+    recipe = defaults_for(version, pipeline)
+    if pipeline == "distilled":
+        return f"LTX-{version} checkpoint, distilled pipeline: {recipe.steps} fixed distilled steps, then the 3-step tail"
+    return f"LTX-{version} checkpoint: official defaults {recipe.steps} steps, STG block {','.join(map(str, recipe.video_guidance.stg_blocks))}"
 
 
 class LoadCheckpointMGPU:
@@ -153,18 +189,18 @@ class LoadCheckpointMGPU:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "ckpt_name": ([EMBEDDED, *model_file_choices("checkpoints")], {"default": EMBEDDED, "tooltip": "The LTX-2 checkpoint from models/checkpoints: ltx-2-19b-dev.safetensors for the two-stage pipeline, ltx-2-19b-distilled.safetensors for the distilled one. The embedded tiny entry needs no download (random weights: noise out) and is for trying the graph."}),
-                "distilled_lora": ([EMBEDDED, NO_FILE, *model_file_choices("loras")], {"default": EMBEDDED, "tooltip": "Two-stage pipeline: the distilled LoRA TDP Upscale refines with, from models/loras, e.g. ltx-2-19b-distilled-lora-384.safetensors. (none) if you only run SP Sampler, and always (none) for the distilled pipeline."}),
+                "ckpt_name": ([*EMBEDDED_ENTRIES, *model_file_choices("checkpoints")], {"default": EMBEDDED, "tooltip": "The LTX-2 checkpoint from models/checkpoints; its version (LTX-2.0 or LTX-2.3) is read from the file. Two-stage pipeline: ltx-2-19b-dev.safetensors or ltx-2.3-22b-dev.safetensors; distilled: ltx-2-19b-distilled.safetensors or ltx-2.3-22b-distilled-1.1.safetensors. The embedded tiny entries (one per version) need no download (random weights: noise out) and are for trying the graph."}),
+                "distilled_lora": ([*EMBEDDED_ENTRIES, NO_FILE, *model_file_choices("loras")], {"default": EMBEDDED, "tooltip": "Two-stage pipeline: the distilled LoRA TDP Upscale refines with, from models/loras, made for the checkpoint's version: ltx-2-19b-distilled-lora-384.safetensors (LTX-2.0) or ltx-2.3-22b-distilled-lora-384-1.1.safetensors (LTX-2.3). (none) if you only run SP Sampler, and always (none) for the distilled pipeline."}),
                 "distilled_lora_strength": ("FLOAT", {"default": DISTILLED_LORA_STRENGTH, "min": 0.0, "max": 2.0, "step": 0.05, "tooltip": f"Strength of the distilled LoRA in stage 2. The official pipeline uses {DISTILLED_LORA_STRENGTH}."}),
-                "spatial_upsampler": ([EMBEDDED, NO_FILE, *model_file_choices("latent_upscale_models")], {"default": EMBEDDED, "tooltip": "The 2x latent upsampler TDP Upscale needs, from models/latent_upscale_models, e.g. ltx-2-spatial-upscaler-x2-1.0.safetensors. (none) if you only run SP Sampler."}),
-                "gemma": ([EMBEDDED, *gemma_folder_choices()], {"default": EMBEDDED, "tooltip": "The Gemma 3 12B text encoder in models/text_encoders: ComfyUI's single file (gemma_3_12B_it.safetensors, or its fp8 scaled or fp4_mixed version, dequantized to bf16 on load) or a Hugging Face folder (config.json, tokenizer, safetensors shards), e.g. gemma-3-12b-it-qat-q4_0-unquantized."}),
+                "spatial_upsampler": ([*EMBEDDED_ENTRIES, NO_FILE, *model_file_choices("latent_upscale_models")], {"default": EMBEDDED, "tooltip": "The 2x latent upsampler TDP Upscale needs, from models/latent_upscale_models, of the checkpoint's version: ltx-2-spatial-upscaler-x2-1.0.safetensors (LTX-2.0) or ltx-2.3-spatial-upscaler-x2-1.1.safetensors (LTX-2.3). (none) if you only run SP Sampler."}),
+                "gemma": ([*EMBEDDED_ENTRIES, *gemma_folder_choices()], {"default": EMBEDDED, "tooltip": "The Gemma 3 12B text encoder in models/text_encoders (the same for LTX-2.0 and LTX-2.3): ComfyUI's single file (gemma_3_12B_it.safetensors, or its fp8 scaled or fp4_mixed version, dequantized to bf16 on load) or a Hugging Face folder (config.json, tokenizer, safetensors shards), e.g. gemma-3-12b-it-qat-q4_0-unquantized."}),
                 "gpus": ("STRING", {"default": "all", "tooltip": "GPUs the fleet runs on: 'all' or a list like 0,1. Applies when the fleet starts; after changing it press Restart in the MGPU panel."}),
                 "gemma_mode": (list(GEMMA_MODES), {"default": GEMMA_MODES[0], "tooltip": "sharded: one Gemma copy split over the GPUs (least memory). batch_parallel: a copy per GPU, prompts encoded in parallel (faster, needs Gemma to fit on one GPU)."}),
                 "parallel": (list(PARALLEL_PLANS), {"default": PARALLEL_PLANS[0], "tooltip": "How SP Sampler spreads a step over the GPUs: sp splits the video tokens (sequence parallel), guidance runs the guidance passes on different GPUs, hybrid does both, auto lets the planner choose from GPU count and size."}),
                 "dtype": (list(DTYPES), {"default": DTYPES[0], "tooltip": "Compute precision in the fleet. bfloat16 is what LTX-2 is made for; float32 doubles the memory and is for checking results."}),
                 "quantization": ([NO_QUANTIZATION, *QUANTIZATIONS], {"default": NO_QUANTIZATION, "tooltip": "fp8-cast keeps the transformer weights in float8 on every GPU (about half its memory) and upcasts them per layer, as the official --quantization fp8-cast; outputs differ slightly from bfloat16. Lightricks' -fp8 checkpoints load either way."}),
                 "residency": (list(RESIDENCY_POLICIES), {"default": RESIDENCY_POLICIES[0], "tooltip": "What stays on each GPU between jobs. auto keeps what fits the GPU and builds the rest per stage (Gemma first); all keeps everything (fastest warm runs, most memory); minimal keeps only the transformer."}),
-                "pipeline": (list(PIPELINES), {"default": PIPELINES[0], "tooltip": "The recipe the checkpoint is for. two-stage: the dev checkpoint, 40 guided steps (up to 4 passes each), then TDP Upscale with the distilled LoRA. distilled: the distilled checkpoint, 8 unguided steps, then 3 in stage 2, no LoRA (20x fewer stage-1 transformer passes). SP Sampler and TDP Upscale take this recipe's steps, sigmas and guidance."}),
+                "pipeline": (list(PIPELINES), {"default": PIPELINES[0], "tooltip": "The recipe the checkpoint is for. two-stage: the dev checkpoint, 40 (LTX-2.0) or 30 (LTX-2.3) guided steps of up to 4 passes each, then TDP Upscale with the distilled LoRA. distilled: the distilled checkpoint, 8 unguided steps, then 3 in stage 2, no LoRA (20x fewer stage-1 transformer passes). SP Sampler and TDP Upscale take this recipe's steps, sigmas and guidance."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -176,7 +212,7 @@ class LoadCheckpointMGPU:
         input fed by a link is None here.)"""
         if dtype is not None and dtype not in DTYPES:
             return f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}"
-        if distilled_lora is not None and distilled_lora not in (EMBEDDED, NO_FILE, *model_file_choices("loras")):
+        if distilled_lora is not None and distilled_lora not in (*EMBEDDED_ENTRIES, NO_FILE, *model_file_choices("loras")):
             return f"distilled_lora {distilled_lora!r} is not in models/loras; pick one of the listed files, or (none)"
         try:
             if dtype is not None and distilled_lora is not None:
@@ -195,6 +231,9 @@ class LoadCheckpointMGPU:
         # (every visible GPU, or one CPU rank without CUDA).
         api.configure(gpus=None if gpus == "all" else gpus)
         job.call(api.load, spec, dtype=dtype)
+        version = spec_model_version(spec)
+        if version is not None:
+            node_note(unique_id, describe_version(version, pipeline))
         self._warn_on_device_mismatch(gpus, unique_id)
         return (handle,)
 

@@ -8,15 +8,23 @@ MGPU's ``pipeline``): for the distilled recipe SP Sampler ignores its steps and 
 (the recipe's 8 fixed sigmas, one unguided pass per step) and says so on the node, and TDP Upscale's
 empty sigmas mean the recipe's tail. How the work is split over GPUs (sequence parallel, guidance
 parallel, tiled data parallel) is decided in the fleet, never here.
+
+The model version (LTX-2.0 or LTX-2.3) is the checkpoint's, read from its header through the model
+handle (``model_nodes.spec_model_version``). The widgets show LTX-2.0's official values as their
+defaults and are sent as set: a user's explicit steps are never replaced behind their back. An empty
+``stg_blocks`` takes the checkpoint's own official block in the fleet. When steps or STG blocks hold
+the other version's official values (a 2.0 graph on a 2.3 checkpoint), SP Sampler says so on the
+node with this version's values (``version_default_notes``); the shipped 2.3 workflows carry 2.3's.
 """
 
 from __future__ import annotations
 
-
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.api import parse_tiles
 from mgpu_backend.ltx.schema import (
+    DEFAULTS,
     MAX_SIDE,
+    MODEL_VERSIONS,
     OFFICIAL,
     PARALLEL_PLANS,
     SEED_MAX,
@@ -34,21 +42,19 @@ from .fleet_job import FleetJob, node_note
 from .layouts import (
     MODEL_TYPE,
     check_model_handle,
-    handle_pipeline,
     conditioning_contexts,
     first_frame,
+    handle_pipeline,
     latent_frame_rate,
     make_av_latent,
     split_latent,
 )
-from .model_nodes import CATEGORY
-
+from .model_nodes import CATEGORY, spec_model_version
 
 FROM_LOADER = "(from loader)"
 MAX_FRAMES = 1025  # the widget's range: about 40 s at 24 fps
 VIDEO = OFFICIAL.video_guidance
 AUDIO = OFFICIAL.audio_guidance
-OFFICIAL_STG_BLOCKS = ",".join(map(str, VIDEO.stg_blocks))
 
 
 def parse_stg_blocks(text: str) -> tuple[int, ...] | None:
@@ -72,6 +78,38 @@ def parse_sigmas(text: str, force_from_noise: bool, pipeline: str = "two-stage")
         raise ValueError(f"sigmas must be numbers separated by commas like {DEFAULT_SIGMAS}; got {text!r}") from None
     validate_upscale_sigmas(sigmas, force_from_noise)
     return sigmas
+
+
+def _blocks_text(blocks) -> str:
+    return ",".join(map(str, blocks))
+
+
+def official_values_text() -> str:
+    """Each model version's official two-stage steps and STG block, for the tooltips."""
+    return ", ".join(f"LTX-{version}: {DEFAULTS[(version, 'two-stage')].steps} steps, STG block "
+                     f"{_blocks_text(DEFAULTS[(version, 'two-stage')].video_guidance.stg_blocks)}" for version in MODEL_VERSIONS)  # fmt: skip
+
+
+def version_default_notes(model_version: str | None, pipeline: str, steps: int, stg_blocks: tuple[int, ...] | None) -> str | None:
+    """A note when the two-stage sampler's steps or STG blocks hold another model version's official
+    value but not this checkpoint's: what the checkpoint is, what it was given, and its own values.
+    None when the version is unknown, the recipe ignores those widgets (distilled), or nothing fits."""
+    if model_version is None or pipeline != "two-stage":
+        return None
+    own = DEFAULTS[(model_version, pipeline)]
+    own_blocks = own.video_guidance.stg_blocks
+    for other_version in (version for version in MODEL_VERSIONS if version != model_version):
+        other = DEFAULTS[(other_version, pipeline)]
+        given = [f"steps {steps}"] if steps == other.steps != own.steps else []
+        if stg_blocks is not None and stg_blocks == other.video_guidance.stg_blocks != own_blocks:
+            given.append(f"stg_blocks {_blocks_text(stg_blocks)}")
+        if given:
+            return (
+                f"the checkpoint is LTX-{model_version}, but {' and '.join(given)} {'is' if len(given) == 1 else 'are'} "
+                f"LTX-{other_version}'s official {'value' if len(given) == 1 else 'values'}; LTX-{model_version}'s are "
+                f"steps {own.steps} and stg_blocks {_blocks_text(own_blocks)} (or empty)"
+            )
+    return None
 
 
 DEFAULT_SIGMAS = ", ".join(map(str, TDP_UPSCALE_SIGMAS))
@@ -103,11 +141,11 @@ class SPSampler:
                 "length": ("INT", {"default": OFFICIAL.num_frames, "min": 1, "max": MAX_FRAMES, "step": 8, "tooltip": "Number of frames, 8k+1 (the video VAE packs 8 frames per latent frame): 121 is 5 s at 24 fps."}),
                 "frame_rate": ("FLOAT", {"default": OFFICIAL.frame_rate, "min": 1.0, "max": 120.0, "step": 0.01, "tooltip": "Frames per second. Sets how long the audio is; use the same value in CreateVideo."}),
                 "seed": ("INT", {"default": OFFICIAL.seed, "min": 0, "max": SEED_MAX, "control_after_generate": True, "tooltip": "Noise seed. The same seed and inputs give the same video on any number of GPUs."}),
-                "steps": ("INT", {"default": OFFICIAL.steps, "min": 1, "max": 200, "tooltip": f"Denoising steps. The official LTX-2 default is {OFFICIAL.steps}; fewer is faster and rougher."}),
+                "steps": ("INT", {"default": OFFICIAL.steps, "min": 1, "max": 200, "tooltip": f"Denoising steps. The official values differ per model version ({official_values_text()}); the node notes when the loaded checkpoint's differ from these. Fewer is faster and rougher. Ignored by the distilled pipeline."}),
                 "video_cfg": ("FLOAT", {"default": VIDEO.cfg_scale, "min": 0.0, "max": 20.0, "step": 0.1, "tooltip": "Classifier-free guidance of the video: how strongly it follows the prompt. 1.0 turns it off (one pass less per step)."}),
                 "audio_cfg": ("FLOAT", {"default": AUDIO.cfg_scale, "min": 0.0, "max": 20.0, "step": 0.1, "tooltip": f"Classifier-free guidance of the audio. The official default {AUDIO.cfg_scale} is higher than the video's."}),
                 "stg_scale": ("FLOAT", {"default": VIDEO.stg_scale, "min": 0.0, "max": 10.0, "step": 0.05, "tooltip": "Spatio-temporal guidance (a pass with perturbed attention in stg_blocks) for video and audio. 0 turns it off (one pass less per step)."}),
-                "stg_blocks": ("STRING", {"default": "", "tooltip": f"Transformer blocks STG perturbs, e.g. 29 or 28,29; they must exist in the model. Empty: the official block {OFFICIAL_STG_BLOCKS} (the last block of a smaller model)."}),
+                "stg_blocks": ("STRING", {"default": "", "tooltip": "Transformer blocks STG perturbs, e.g. 28 or 28,29; they must exist in the model. Empty: the checkpoint's official block (LTX-2.0: 29, LTX-2.3: 28; the last block of a smaller model)."}),
                 "rescale": ("FLOAT", {"default": VIDEO.rescale_scale, "min": 0.0, "max": 1.0, "step": 0.05, "tooltip": "Rescales the guided prediction toward the conditional one's spread to avoid over-saturation. 0 turns it off."}),
                 "modality_scale": ("FLOAT", {"default": VIDEO.modality_scale, "min": 0.0, "max": 10.0, "step": 0.1, "tooltip": "Audio-video sync guidance (a pass with the cross-modal attention cut). 1.0 turns it off (one pass less per step)."}),
                 "parallel": ([FROM_LOADER, *PARALLEL_PLANS], {"default": FROM_LOADER, "tooltip": "How the steps are spread over the GPUs; (from loader) uses the loader's choice. sp: sequence parallel, guidance: passes on separate GPUs, hybrid: both, auto: planner."}),
@@ -142,6 +180,9 @@ class SPSampler:
         negative_contexts = None if distilled else conditioning_contexts(negative, "negative")
         shared = {"stg_scale": stg_scale, "rescale_scale": rescale, "modality_scale": modality_scale, "stg_blocks": blocks}
         video_guidance, audio_guidance = api.Guidance(cfg_scale=video_cfg, **shared), api.Guidance(cfg_scale=audio_cfg, **shared)
+        version_note = version_default_notes(spec_model_version(handle["spec"]), pipeline, steps, blocks)
+        if version_note is not None:
+            node_note(unique_id, version_note)
         if distilled:
             steps, video_guidance, audio_guidance = None, None, None
             recipe = defaults_for(pipeline=pipeline)

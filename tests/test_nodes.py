@@ -173,10 +173,11 @@ def test_sampler_widget_defaults_are_the_official_ltx_2_values():
     assert upscale["tiles"][1]["default"] == "auto" and upscale["overlap"][1]["default"] == 4
 
 
-def test_loader_lists_embedded_bundle_first_outside_comfyui():
+def test_loader_lists_the_embedded_bundles_of_both_versions_first_outside_comfyui():
     required = NODES["MGPULoadCheckpoint"].INPUT_TYPES()["required"]
     for input_name in ("ckpt_name", "distilled_lora", "spatial_upsampler", "gemma"):
-        assert required[input_name][0][0] == model_nodes.EMBEDDED, input_name
+        assert required[input_name][0][:2] == ["(embedded tiny LTX-2, random weights)", "(embedded tiny LTX-2.3, random weights)"], input_name
+        assert required[input_name][1]["default"] == model_nodes.EMBEDDED
     assert required["gemma_mode"][0] == ["sharded", "batch_parallel"]
     assert required["parallel"][0] == ["auto", "sp", "guidance", "hybrid"]
 
@@ -426,6 +427,12 @@ def test_tdp_upscale_needs_upsampler_lora_audio_and_a_known_frame_rate(fake_api)
         (("(embedded tiny LTX-2, random weights)", "(none)", "(none)", "gemma-3-12b"), "only works with its own text encoder"),
         (("(embedded tiny LTX-2, random weights)", "real-lora.safetensors", "(none)", "(embedded tiny LTX-2, random weights)"), "does not fit the embedded tiny checkpoint"),
         (("ltx-2-19b-dev.safetensors", "(none)", "(none)", "(embedded tiny LTX-2, random weights)"), "the tiny bundle is one set"),
+        (("(embedded tiny LTX-2.3, random weights)", "(none)", "(none)", "(embedded tiny LTX-2, random weights)"),
+         "only works with its own text encoder: set gemma to '\\(embedded tiny LTX-2.3, random weights\\)'"),
+        (("(embedded tiny LTX-2.3, random weights)", "(embedded tiny LTX-2, random weights)", "(none)", "(embedded tiny LTX-2.3, random weights)"),
+         "distilled_lora '\\(embedded tiny LTX-2, random weights\\)' does not fit the embedded tiny checkpoint '\\(embedded tiny LTX-2.3"),
+        (("(embedded tiny LTX-2, random weights)", "(none)", "(embedded tiny LTX-2.3, random weights)", "(embedded tiny LTX-2, random weights)"),
+         "spatial_upsampler .* does not fit the embedded tiny checkpoint"),
     ],
 )
 def test_loader_refuses_mixing_the_tiny_bundle_with_real_files(fake_api, files, message):
@@ -679,6 +686,9 @@ for sigmas in ("1.0, 0.5, 0.0", "0.4, 0.625, 0.0"):
         refusals.append(str(exc))
 (upscaled,) = nodes["MGPUTDPUpscale"].upscale(handle, latent, positive, 7, "0.625, 0.4, 0.0", "auto", 4, 0.0, False)
 nodes["MGPUDistributedVAEDecode"].decode(handle, upscaled, 7, 512, 64)
+E23 = model_nodes.EMBEDDED_2_3
+(handle_2_3,) = nodes["MGPULoadCheckpoint"].load(E23, E23, 1.0, E23, E23, "all", "sharded", "auto", "bfloat16")
+nodes["MGPUSPSampler"].sample(handle_2_3, positive, negative, 96, 64, 9, 24.0, 7, 40, 3.0, 7.0, 1.0, "29", 0.7, 3.0, "auto")
 cache = Path(os.environ["MGPU_CACHE_DIR"])
 print(json.dumps({
     "heavy_modules": sorted(m for m in sys.modules if m.split(".")[0] in ("ltx_core", "ltx_pipelines", "sentencepiece", "transformers")
@@ -702,14 +712,15 @@ def test_the_comfyui_side_imports_no_model_code_and_writes_no_bundle(tmp_path):
     assert completed.returncode == 0, completed.stderr[-3000:]
     report = json.loads(completed.stdout.strip().splitlines()[-1])
     assert report["heavy_modules"] == [] and report["files_written"] == []
-    assert [op for op, _, _ in report["sent"]] == ["load", "encode", "sample", "upscale", "decode"]
+    assert [op for op, _, _ in report["sent"]] == ["load", "encode", "sample", "upscale", "decode", "load", "sample"]
     assert report["refusals"][0].startswith("frames must be 8k+1") and "multiple of 32" in report["refusals"][1]
     assert "refuses to start from pure noise" in report["refusals"][2] and "decrease strictly" in report["refusals"][3]
-    load, encode, sample, upscale, _ = (args for _, args, _ in report["sent"])
+    load, encode, sample, upscale, _, load_2_3, sample_2_3 = (args for _, args, _ in report["sent"])
+    assert load_2_3["spec"]["checkpoint_path"] == "embedded:tiny-2.3" == sample_2_3["spec"]["gemma_root"] and sample_2_3["steps"] == 40
     assert load["spec"]["checkpoint_path"] == "embedded:tiny" == encode["spec"]["gemma_root"]
     # Prompts travel by digest: no context tensor goes with the jobs that name one.
     assert (sample["positive_digest"], sample["negative_digest"], upscale["positive_digest"]) == ("d" * 64, "e" * 64, "d" * 64)
-    assert [tensors for op, _, tensors in report["sent"] if op in ("sample", "upscale")] == [[], ["audio_latent", "video_latent"]]
+    assert [tensors for op, _, tensors in report["sent"] if op in ("sample", "upscale")] == [[], ["audio_latent", "video_latent"], []]
     assert sample["audio_guidance"]["cfg_scale"] == 7.0 and sample["steps"] == 3
 
 
@@ -782,3 +793,81 @@ def test_tdp_upscale_with_a_distilled_model_needs_no_lora_runs_the_official_tail
     with pytest.raises(ValueError, match="tiles '2x2' apply to stage2_parallel tdp only"):
         node("MGPUTDPUpscale").upscale(distilled_handle(), latent, mgpu_conditioning(3), **{**inputs, "tiles": "2x2"}, stage2_parallel="sp")
     assert len(fake_api["upscale"].calls) == 2
+
+
+# --- model versions -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("pipeline", "lora"), [("two-stage", "(embedded tiny LTX-2.3, random weights)"), ("distilled", "(none)")])
+def test_loader_embedded_2_3_entry_builds_the_tiny_2_3_spec_of_the_pipeline_and_names_the_version(fake_api, monkeypatch, pipeline, lora):
+    from mgpu_backend.ltx.schema import EMBEDDED_TINY_2_3, EMBEDDED_TINY_2_3_DISTILLED, ModelSpec
+
+    notes = []
+    monkeypatch.setattr(model_nodes, "node_note", lambda node_id, text: notes.append((node_id, text)))
+    fake_api["load"].result = {"seconds": 0.1}
+    entry = model_nodes.EMBEDDED_2_3
+    (handle,) = node("MGPULoadCheckpoint").load(entry, lora, 1.0, entry, entry, "all", "sharded", "auto", "bfloat16", pipeline=pipeline, unique_id="3")
+    spec = ModelSpec.from_wire(handle["spec"])
+    assert spec == ModelSpec.embedded_tiny_for(pipeline, "2.3") and spec.model_version == "2.3"
+    assert spec.checkpoint_path == (EMBEDDED_TINY_2_3_DISTILLED if pipeline == "distilled" else EMBEDDED_TINY_2_3)
+    assert fake_api["load"].calls[0][0] == (handle["spec"],)
+    expected = {"two-stage": "LTX-2.3 checkpoint: official defaults 30 steps, STG block 28",
+                "distilled": "LTX-2.3 checkpoint, distilled pipeline: 8 fixed distilled steps, then the 3-step tail"}  # fmt: skip
+    assert notes == [("3", expected[pipeline])]
+
+
+def checkpoint_with_version(path: Path, model_version: str | None) -> str:
+    """A real safetensors file whose header names an LTX-2 model version (one tiny tensor)."""
+    import json
+    import struct
+
+    header = {"model.diffusion_model.patchify_proj.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    if model_version is not None:
+        header["__metadata__"] = {"model_version": model_version}
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + b"\0\0\0\0")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("file_version", "steps", "stg_blocks", "note"),
+    [
+        ("2.3.0", 40, "29", "the checkpoint is LTX-2.3, but steps 40 and stg_blocks 29 are LTX-2.0's official values; "
+                            "LTX-2.3's are steps 30 and stg_blocks 28 (or empty)"),
+        ("2.3.0", 40, "", "the checkpoint is LTX-2.3, but steps 40 is LTX-2.0's official value; LTX-2.3's are steps 30 and stg_blocks 28 (or empty)"),
+        ("2.3.0", 30, "28", None),
+        ("2.3.0", 12, "29", "the checkpoint is LTX-2.3, but stg_blocks 29 is LTX-2.0's official value; LTX-2.3's are steps 30 and stg_blocks 28 (or empty)"),
+        (None, 30, "28", "the checkpoint is LTX-2.0, but steps 30 and stg_blocks 28 are LTX-2.3's official values; "
+                         "LTX-2.0's are steps 40 and stg_blocks 29 (or empty)"),
+        (None, 40, "", None),
+    ],
+)
+def test_sp_sampler_notes_when_steps_or_stg_blocks_hold_the_other_versions_official_values(fake_api, monkeypatch, tmp_path, file_version, steps, stg_blocks, note):
+    notes = []
+    monkeypatch.setattr(sampling_nodes, "node_note", lambda node_id, text: notes.append((node_id, text)))
+    fake_api["sample"].result = (torch.zeros(1, 128, 2, 2, 3), torch.zeros(1, 8, 9, 16))
+    handle = tiny_handle(checkpoint_path=checkpoint_with_version(tmp_path / "ckpt.safetensors", file_version))
+    node("MGPUSPSampler").sample(handle, mgpu_conditioning(1), mgpu_conditioning(2), **{**SAMPLER_INPUTS, "steps": steps, "stg_blocks": stg_blocks}, unique_id="6")
+    assert notes == ([] if note is None else [("6", note)])
+    kwargs = fake_api["sample"].calls[0][1]
+    assert kwargs["steps"] == steps, "the widget's steps are sent as set: the note never changes them"
+    assert kwargs["video_guidance"].stg_blocks == (tuple(int(block) for block in stg_blocks.split(",")) if stg_blocks else None)
+
+
+def test_sp_sampler_adds_no_version_note_for_the_distilled_recipe_or_a_checkpoint_it_cannot_read(fake_api, monkeypatch, tmp_path):
+    notes = []
+    monkeypatch.setattr(sampling_nodes, "node_note", lambda node_id, text: notes.append(text))
+    fake_api["sample"].result = (torch.zeros(1, 128, 2, 2, 3), torch.zeros(1, 8, 9, 16))
+    inputs = {**SAMPLER_INPUTS, "steps": 40, "stg_blocks": "29"}
+    checkpoint = checkpoint_with_version(tmp_path / "ckpt.safetensors", "2.3.0")
+    node("MGPUSPSampler").sample(distilled_handle(checkpoint_path=checkpoint), mgpu_conditioning(1), mgpu_conditioning(2), **inputs)
+    assert len(notes) == 1 and notes[0].startswith("distilled pipeline: 8 fixed distilled steps"), notes
+    (tmp_path / "garbage.safetensors").write_bytes(b"not a safetensors file")
+    node("MGPUSPSampler").sample(tiny_handle(checkpoint_path=str(tmp_path / "garbage.safetensors")), mgpu_conditioning(1), mgpu_conditioning(2), **inputs)
+    assert len(notes) == 1 and len(fake_api["sample"].calls) == 2
+
+
+def test_sampler_tooltips_name_each_versions_official_steps_and_stg_block():
+    required = NODES["MGPUSPSampler"].INPUT_TYPES()["required"]
+    assert "LTX-2.0: 40 steps, STG block 29, LTX-2.3: 30 steps, STG block 28" in required["steps"][1]["tooltip"]
+    assert "LTX-2.0: 29, LTX-2.3: 28" in required["stg_blocks"][1]["tooltip"]

@@ -1,5 +1,7 @@
 """The shipped example workflows against the node definitions: every node type, input name, widget
-value and link type in each UI graph and each API twin, and each UI graph against its API twin.
+value and link type in each UI graph and each API twin, and each UI graph against its API twin; the
+official files and defaults of each example's model version and pipeline; the template browser's
+thumbnails and descriptions; and the tiny examples run through the nodes on a real one-rank fleet.
 
 Our nodes are checked against their own INPUT_TYPES / RETURN_TYPES; ComfyUI core nodes against the
 table in workflows/make_workflows.py (taken from ComfyUI of January 2026; the e2e test checks that
@@ -8,6 +10,8 @@ table against a running ComfyUI's /object_info)."""
 from __future__ import annotations
 
 import importlib.util
+import inspect
+import io
 import json
 import sys
 from pathlib import Path
@@ -56,13 +60,13 @@ def widget_value_problem(kind: str, allowed, value) -> str | None:
 
 
 def model_file_problem(value) -> str | None:
-    """Loader file combos list the user's files; the examples must name the official files or the tiny bundle."""
-    known = set(builder.OFFICIAL_FILES.values()) | set(builder.DISTILLED_FILES.values()) | {builder.EMBEDDED}
-    return None if value in known else f"{value!r} is neither an official LTX-2 file name nor the embedded bundle"
+    """Loader file combos list the user's files; the examples must name the official files or a tiny bundle."""
+    known = {name for files in builder.MODEL_FILES.values() for name in files.values()} | set(builder.embedded_entries())
+    return None if value in known else f"{value!r} is neither an official LTX-2 file name nor an embedded bundle"
 
 
 def check_widget(node_type: str, name: str, kind: str, allowed, value) -> str | None:
-    if node_type == "MGPULoadCheckpoint" and name in builder.OFFICIAL_FILES:
+    if node_type == "MGPULoadCheckpoint" and name in builder.LOADER_FILE_INPUTS:
         return model_file_problem(value)
     return widget_value_problem(kind, allowed, value)
 
@@ -201,20 +205,116 @@ def test_graphs_end_in_native_create_video_and_save_video_fed_by_our_image_and_a
     assert prompt[chain[1]]["inputs"]["av_latent"] == [chain[0], 0] and prompt[chain[2]]["inputs"]["av_latent"] == [chain[1], 0]
 
 
-def test_two_stage_examples_name_the_official_files_and_the_tiny_one_the_embedded_bundle():
-    for name, expected in (("ltx2_t2v_two_stage", builder.OFFICIAL_FILES), ("ltx2_i2v_two_stage", builder.OFFICIAL_FILES), ("ltx2_t2v_tiny", builder.TINY_FILES)):
-        prompt = read(WORKFLOWS / "api" / f"{name}.json")
-        (loader,) = [node for node in prompt.values() if node["class_type"] == "MGPULoadCheckpoint"]
-        assert {key: loader["inputs"][key] for key in expected} == expected, name
-    i2v = read(WORKFLOWS / "api" / "ltx2_i2v_two_stage.json")
-    image_users = sorted(node["class_type"] for node in i2v.values() if "image" in node["inputs"] and isinstance(node["inputs"]["image"], list))
+# The official file names of each model version and pipeline, written out here independently of the
+# builder (Lightricks/LTX-2 and Lightricks/LTX-2.3 on Hugging Face; Gemma as ComfyUI ships it).
+OFFICIAL_FILES = {
+    ("2.0", "two-stage"): ("ltx-2-19b-dev.safetensors", "ltx-2-19b-distilled-lora-384.safetensors", "ltx-2-spatial-upscaler-x2-1.0.safetensors"),
+    ("2.0", "distilled"): ("ltx-2-19b-distilled.safetensors", "(none)", "ltx-2-spatial-upscaler-x2-1.0.safetensors"),
+    ("2.3", "two-stage"): ("ltx-2.3-22b-dev.safetensors", "ltx-2.3-22b-distilled-lora-384-1.1.safetensors", "ltx-2.3-spatial-upscaler-x2-1.1.safetensors"),
+    ("2.3", "distilled"): ("ltx-2.3-22b-distilled-1.1.safetensors", "(none)", "ltx-2.3-spatial-upscaler-x2-1.1.safetensors"),
+}
+OFFICIAL_REPOS = {"2.0": "https://huggingface.co/Lightricks/LTX-2/resolve/main/", "2.3": "https://huggingface.co/Lightricks/LTX-2.3/resolve/main/"}
+COMFY_GEMMA = ("gemma_3_12B_it.safetensors", "https://huggingface.co/Comfy-Org/ltx-2/resolve/main/split_files/text_encoders/gemma_3_12B_it.safetensors")
+EMBEDDED_ENTRIES = {"2.0": "(embedded tiny LTX-2, random weights)", "2.3": "(embedded tiny LTX-2.3, random weights)"}
+
+
+def loader_inputs(name: str) -> dict:
+    (loader,) = [node["inputs"] for node in read(WORKFLOWS / "api" / f"{name}.json").values() if node["class_type"] == "MGPULoadCheckpoint"]
+    return loader
+
+
+def test_every_version_and_pipeline_has_t2v_and_i2v_examples_and_each_version_a_tiny_one():
+    covered = {(example.version, example.pipeline, example.image) for example in builder.EXAMPLES.values() if not example.tiny}
+    assert covered == {(version, pipeline, image) for version, pipeline in OFFICIAL_FILES for image in (False, True)}
+    assert sorted(example.version for example in builder.EXAMPLES.values() if example.tiny) == ["2.0", "2.3"]
+    assert sorted(path.stem for path in UI_FILES) == sorted(builder.EXAMPLES)
+
+
+@pytest.mark.parametrize("name", sorted(builder.EXAMPLES))
+def test_loader_names_the_official_files_of_the_examples_version_with_their_download_metadata(name):
+    example = builder.EXAMPLES[name]
+    loader = loader_inputs(name)
+    files = tuple(loader[key] for key in ("ckpt_name", "distilled_lora", "spatial_upsampler"))
+    if example.tiny:
+        assert set(files) | {loader["gemma"]} == {EMBEDDED_ENTRIES[example.version]}
+    else:
+        assert files == OFFICIAL_FILES[(example.version, example.pipeline)] and loader["gemma"] == COMFY_GEMMA[0]
+    assert loader["pipeline"] == example.pipeline
+    (ui_loader,) = [node for node in read(WORKFLOWS / f"{name}.json")["nodes"] if node["type"] == "MGPULoadCheckpoint"]
+    expected = [] if example.tiny else [name_ for name_ in (*files, loader["gemma"]) if name_ != "(none)"]
+    models = ui_loader["properties"].get("models", [])
+    assert [model["name"] for model in models] == expected
+    for model in models:
+        url = COMFY_GEMMA[1] if model["name"] == COMFY_GEMMA[0] else OFFICIAL_REPOS[example.version] + model["name"]
+        assert model["url"] == url, model
+
+
+@pytest.mark.parametrize("name", sorted(builder.EXAMPLES))
+def test_widget_values_are_the_official_defaults_of_the_examples_version_and_pipeline(name):
+    from mgpu_backend.ltx.schema import (
+        DEFAULTS,
+        DISTILLED_LORA_STRENGTH,
+        stage2_default_sigmas,
+    )
+
+    example = builder.EXAMPLES[name]
+    recipe = DEFAULTS[(example.version, example.pipeline)]
+    by_type = {node["class_type"]: node["inputs"] for node in read(WORKFLOWS / "api" / f"{name}.json").values()}
+    sampler, video, audio = by_type["MGPUSPSampler"], recipe.video_guidance, recipe.audio_guidance
+    guidance = {"video_cfg": video.cfg_scale, "audio_cfg": audio.cfg_scale, "stg_scale": video.stg_scale, "rescale": video.rescale_scale,
+                "modality_scale": video.modality_scale, "seed": recipe.seed}  # fmt: skip
+    assert {key: sampler[key] for key in guidance} == guidance
+    if example.tiny:
+        # Smaller only in size, frames and steps; empty STG blocks: the tiny model's last block.
+        assert (sampler["width"], sampler["height"], sampler["length"], sampler["steps"], sampler["stg_blocks"]) == (96, 64, 9, 3, "")
+    else:
+        sizes = (recipe.stage1_width, recipe.stage1_height, recipe.num_frames, recipe.steps, ",".join(map(str, video.stg_blocks)))
+        assert (sampler["width"], sampler["height"], sampler["length"], sampler["steps"], sampler["stg_blocks"]) == sizes
+    assert by_type["PrimitiveFloat"]["value"] == recipe.frame_rate  # feeds SP Sampler's frame_rate and CreateVideo's fps
+    assert by_type["MGPUTDPUpscale"]["seed"] == recipe.seed == by_type["MGPUDistributedVAEDecode"]["seed"]
+    sigmas = ", ".join(map(str, stage2_default_sigmas("two-stage"))) if example.pipeline == "two-stage" else ""
+    assert by_type["MGPUTDPUpscale"]["sigmas"] == sigmas
+    assert by_type["MGPULoadCheckpoint"]["distilled_lora_strength"] == DISTILLED_LORA_STRENGTH
+
+
+def test_ltx_2_3_examples_carry_2_3s_steps_and_stg_block_and_2_0s_carry_2_0s():
+    sampler = {name: [node["inputs"] for node in read(WORKFLOWS / "api" / f"{name}.json").values() if node["class_type"] == "MGPUSPSampler"][0]
+               for name in ("ltx2_t2v_two_stage", "ltx23_t2v_two_stage", "ltx23_i2v_two_stage", "ltx23_t2v_distilled")}  # fmt: skip
+    assert (sampler["ltx2_t2v_two_stage"]["steps"], sampler["ltx2_t2v_two_stage"]["stg_blocks"]) == (40, "29")
+    assert (sampler["ltx23_t2v_two_stage"]["steps"], sampler["ltx23_t2v_two_stage"]["stg_blocks"]) == (30, "28")
+    assert (sampler["ltx23_i2v_two_stage"]["steps"], sampler["ltx23_i2v_two_stage"]["stg_blocks"]) == (30, "28")
+    assert (sampler["ltx23_t2v_distilled"]["steps"], sampler["ltx23_t2v_distilled"]["stg_scale"]) == (8, 0.0)
+
+
+@pytest.mark.parametrize("name", sorted(name for name, example in builder.EXAMPLES.items() if example.image))
+def test_i2v_examples_feed_the_image_to_both_stages(name):
+    prompt = read(WORKFLOWS / "api" / f"{name}.json")
+    image_users = sorted(node["class_type"] for node in prompt.values() if isinstance(node["inputs"].get("image"), list))
     assert image_users == ["MGPUSPSampler", "MGPUTDPUpscale"]
 
 
-def test_tiny_prompt_is_small_enough_for_cpu_ranks():
-    prompt = read(WORKFLOWS / "api" / "ltx2_t2v_tiny.json")
-    (sampler,) = [node["inputs"] for node in prompt.values() if node["class_type"] == "MGPUSPSampler"]
-    assert sampler["width"] * sampler["height"] <= 128 * 192 and sampler["length"] <= 17 and sampler["steps"] <= 4, sampler
+@pytest.mark.parametrize("name", sorted(builder.EXAMPLES))
+def test_api_prompts_pass_the_nodes_own_input_checks_with_the_official_files_installed(name, monkeypatch):
+    """What ComfyUI runs before queueing: VALIDATE_INPUTS of every node, with the loader's lists
+    holding the example's files (as they do once downloaded)."""
+    model_nodes = sys.modules["comfyui_mgpu_pack.nodes.model_nodes"]
+    installed = set(loader_inputs(name).values())
+    monkeypatch.setattr(model_nodes, "model_file_choices", lambda folder: sorted(value for value in installed if isinstance(value, str) and value.endswith(".safetensors")))
+    pack = builder.load_pack()
+    for node_id, node in read(WORKFLOWS / "api" / f"{name}.json").items():
+        node_class = pack.NODE_CLASS_MAPPINGS.get(node["class_type"])
+        if node_class is None or not hasattr(node_class, "VALIDATE_INPUTS"):
+            continue
+        accepted = inspect.signature(node_class.VALIDATE_INPUTS).parameters
+        literal = {key: value for key, value in node["inputs"].items() if key in accepted and not isinstance(value, list)}
+        assert node_class.VALIDATE_INPUTS(**literal) is True, f"node {node_id} {node['class_type']}"
+
+
+def test_tiny_prompts_are_small_enough_for_cpu_ranks():
+    for name in (name for name, example in builder.EXAMPLES.items() if example.tiny):
+        prompt = read(WORKFLOWS / "api" / f"{name}.json")
+        (sampler,) = [node["inputs"] for node in prompt.values() if node["class_type"] == "MGPUSPSampler"]
+        assert sampler["width"] * sampler["height"] <= 128 * 192 and sampler["length"] <= 17 and sampler["steps"] <= 4, sampler
 
 
 def test_shipped_files_are_what_make_workflows_writes():
@@ -243,7 +343,7 @@ def test_ui_loader_carries_comfyui_model_metadata_for_every_file_it_names(path):
     graph = read(path)
     (loader,) = [node for node in graph["nodes"] if node["type"] == "MGPULoadCheckpoint"]
     widgets = dict(zip([name for name, _, _ in SCHEMAS["MGPULoadCheckpoint"]["widgets"]], loader["widgets_values"], strict=True))
-    named = {widgets[name]: folder for name, folder in LOADER_FILE_FOLDERS.items() if widgets[name] not in (builder.EMBEDDED, builder.NO_FILE)}
+    named = {widgets[name]: folder for name, folder in LOADER_FILE_FOLDERS.items() if widgets[name] not in (*EMBEDDED_ENTRIES.values(), builder.NO_FILE)}
     models = loader["properties"].get("models", [])
     assert {model["name"]: model["directory"] for model in models} == named, path.name
     for model in models:
@@ -271,18 +371,111 @@ def test_no_node_overlaps_another_title_bars_included(path):
     assert overlapping == [], f"{path.name}: nodes overlap: {overlapping}"
 
 
-def test_distilled_examples_load_the_distilled_checkpoint_and_run_the_recipe_defaults():
+@pytest.mark.parametrize("name", sorted(name for name, example in builder.EXAMPLES.items() if example.pipeline == "distilled"))
+def test_distilled_examples_load_the_distilled_checkpoint_and_run_the_recipe_defaults(name):
     from mgpu_backend.ltx.schema import defaults_for
 
-    recipe = defaults_for("2.0", "distilled")
-    for name in ("ltx2_t2v_distilled", "ltx2_i2v_distilled"):
+    example = builder.EXAMPLES[name]
+    recipe = defaults_for(example.version, "distilled")
+    by_type = {node["class_type"]: node["inputs"] for node in read(WORKFLOWS / "api" / f"{name}.json").values()}
+    loader = by_type["MGPULoadCheckpoint"]
+    assert loader["pipeline"] == "distilled" and loader["ckpt_name"] == OFFICIAL_FILES[(example.version, "distilled")][0] and loader["distilled_lora"] == "(none)"
+    sampler = by_type["MGPUSPSampler"]
+    assert (sampler["width"], sampler["height"], sampler["length"], sampler["steps"]) == (recipe.stage1_width, recipe.stage1_height, recipe.num_frames, recipe.steps)
+    assert (sampler["video_cfg"], sampler["stg_scale"], sampler["modality_scale"], sampler["stg_blocks"]) == (1.0, 0.0, 1.0, "")
+    assert by_type["MGPUTDPUpscale"]["sigmas"] == "" and by_type["MGPUTDPUpscale"]["stage2_parallel"] == "auto"
+
+
+def test_every_example_has_its_own_workflow_id():
+    ids = [read(path)["id"] for path in UI_FILES]
+    assert len(set(ids)) == len(ids)
+
+
+# --- the template browser: thumbnails --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda path: path.name)
+def test_every_template_has_a_small_jpeg_thumbnail_that_the_script_draws_from_its_graph(path):
+    # ComfyUI's frontend asks for /api/workflow_templates/<pack>/<name>.jpg for a custom node
+    # pack's template; the server serves the template folder as it is.
+    from PIL import Image, ImageChops, ImageStat
+
+    thumbnail = path.with_suffix(".jpg")
+    assert thumbnail.is_file(), f"{thumbnail.name} is missing: run python workflows/make_workflows.py"
+    data = thumbnail.read_bytes()
+    assert data[:3] == b"\xff\xd8\xff" and 2_000 <= len(data) <= 40_000, len(data)
+    shipped = Image.open(io.BytesIO(data))
+    assert shipped.format == "JPEG" and shipped.size == builder.THUMBNAIL_SIZE
+    drawn = Image.open(io.BytesIO(builder.render_thumbnail(read(path), builder.EXAMPLES[path.stem])))
+    # Compared by pixels, not bytes: another JPEG encoder build may write other bytes for the same picture.
+    difference = ImageStat.Stat(ImageChops.difference(shipped.convert("RGB"), drawn.convert("RGB"))).mean
+    assert max(difference) < 2.0, f"{thumbnail.name} is stale (mean difference {difference}): run python workflows/make_workflows.py"
+
+
+def test_thumbnails_tell_the_versions_apart():
+    from PIL import Image, ImageChops, ImageStat
+
+    first, second = (Image.open(WORKFLOWS / f"{name}.jpg").convert("RGB") for name in ("ltx2_t2v_two_stage", "ltx23_t2v_two_stage"))
+    assert max(ImageStat.Stat(ImageChops.difference(first, second)).mean) > 2.0
+    assert sorted(path.stem for path in WORKFLOWS.glob("*.jpg")) == sorted(path.stem for path in UI_FILES), "a thumbnail without its template"
+
+
+# --- the tiny examples run -----------------------------------------------------------------------------------
+
+
+def run_api_prompt_through_the_nodes(prompt: dict) -> dict:
+    """Executes an API prompt as ComfyUI would, in dependency order, with our node classes; the
+    native nodes it needs before the video is made are the one-line PrimitiveFloat. Stops at the
+    decoder's output (CreateVideo / SaveVideo run in a real ComfyUI in the e2e suite)."""
+    pack = builder.load_pack()
+    left_out = {node["class_type"] for node in prompt.values() if node["class_type"] not in pack.NODE_CLASS_MAPPINGS and node["class_type"] != "PrimitiveFloat"}
+    assert left_out == {"CreateVideo", "SaveVideo"}, left_out
+    outputs, remaining = {}, {node_id: node for node_id, node in prompt.items() if node["class_type"] not in left_out}
+    while remaining:
+        ready = [node_id for node_id, node in remaining.items()
+                 if all(value[0] in outputs for value in node["inputs"].values() if isinstance(value, list))]  # fmt: skip
+        assert ready, f"nodes {sorted(remaining)} wait on nodes that never run"
+        for node_id in ready:
+            node = remaining.pop(node_id)
+            inputs = {key: outputs[value[0]][value[1]] if isinstance(value, list) else value for key, value in node["inputs"].items()}
+            if node["class_type"] == "PrimitiveFloat":
+                outputs[node_id] = (inputs["value"],)
+            else:
+                node_class = pack.NODE_CLASS_MAPPINGS[node["class_type"]]
+                outputs[node_id] = getattr(node_class(), node_class.FUNCTION)(**inputs, unique_id=node_id)
+    return {prompt[node_id]["class_type"]: result for node_id, result in outputs.items()}
+
+
+@pytest.fixture
+def one_rank_fleet(tmp_path, monkeypatch):
+    from mgpu_backend.ltx import api
+
+    from .fleet_harness import start_server, stop_server
+
+    tmp_path.chmod(0o700)
+    socket_path = tmp_path / "fleet.sock"
+    process = start_server(socket_path, 1, "--idle-timeout", "0")
+    try:
+        monkeypatch.setenv("MGPU_SOCKET", str(socket_path))  # never start a fleet of its own
+        api.configure(address=str(socket_path))
+        yield socket_path
+    finally:
+        api.configure()
+        stop_server(process)
+
+
+def test_tiny_api_workflows_of_both_versions_run_through_the_nodes_on_a_real_fleet(one_rank_fleet):
+    results = {}
+    for name in ("ltx2_t2v_tiny", "ltx23_t2v_tiny"):
         prompt = read(WORKFLOWS / "api" / f"{name}.json")
-        by_type = {node["class_type"]: node["inputs"] for node in prompt.values()}
-        loader = by_type["MGPULoadCheckpoint"]
-        assert loader["pipeline"] == "distilled" and loader["ckpt_name"] == "ltx-2-19b-distilled.safetensors" and loader["distilled_lora"] == "(none)"
-        sampler = by_type["MGPUSPSampler"]
-        assert (sampler["width"], sampler["height"], sampler["length"], sampler["steps"]) == (recipe.stage1_width, recipe.stage1_height, recipe.num_frames, recipe.steps)
-        assert (sampler["video_cfg"], sampler["stg_scale"], sampler["modality_scale"]) == (1.0, 0.0, 1.0)
-        assert by_type["MGPUTDPUpscale"]["sigmas"] == "" and by_type["MGPUTDPUpscale"]["stage2_parallel"] == "auto"
-    i2v = read(WORKFLOWS / "api" / "ltx2_i2v_distilled.json")
-    assert sorted(node["class_type"] for node in i2v.values() if isinstance(node["inputs"].get("image"), list)) == ["MGPUSPSampler", "MGPUTDPUpscale"]
+        results[name] = run_api_prompt_through_the_nodes(prompt)
+        (sampler,) = [node["inputs"] for node in prompt.values() if node["class_type"] == "MGPUSPSampler"]
+        frames, audio = results[name]["MGPUDistributedVAEDecode"]
+        assert tuple(frames.shape) == (sampler["length"], 2 * sampler["height"], 2 * sampler["width"], 3), frames.shape
+        assert 0.0 <= float(frames.min()) and float(frames.max()) <= 1.0 and float(frames.std()) > 0.0
+        assert audio["waveform"].ndim == 3 and audio["waveform"].shape[-1] > 0 and bool(audio["waveform"].isfinite().all())
+        (model,) = results[name]["MGPULoadCheckpoint"]
+        assert model["spec"]["checkpoint_path"] == {"ltx2_t2v_tiny": "embedded:tiny", "ltx23_t2v_tiny": "embedded:tiny-2.3"}[name]
+    # The 22B layout's vocoder extends the bandwidth: LTX-2.3 audio comes out at twice LTX-2.0's rate.
+    rates = [results[name]["MGPUDistributedVAEDecode"][1]["sample_rate"] for name in ("ltx2_t2v_tiny", "ltx23_t2v_tiny")]
+    assert rates[1] == 2 * rates[0], rates

@@ -1,23 +1,45 @@
 """Writes the shipped example workflows: each graph once, as a UI file (drag-and-drop, also listed in
-ComfyUI's template browser under this pack) and as its API twin in ``api/`` (headless queueing:
-``python -m mgpu_backend queue workflows/api/NAME.json``).
+ComfyUI's template browser under this pack) with its thumbnail ``NAME.jpg`` next to it, and as its
+API twin in ``api/`` (headless queueing: ``python -m mgpu_backend queue workflows/api/NAME.json``).
+
+Every example is one model version (LTX-2.0 or LTX-2.3) and one pipeline (two-stage or distilled):
+its widget values are ``DEFAULTS[(version, pipeline)]`` of ``mgpu_backend.ltx.schema`` (the tiny
+examples shrink only size, frames and steps), and its loader names that version's official files
+(``MODEL_FILES``) with ComfyUI's model metadata (``properties.models``: name, Hugging Face url,
+models folder), so ComfyUI offers to download what is missing.
+
+ComfyUI serves a pack's template folder as it is (app/custom_node_manager.py: ``workflows/`` is one
+of the folder names it reads) and its frontend shows ``NAME.jpg`` as the template's thumbnail; the
+thumbnails are drawn here from the graph itself (``render_thumbnail``), so they are reproducible.
 
 Run ``python workflows/make_workflows.py`` after changing a node's inputs; tests/test_workflows.py
 checks the written files against the node definitions and each UI graph against its API twin.
 ``NATIVE_NODES`` lists the ComfyUI core nodes the graphs use, as /work/comfyui (January 2026)
 defines them; the e2e test checks it against a running ComfyUI's /object_info.
 
-This script only writes JSON; it never runs a workflow.
+This script only writes JSON and JPEG files; it never runs a workflow.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import io
 import json
 import sys
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from mgpu_backend.ltx.schema import (
+    DECODE_SPATIAL_TILE_PIXELS,
+    DECODE_TEMPORAL_TILE_FRAMES,
+    DEFAULTS,
+    DISTILLED_LORA_STRENGTH,
+    MODEL_VERSIONS,
+    TDP_OVERLAP,
+    PipelineDefaults,
+    stage2_default_sigmas,
+)
 
 HERE = Path(__file__).resolve().parent
 PACK_DIR = HERE.parent
@@ -56,28 +78,57 @@ API_ONLY_WIDGETS = {"upload"}
 """Widgets the UI stores but the API prompt leaves out (LoadImage's upload button)."""
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 
-EMBEDDED = "(embedded tiny LTX-2, random weights)"
 NO_FILE = "(none)"
-OFFICIAL_FILES = {
-    "ckpt_name": "ltx-2-19b-dev.safetensors",
-    "distilled_lora": "ltx-2-19b-distilled-lora-384.safetensors",
-    "spatial_upsampler": "ltx-2-spatial-upscaler-x2-1.0.safetensors",
-    "gemma": "gemma_3_12B_it.safetensors",  # ComfyUI's single-file Gemma, as its own LTX-2 templates use
-}
-DISTILLED_FILES = {**OFFICIAL_FILES, "ckpt_name": "ltx-2-19b-distilled.safetensors", "distilled_lora": NO_FILE}
-TINY_FILES = {name: EMBEDDED for name in OFFICIAL_FILES}
+LOADER_FILE_INPUTS = ("ckpt_name", "distilled_lora", "spatial_upsampler", "gemma")
+
+LTX_2_FILES = "https://huggingface.co/Lightricks/LTX-2/resolve/main/"
+LTX_2_3_FILES = "https://huggingface.co/Lightricks/LTX-2.3/resolve/main/"
+COMFY_TEXT_ENCODERS = "https://huggingface.co/Comfy-Org/ltx-2/resolve/main/split_files/text_encoders/"
+# ComfyUI's single-file Gemma (bf16), as its own LTX-2 templates name it; LTX-2.0 and LTX-2.3 share it.
+GEMMA = "gemma_3_12B_it.safetensors"
+
+MODEL_FILES = {
+    ("2.0", "two-stage"): {
+        "ckpt_name": "ltx-2-19b-dev.safetensors", "distilled_lora": "ltx-2-19b-distilled-lora-384.safetensors",
+        "spatial_upsampler": "ltx-2-spatial-upscaler-x2-1.0.safetensors", "gemma": GEMMA,
+    },
+    ("2.0", "distilled"): {
+        "ckpt_name": "ltx-2-19b-distilled.safetensors", "distilled_lora": NO_FILE,
+        "spatial_upsampler": "ltx-2-spatial-upscaler-x2-1.0.safetensors", "gemma": GEMMA,
+    },
+    # The 1.1 release of LTX-2.3 (Lightricks/LTX-2.3), as docs/techniques.md and the loader's
+    # messages name it; the 1.0 files (no "-1.1" in the name) fill the same roles.
+    ("2.3", "two-stage"): {
+        "ckpt_name": "ltx-2.3-22b-dev.safetensors", "distilled_lora": "ltx-2.3-22b-distilled-lora-384-1.1.safetensors",
+        "spatial_upsampler": "ltx-2.3-spatial-upscaler-x2-1.1.safetensors", "gemma": GEMMA,
+    },
+    ("2.3", "distilled"): {
+        "ckpt_name": "ltx-2.3-22b-distilled-1.1.safetensors", "distilled_lora": NO_FILE,
+        "spatial_upsampler": "ltx-2.3-spatial-upscaler-x2-1.1.safetensors", "gemma": GEMMA,
+    },
+}  # fmt: skip
+"""The official files each model version's pipeline loads, per loader input."""
 
 # Where ComfyUI's frontend downloads each official file from, and into which models folder: the
 # loader node's ``properties.models``, as in ComfyUI's own LTX-2 templates (comfyui-workflow-templates).
-LTX_2_FILES = "https://huggingface.co/Lightricks/LTX-2/resolve/main/"
+MODEL_FOLDERS = {"ckpt_name": "checkpoints", "distilled_lora": "loras", "spatial_upsampler": "latent_upscale_models", "gemma": "text_encoders"}
+FILE_BASES = {"2.0": LTX_2_FILES, "2.3": LTX_2_3_FILES}
 MODEL_SOURCES = {
-    "ltx-2-19b-dev.safetensors": (LTX_2_FILES + "ltx-2-19b-dev.safetensors", "checkpoints"),
-    "ltx-2-19b-distilled.safetensors": (LTX_2_FILES + "ltx-2-19b-distilled.safetensors", "checkpoints"),
-    "ltx-2-19b-distilled-lora-384.safetensors": (LTX_2_FILES + "ltx-2-19b-distilled-lora-384.safetensors", "loras"),
-    "ltx-2-spatial-upscaler-x2-1.0.safetensors": (LTX_2_FILES + "ltx-2-spatial-upscaler-x2-1.0.safetensors", "latent_upscale_models"),
-    "gemma_3_12B_it.safetensors": ("https://huggingface.co/Comfy-Org/ltx-2/resolve/main/split_files/text_encoders/gemma_3_12B_it.safetensors", "text_encoders"),
-}
+    name: (COMFY_TEXT_ENCODERS + name if input_name == "gemma" else FILE_BASES[version] + name, MODEL_FOLDERS[input_name])
+    for (version, _pipeline), files in MODEL_FILES.items() for input_name, name in files.items() if name != NO_FILE
+}  # fmt: skip
 NODE_TITLE_HEIGHT = 30  # the frontend draws a node's title bar above its ``pos``
+
+
+def embedded_entries() -> dict[str, str]:
+    """The loader's embedded tiny bundle entries and their model versions (``model_nodes.EMBEDDED_ENTRIES``)."""
+    load_pack()
+    return importlib.import_module("comfyui_mgpu_pack.nodes.model_nodes").EMBEDDED_ENTRIES
+
+
+def embedded_entry(version: str) -> str:
+    (entry,) = [entry for entry, entry_version in embedded_entries().items() if entry_version == version]
+    return entry
 
 
 def model_metadata(files: dict) -> list[dict]:
@@ -189,7 +240,7 @@ def execution_order(nodes: list[Node]) -> list[int]:
     return placed
 
 
-def to_ui(nodes: list[Node], schemas: dict, description: str = "") -> dict:
+def to_ui(nodes: list[Node], schemas: dict, description: str = "", workflow_name: str = "") -> dict:
     links, link_ids = [], {}
     for node in nodes:
         for name, (source, slot) in node.links.items():
@@ -246,7 +297,8 @@ def to_ui(nodes: list[Node], schemas: dict, description: str = "") -> dict:
     for link in links:
         assert link[4] is not None, f"link {link} targets an input the schema of node {by_id[link[3]].type} lacks"
     return {
-        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, "comfyui-mgpu/" + "/".join(node.type for node in nodes))),
+        # Stable per example (the frontend tells open workflows apart by id): the name and node types.
+        "id": str(uuid.uuid5(uuid.NAMESPACE_URL, "comfyui-mgpu/" + "/".join([workflow_name, *(node.type for node in nodes)]))),
         "revision": 0,
         "last_node_id": max(node.id for node in nodes),
         "last_link_id": len(links),
@@ -259,7 +311,7 @@ def to_ui(nodes: list[Node], schemas: dict, description: str = "") -> dict:
     }
 
 
-NOTE_TWO_STAGE = """## LTX-2 on all GPUs (comfyui-mgpu)
+NOTE_TWO_STAGE = """## LTX-{version} on all GPUs (comfyui-mgpu)
 
 Stage 1 (**SP Sampler**) generates video and audio at {stage1} with sequence parallelism;
 stage 2 (**TDP Upscale**) doubles it to {final} and refines it tile by tile on the GPUs;
@@ -269,51 +321,98 @@ stage 2 (**TDP Upscale**) doubles it to {final} and refines it tile by tile on t
 
 Files (ComfyUI/models): {files}.
 
-No weights yet? Choose "(embedded tiny LTX-2, random weights)" in every file box of the loader
+No weights yet? Choose "{embedded}" in every file box of the loader
 to try the graph (the output is noise). Frames must be 8k+1; the fleet panel is in the sidebar (MGPU).
 """
 
 
-RECIPES = {
-    "two-stage": "The two-stage recipe: the dev checkpoint, 40 steps of up to 4 guided passes, then 3 steps with the distilled LoRA.",
-    "distilled": "The distilled recipe: the distilled checkpoint, 8 unguided steps (one pass each; the sampler's steps and guidance widgets are ignored), then the 3-step tail, no LoRA.",
-}
-# The official LTX-2.0 guidance the two-stage sampler shows, and the neutral values of the distilled recipe.
-SAMPLER_GUIDANCE = {
-    "two-stage": {"video_cfg": 3.0, "audio_cfg": 7.0, "stg_scale": 1.0, "rescale": 0.7, "modality_scale": 3.0},
-    "distilled": {"video_cfg": 1.0, "audio_cfg": 1.0, "stg_scale": 0.0, "rescale": 0.0, "modality_scale": 1.0},
-}
+def recipe_text(recipe: PipelineDefaults, tiny: bool) -> str:
+    """The note's recipe line (a tiny example runs fewer steps and STG on its model's last block)."""
+    if recipe.pipeline == "distilled":
+        return (f"The distilled recipe of LTX-{recipe.model_version}: the distilled checkpoint, {recipe.steps} unguided steps (one pass each; "
+                "the sampler's steps and guidance widgets are ignored), then the 3-step tail, no LoRA.")  # fmt: skip
+    blocks = ",".join(map(str, recipe.video_guidance.stg_blocks))
+    steps = f"{TINY_SIZE['steps']} steps (the official {recipe.steps}, fewer for the tiny bundle)" if tiny else f"{recipe.steps} steps"
+    stg = f"STG on the tiny model's last block; officially block {blocks}" if tiny else f"STG on block {blocks}"
+    return (f"The two-stage recipe of LTX-{recipe.model_version}: the dev checkpoint, {steps} of up to 4 guided passes "
+            f"({stg}), then 3 steps with the distilled LoRA.")  # fmt: skip
 
 
-def two_stage_graph(files: dict, *, prompt: str | None = None, width: int, height: int, length: int, steps: int, prefix: str, image: bool,
-                    overlap: int = 4, pipeline: str = "two-stage") -> list[Node]:  # fmt: skip
+@dataclass(frozen=True)
+class Example:
+    """One shipped workflow: the model version and pipeline whose defaults and files it carries."""
+
+    version: str
+    pipeline: str
+    image: bool = False
+    tiny: bool = False  # the embedded random-weight bundle at a size CPU ranks run in seconds
+
+    @property
+    def recipe(self) -> PipelineDefaults:
+        return DEFAULTS[(self.version, self.pipeline)]
+
+    @property
+    def files(self) -> dict:
+        if self.tiny:
+            return {name: embedded_entry(self.version) for name in LOADER_FILE_INPUTS}
+        return MODEL_FILES[(self.version, self.pipeline)]
+
+
+# The tiny examples' size: the stage-2 latent is 4x6 cells, so tiles overlap by 1 cell to fit 2x2
+# tiles on 4 ranks. STG blocks stay empty there: the official block is past the tiny model's last.
+TINY_SIZE = {"width": 96, "height": 64, "length": 9, "steps": 3, "overlap": 1}
+
+
+def sampler_widgets(example: Example) -> dict:
+    """SP Sampler's widget values: the recipe's official defaults (the tiny examples smaller)."""
+    recipe = example.recipe
+    video, audio = recipe.video_guidance, recipe.audio_guidance
+    # One widget each for STG scale, rescale and modality scale: the official values are the same for video and audio.
+    assert (video.stg_scale, video.rescale_scale, video.modality_scale, video.stg_blocks) == (audio.stg_scale, audio.rescale_scale, audio.modality_scale, audio.stg_blocks)
+    widgets = {
+        "width": recipe.stage1_width, "height": recipe.stage1_height, "length": recipe.num_frames, "frame_rate": recipe.frame_rate,
+        "seed": recipe.seed, "steps": recipe.steps, "video_cfg": video.cfg_scale, "audio_cfg": audio.cfg_scale,
+        "stg_scale": video.stg_scale, "stg_blocks": ",".join(map(str, video.stg_blocks)), "rescale": video.rescale_scale,
+        "modality_scale": video.modality_scale, "parallel": "(from loader)", "compile_blocks": False,
+    }  # fmt: skip
+    if example.tiny:
+        widgets.update({name: TINY_SIZE[name] for name in ("width", "height", "length", "steps")}, stg_blocks="")
+    return widgets
+
+
+def two_stage_graph(example: Example, prefix: str) -> list[Node]:
+    recipe, files = example.recipe, example.files
     default_positive, negative = default_prompts()
+    sampler = sampler_widgets(example)
+    width, height = sampler["width"], sampler["height"]
     x = 40
     listed = ", ".join(f"{MODEL_SOURCES[name][1]}/{name}" for name in files.values() if name in MODEL_SOURCES)
-    note = NOTE_TWO_STAGE.format(stage1=f"{width}x{height}", final=f"{2 * width}x{2 * height}", recipe=RECIPES[pipeline], files=listed or "none (the embedded bundle)")
-    sigmas = "0.625, 0.4, 0.0" if pipeline == "two-stage" else ""  # empty: the recipe's own tail
+    note = NOTE_TWO_STAGE.format(version=example.version, stage1=f"{width}x{height}", final=f"{2 * width}x{2 * height}", recipe=recipe_text(recipe, example.tiny),
+                                 files=listed or "none (the embedded bundle)", embedded=embedded_entry(example.version))  # fmt: skip
+    # Two-stage: TDP Upscale's own schedule, written out; distilled: empty, the recipe's official tail.
+    sigmas = ", ".join(map(str, stage2_default_sigmas(example.pipeline))) if example.pipeline == "two-stage" else ""
+    overlap = TINY_SIZE["overlap"] if example.tiny else TDP_OVERLAP
     nodes = [
-        Node(1, "MGPULoadCheckpoint", (x, 60), {**files, "distilled_lora_strength": 1.0, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto", "dtype": "bfloat16",
-                                                "quantization": "none", "residency": "auto", "pipeline": pipeline}, size=(380, 380), models=model_metadata(files)),
-        Node(2, "MGPUTextEncode", (x + 420, 60), {"positive": prompt or default_positive, "negative": negative, "free_gemma": False}, {"model": (1, 0)}, size=(420, 360)),
-        Node(3, "PrimitiveFloat", (x, 490), {"value": 24.0}, size=(260, 60), title="Frame rate"),
-        Node(
-            4, "MGPUSPSampler", (x + 880, 60),
-            {"width": width, "height": height, "length": length, "frame_rate": 24.0, "seed": 10, "steps": steps,
-             **SAMPLER_GUIDANCE[pipeline], "stg_blocks": "", "parallel": "(from loader)", "compile_blocks": False},
-            {"model": (1, 0), "positive": (2, 0), "negative": (2, 1), "frame_rate": (3, 0)}, size=(340, 480),
-        ),
+        Node(1, "MGPULoadCheckpoint", (x, 60), {**files, "distilled_lora_strength": DISTILLED_LORA_STRENGTH, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto",
+                                                "dtype": "bfloat16", "quantization": "none", "residency": "auto", "pipeline": example.pipeline},
+             size=(380, 380), models=model_metadata(files)),
+        Node(2, "MGPUTextEncode", (x + 420, 60), {"positive": IMAGE_PROMPT if example.image else default_positive, "negative": negative, "free_gemma": False},
+             {"model": (1, 0)}, size=(420, 360)),
+        Node(3, "PrimitiveFloat", (x, 490), {"value": recipe.frame_rate}, size=(260, 60), title="Frame rate"),
+        Node(4, "MGPUSPSampler", (x + 880, 60), sampler, {"model": (1, 0), "positive": (2, 0), "negative": (2, 1), "frame_rate": (3, 0)}, size=(340, 480)),
         Node(
             5, "MGPUTDPUpscale", (x + 1260, 60),
-            {"seed": 10, "sigmas": sigmas, "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False, "stage2_parallel": "auto"},
+            {"seed": recipe.seed, "sigmas": sigmas, "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False, "stage2_parallel": "auto"},
             {"model": (1, 0), "av_latent": (4, 0), "positive": (2, 0)}, size=(340, 330),
         ),
-        Node(6, "MGPUDistributedVAEDecode", (x + 1640, 60), {"seed": 10, "spatial_tile_pixels": 512, "temporal_tile_frames": 64}, {"model": (1, 0), "av_latent": (5, 0)}, size=(340, 200)),
-        Node(7, "CreateVideo", (x + 1640, 320), {"fps": 24.0}, {"images": (6, 0), "audio": (6, 1), "fps": (3, 0)}, size=(300, 100)),
+        Node(6, "MGPUDistributedVAEDecode", (x + 1640, 60), {"seed": recipe.seed, "spatial_tile_pixels": DECODE_SPATIAL_TILE_PIXELS,
+                                                                   "temporal_tile_frames": DECODE_TEMPORAL_TILE_FRAMES},
+             {"model": (1, 0), "av_latent": (5, 0)}, size=(340, 200)),
+        Node(7, "CreateVideo", (x + 1640, 320), {"fps": recipe.frame_rate}, {"images": (6, 0), "audio": (6, 1), "fps": (3, 0)}, size=(300, 100)),
         Node(8, "SaveVideo", (x + 2020, 60), {"filename_prefix": prefix, "format": "mp4", "codec": "h264"}, {"video": (7, 0)}, size=(480, 520)),
         Node(9, "MarkdownNote", (x, 880), {"text": note}, size=(800, 320)),
     ]  # fmt: skip
-    if image:
+    if example.image:
         nodes.append(Node(10, "LoadImage", (x + 420, 460), {"image": "example.png", "upload": "image"}, size=(320, 360)))
         nodes[3].links["image"] = (10, 0)
         nodes[4].links["image"] = (10, 0)
@@ -333,18 +432,23 @@ def default_prompts() -> tuple[str, str]:
     return text_nodes.DEFAULT_PROMPT, text_nodes.DEFAULT_NEGATIVE_PROMPT
 
 
-# LTX-2.3 examples are left out: the nodes do not yet carry a model version, so a 2.3 checkpoint
-# would run with LTX-2.0's defaults (40 steps, STG block 29) from these graphs.
-WORKFLOWS = {
-    "ltx2_t2v_two_stage": lambda: two_stage_graph(OFFICIAL_FILES, width=768, height=512, length=121, steps=40, prefix="video/ltx2_t2v_mgpu", image=False),
-    "ltx2_i2v_two_stage": lambda: two_stage_graph(OFFICIAL_FILES, width=768, height=512, length=121, steps=40, prefix="video/ltx2_i2v_mgpu", image=True, prompt=IMAGE_PROMPT),
-    "ltx2_t2v_distilled": lambda: two_stage_graph(DISTILLED_FILES, width=768, height=512, length=121, steps=8, prefix="video/ltx2_t2v_distilled_mgpu", image=False, pipeline="distilled"),
-    "ltx2_i2v_distilled": lambda: two_stage_graph(DISTILLED_FILES, width=768, height=512, length=121, steps=8, prefix="video/ltx2_i2v_distilled_mgpu", image=True, prompt=IMAGE_PROMPT, pipeline="distilled"),
-    # The embedded random-weight bundle at a tiny size: tries the whole graph with no download,
-    # and is what the e2e test queues. Its stage-2 latent is 4x6 cells, so tiles overlap by 1 cell
-    # to fit 2x2 tiles on 4 ranks.
-    "ltx2_t2v_tiny": lambda: two_stage_graph(TINY_FILES, width=96, height=64, length=9, steps=3, prefix="video/ltx2_tiny_mgpu", image=False, overlap=1),
+EXAMPLES = {
+    "ltx2_t2v_two_stage": Example("2.0", "two-stage"),
+    "ltx2_i2v_two_stage": Example("2.0", "two-stage", image=True),
+    "ltx2_t2v_distilled": Example("2.0", "distilled"),
+    "ltx2_i2v_distilled": Example("2.0", "distilled", image=True),
+    # The embedded random-weight bundles at a tiny size: try the whole graph with no download; the
+    # e2e test queues the 2.0 one.
+    "ltx2_t2v_tiny": Example("2.0", "two-stage", tiny=True),
+    "ltx23_t2v_two_stage": Example("2.3", "two-stage"),
+    "ltx23_i2v_two_stage": Example("2.3", "two-stage", image=True),
+    "ltx23_t2v_distilled": Example("2.3", "distilled"),
+    "ltx23_i2v_distilled": Example("2.3", "distilled", image=True),
+    "ltx23_t2v_tiny": Example("2.3", "two-stage", tiny=True),
 }
+assert {(example.version, example.pipeline) for example in EXAMPLES.values()} == set(DEFAULTS) and set(MODEL_FILES) == set(DEFAULTS)
+assert sorted({example.version for example in EXAMPLES.values()}) == sorted(MODEL_VERSIONS)
+WORKFLOWS = {name: (lambda name=name: two_stage_graph(EXAMPLES[name], f"video/{name}_mgpu")) for name in EXAMPLES}
 
 
 DESCRIPTIONS = {
@@ -352,13 +456,79 @@ DESCRIPTIONS = {
     "ltx2_i2v_two_stage": "LTX-2.0 image to video on all GPUs, two-stage recipe: the image is the first frame; 1536x1024, 121 frames with audio.",
     "ltx2_t2v_distilled": "LTX-2.0 text to video on all GPUs, distilled recipe: 8 + 3 unguided steps; 1536x1024, 121 frames with audio.",
     "ltx2_i2v_distilled": "LTX-2.0 image to video on all GPUs, distilled recipe: the image is the first frame; 8 + 3 unguided steps.",
-    "ltx2_t2v_tiny": "The whole two-stage graph on the embedded tiny random-weight bundle (no download; the output is noise).",
+    "ltx2_t2v_tiny": "The whole LTX-2.0 two-stage graph on the embedded tiny random-weight bundle (no download; the output is noise).",
+    "ltx23_t2v_two_stage": "LTX-2.3 text to video on all GPUs, two-stage recipe (30 steps, STG block 28): 1536x1024, 121 frames with audio.",
+    "ltx23_i2v_two_stage": "LTX-2.3 image to video on all GPUs, two-stage recipe: the image is the first frame; 1536x1024, 121 frames with audio.",
+    "ltx23_t2v_distilled": "LTX-2.3 text to video on all GPUs, distilled recipe: 8 + 3 unguided steps; 1536x1024, 121 frames with audio.",
+    "ltx23_i2v_distilled": "LTX-2.3 image to video on all GPUs, distilled recipe: the image is the first frame; 8 + 3 unguided steps.",
+    "ltx23_t2v_tiny": "The whole LTX-2.3 two-stage graph on the embedded tiny random-weight bundle (no download; the output is noise).",
 }
 
 
 def build(name: str, schemas: dict) -> tuple[dict, dict]:
     nodes = WORKFLOWS[name]()
-    return to_ui(nodes, schemas, DESCRIPTIONS[name]), to_api(nodes, schemas)
+    return to_ui(nodes, schemas, DESCRIPTIONS[name], name), to_api(nodes, schemas)
+
+
+# --- thumbnails -------------------------------------------------------------------------------------
+
+THUMBNAIL_SIZE = (400, 300)
+THUMBNAIL_QUALITY = 80
+# Node colours by role, so the two stages, the decoder and the native nodes read apart at a glance.
+NODE_COLOURS = {
+    "MGPULoadCheckpoint": (86, 112, 160), "MGPUTextEncode": (96, 140, 96), "MGPUSPSampler": (170, 110, 60),
+    "MGPUTDPUpscale": (150, 80, 140), "MGPUDistributedVAEDecode": (70, 140, 150), "MarkdownNote": (70, 70, 70),
+}  # fmt: skip
+NODE_LABELS = {"MGPULoadCheckpoint": "load", "MGPUTextEncode": "text", "MGPUSPSampler": "SP", "MGPUTDPUpscale": "TDP",
+               "MGPUDistributedVAEDecode": "decode", "LoadImage": "image", "SaveVideo": "save"}  # fmt: skip
+NATIVE_COLOUR = (110, 110, 110)
+VERSION_COLOURS = {"2.0": (60, 120, 200), "2.3": (220, 130, 40)}
+
+
+def thumbnail_caption(example: Example) -> tuple[str, str]:
+    task = "image to video" if example.image else "text to video"
+    detail = "embedded tiny bundle, no download" if example.tiny else f"{example.recipe.steps} + 3 steps on all GPUs"
+    return f"LTX-{example.version}  {example.pipeline}", f"{task} · {detail}"
+
+
+def render_thumbnail(ui_graph: dict, example: Example) -> bytes:
+    """A JPEG of the graph as the canvas lays it out (nodes by role, links between them) under a
+    caption naming the model version, pipeline and task. Pure drawing of the graph: reproducible."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    width, height = THUMBNAIL_SIZE
+    image = Image.new("RGB", THUMBNAIL_SIZE, (30, 30, 34))
+    draw = ImageDraw.Draw(image)
+    band = 78
+    draw.rectangle((0, 0, width, band), fill=(18, 18, 20))
+    draw.rectangle((0, band - 4, width, band), fill=VERSION_COLOURS[example.version])
+    title, subtitle = thumbnail_caption(example)
+    draw.text((14, 10), title, fill=(240, 240, 240), font=ImageFont.load_default(size=26))
+    draw.text((14, 46), subtitle, fill=(200, 200, 200), font=ImageFont.load_default(size=15))
+    boxes = {node["id"]: (node["pos"][0], node["pos"][1] - NODE_TITLE_HEIGHT, node["pos"][0] + node["size"][0], node["pos"][1] + node["size"][1])
+             for node in ui_graph["nodes"]}  # fmt: skip
+    left, top = min(box[0] for box in boxes.values()), min(box[1] for box in boxes.values())
+    right, bottom = max(box[2] for box in boxes.values()), max(box[3] for box in boxes.values())
+    margin, label_font = 12, ImageFont.load_default(size=12)
+    scale = min((width - 2 * margin) / (right - left), (height - band - 2 * margin) / (bottom - top))
+
+    def at(x: float, y: float) -> tuple[float, float]:
+        return margin + (x - left) * scale, band + margin + (y - top) * scale
+
+    for _link_id, source, _slot, target, _target_slot, _kind in ui_graph["links"]:
+        start, end = at(boxes[source][2], (boxes[source][1] + boxes[source][3]) / 2), at(boxes[target][0], (boxes[target][1] + boxes[target][3]) / 2)
+        draw.line((*start, *end), fill=(150, 150, 160), width=1)
+    for node in ui_graph["nodes"]:
+        x0, y0, x1, y1 = boxes[node["id"]]
+        colour = NODE_COLOURS.get(node["type"], NATIVE_COLOUR)
+        draw.rounded_rectangle((*at(x0, y0), *at(x1, y1)), radius=3, fill=tuple(channel // 2 for channel in colour), outline=colour, width=2)
+        title_bottom = at(x1, y0 + NODE_TITLE_HEIGHT)[1]
+        draw.rectangle((*at(x0, y0), at(x1, y0)[0], title_bottom), fill=colour)
+        if node["type"] in NODE_LABELS:
+            draw.text((at(x0, y0)[0] + 4, title_bottom + 3), NODE_LABELS[node["type"]], fill=(235, 235, 235), font=label_font)
+    out = io.BytesIO()
+    image.save(out, format="JPEG", quality=THUMBNAIL_QUALITY, optimize=True)
+    return out.getvalue()
 
 
 def main() -> None:
@@ -368,7 +538,8 @@ def main() -> None:
         ui, api = build(name, schemas)
         (HERE / f"{name}.json").write_text(json.dumps(ui, indent=2) + "\n")
         (HERE / "api" / f"{name}.json").write_text(json.dumps(api, indent=2) + "\n")
-        print(f"wrote workflows/{name}.json and workflows/api/{name}.json")
+        (HERE / f"{name}.jpg").write_bytes(render_thumbnail(ui, EXAMPLES[name]))
+        print(f"wrote workflows/{name}.json, workflows/{name}.jpg and workflows/api/{name}.json")
 
 
 if __name__ == "__main__":
