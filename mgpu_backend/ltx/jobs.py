@@ -450,6 +450,12 @@ def encode(ctx: JobContext, args: dict, tensors: dict):
     with input_errors():
         request = EncodeRequest.from_wire(args)
     resident = resident_model(ctx, request)
+    if not resident.residency.keeps("gemma"):
+        # Memory is tight when Gemma is built per stage: the stage-1 CUDA graphs' pool (1.6 GiB at 19B,
+        # 768x512x121) must not sit beside it; the next stage 1 captures again (about 6 s at that size).
+        released = stage1_cache(ctx.state).release_graphs()
+        if released:
+            ctx.log(f"stage-1 CUDA graphs released ({released}) before Gemma is built: residency {resident.residency.policy} builds Gemma per stage")
     contexts = encode_prompts_distributed(resident.loader, list(request.prompts), ctx.comm, request.gemma_mode, free_after=request.free_gemma or not resident.residency.keeps("gemma"))
     stats = last_encode_stats()
     where = f", Gemma on {stats['gemma_placement']}" if stats.get("gemma_placement") else ""

@@ -163,10 +163,14 @@ class Stage1Cache:
             self._captured = CapturedForward(transformer)
         return self._captured
 
-    def release_graphs(self) -> None:
+    def release_graphs(self) -> int:
+        """Free the captured graphs and their memory pool; returns how many graphs were held."""
+        held = 0
         if self._captured is not None:
+            held = len(self._captured.graphs)
             self._captured.release()
             self._captured = None
+        return held
 
 
 def stage1_cache(state: dict) -> Stage1Cache:

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import time
 from collections.abc import Hashable
@@ -257,6 +258,7 @@ class CapturedForward:
         self.capture_seconds.clear()
         self._rope_grids.clear()
         self._pool = None
+        gc.collect()  # a graph's static buffers may sit in reference cycles: free them before returning the pool
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
