@@ -240,7 +240,7 @@ _run = run_job
 def _two_stage_job(socket_path, spec: dict, residency: str, logs: list) -> dict:
     common = {"spec": {**spec, "residency": residency}}
     _run(socket_path, "load", common, on_log=logs.append)
-    encoded = _run(socket_path, "encode", {**common, "prompts": ["a red fox in the snow", "blurry"]})
+    encoded = _run(socket_path, "encode", {**common, "prompts": ["a red fox in the snow", "blurry"]}, on_log=logs.append)
     contexts = {
         "positive_video_context": encoded.tensors["video_context_0"], "positive_audio_context": encoded.tensors["audio_context_0"],
         "negative_video_context": encoded.tensors["video_context_1"], "negative_audio_context": encoded.tensors["audio_context_1"],
@@ -273,6 +273,12 @@ def test_a_tiny_fleet_job_under_minimal_residency_gives_bitwise_the_latents_of_a
             assert torch.equal(ours, theirs), f"{name} differs between residency all and minimal"
     assert any("residency all:" in line and "built per stage: none" in line for line in all_logs), all_logs
     assert any("residency minimal:" in line and "built per stage: audio_decoder" in line for line in minimal_logs), minimal_logs
+    # Minimal parks the transformer for the encode: the encode job asked the tracker, which on a CPU
+    # rank (weights in host memory already) frees nothing and says so; under all it is never asked.
+    assert any(line.endswith("transformer parked in host memory while Gemma encodes") for line in minimal_logs), minimal_logs
+    cpu_rank_note = "on a CPU rank the host is the device, nothing to free"
+    assert any("transformer not parked on rank" in line and cpu_rank_note in line for line in minimal_logs), minimal_logs
+    assert not any("parked" in line for line in all_logs), all_logs
 
 
 def test_jobs_reload_a_model_resident_with_another_quantization_and_refuse_an_unknown_one(fleet, spec):
