@@ -162,6 +162,17 @@ def _synchronize(storages: Iterable[torch.UntypedStorage]) -> None:
         torch.cuda.synchronize(device)
 
 
+def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` of host memory, pinned when asked and the system grants it (else pageable: slower
+    copies, same bytes)."""
+    if pin:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as error:
+            log.warning("could not pin %.1f MB of host memory to park the transformer (%s); using pageable memory", nbytes / 1e6, error)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 class HostParking:
     """The storages of a set of tensors moved into one host buffer and back; the tensors stay.
 
@@ -170,8 +181,8 @@ class HostParking:
     ``untyped_storage().resize_(0)``: the tensors, and the Parameters that hold them, remain the
     same Python objects with the same shapes but own no memory until ``unpark()`` gives every
     storage its bytes back (at a new address) and copies them in. The buffer is pinned when a
-    storage is on a GPU (fast, asynchronous copies) and allocated once: a later park of no more
-    bytes reuses it. Device-agnostic: it runs the same on CPU tensors (it frees nothing there, as
+    storage is on a GPU (fast, asynchronous copies; pageable if the system refuses to pin that
+    much) and allocated once: a later park of no more bytes reuses it. Device-agnostic: it runs the same on CPU tensors (it frees nothing there, as
     the host is the device; the tests use it so).
     """
 
@@ -205,9 +216,10 @@ class HostParking:
             )
         total = sum(storage.nbytes() for storage in storages.values())
         pin = any(storage.device.type == "cuda" for storage in storages.values())
-        if self._buffer is None or self._buffer.numel() < total or self._buffer.is_pinned() != pin:
+        if self._buffer is None or self._buffer.numel() < total:
             self._buffer = None  # the old buffer goes before a larger one is allocated
-            self._buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+            self._buffer = _host_buffer(total, pin)
+        pin = self._buffer.is_pinned()
         parked, offset = [], 0
         for storage in storages.values():
             nbytes = storage.nbytes()
