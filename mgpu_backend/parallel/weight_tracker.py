@@ -182,8 +182,8 @@ class HostParking:
     same Python objects with the same shapes but own no memory until ``unpark()`` gives every
     storage its bytes back (at a new address) and copies them in. The buffer is pinned when a
     storage is on a GPU (fast, asynchronous copies; pageable if the system refuses to pin that
-    much) and allocated once: a later park of no more bytes reuses it. Device-agnostic: it runs the same on CPU tensors (it frees nothing there, as
-    the host is the device; the tests use it so).
+    much) and allocated once: a later park of no more bytes reuses it. Device-agnostic: it runs
+    the same on CPU tensors (it frees nothing there, as the host is the device; the tests use it so).
     """
 
     def __init__(self) -> None:
