@@ -80,8 +80,9 @@ def test_an_h200_keeps_everything_resident_at_19b(sizes_19b, quantization):
 def test_an_80_gb_gpu_runs_19b_bf16_with_only_the_transformer_resident(sizes_19b):
     plan = plan_residency(sizes_19b, 80 * GB, world_size=1)
     assert plan.per_stage == EVERYTHING_BUT_THE_TRANSFORMER and plan.clean_shard_on_host is True, plan.describe()
-    # It fits without moving the transformer: it stays on the GPU while Gemma encodes.
+    # It fits without moving the transformer: it stays on the GPU while Gemma encodes (80 GiB too).
     assert plan.transformer_parked_for_encode is False and "parked" not in plan.describe(), plan.describe()
+    assert plan_residency(sizes_19b, 80 * GIB, world_size=1).transformer_parked_for_encode is False
     assert plan.peak_bytes <= 80 * GB
     # Forcing every component resident is the user's choice; its estimate says it will not fit.
     assert plan_residency(sizes_19b, 80 * GB, world_size=1, policy="all").peak_bytes > 80 * GB
