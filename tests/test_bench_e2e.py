@@ -56,7 +56,7 @@ def test_fleet_only_run_with_minimal_residency_and_fp8_cast_reports_the_decision
     assert "GiB of 7.0 GiB device memory (fp8-cast transformer)" in decision
     per_stage = decision.split("built per stage: ")[1].split(";")[0].split(", ")
     assert per_stage == ["audio_decoder", "embeddings_processor", "gemma", "spatial_upsampler", "video_decoder", "video_encoder", "vocoder"]
-    assert decision.endswith("clean LoRA shard in host memory")
+    assert decision.endswith("clean LoRA shard in host memory; transformer parked in host memory while Gemma encodes")
     # Rebuilding per stage from host copies reads nothing again, and the warm job is the cold one bitwise.
     assert "warm load 0 bytes, warm job 0 bytes" in stdout
     assert "- fleet cold vs warm frames: bitwise equal" in stdout

@@ -1,11 +1,14 @@
-"""The residency policy: decisions for LTX-2 19B on 141, 80 and 48 GB GPUs (bf16 and fp8-cast), the
-refusal of a model that cannot fit, and a tiny fleet job that gives bitwise the same latents when
-every component but the transformer is built per stage.
+"""The residency policy: decisions for LTX-2 19B and LTX-2.3 22B on 141, 80, 64, 48, 40 and 24 GB
+GPUs (bf16 and fp8-cast), the order in which residency is given up (the transformer parked in host
+memory while Gemma encodes comes last), the refusal of a model that cannot fit, and a tiny fleet job
+that gives bitwise the same latents when every component but the transformer is built per stage
+and the transformer is parked for the encode.
 
-The 19B sizes are the real ones: the safetensors headers of the full-size bundle's files
-(``mgpu_backend.bundles.full_size``, from configs/ltx2-19b-transformer.json and the official
-component configurations of docs/full-size-config.md, the 48-layer Gemma-3 12B), built on the meta
-device, so no weight is allocated.
+The 19B and 22B sizes are the real ones: the safetensors headers of the full-size bundle's files
+(``mgpu_backend.bundles.full_size``, from configs/ltx2-19b-transformer.json or
+configs/ltx2.3-22b-transformer.json and the official component configurations of
+docs/full-size-config.md, the 48-layer Gemma-3 12B), built on the meta device, so no weight is
+allocated.
 """
 
 from __future__ import annotations
@@ -41,13 +44,22 @@ EVERYTHING_BUT_THE_TRANSFORMER = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def sizes_19b():
-    transformer = json.loads((REPO / "configs" / "ltx2-19b-transformer.json").read_text())["transformer"]
+def _full_size_sizes(transformer_config: str):
+    transformer = json.loads((REPO / "configs" / transformer_config).read_text())["transformer"]
     config = full_size.full_size_config(transformer, gemma_layers=full_size.GEMMA_FULL_LAYERS)
     headers = {name: {key: ("BF16", shape) for key, shape in shapes.items()} for name, shapes in full_size.planned_shapes(config).items()}
     gemma = next(tensors for name, tensors in headers.items() if name.startswith(full_size.GEMMA_DIR_NAME))
     return sizes_from_headers(headers[full_size.CHECKPOINT_NAME], headers[full_size.SPATIAL_UPSAMPLER_NAME], gemma)
+
+
+@pytest.fixture(scope="module")
+def sizes_19b():
+    return _full_size_sizes("ltx2-19b-transformer.json")
+
+
+@pytest.fixture(scope="module")
+def sizes_22b():
+    return _full_size_sizes("ltx2.3-22b-transformer.json")
 
 
 def test_19b_component_sizes_are_the_documented_ones(sizes_19b):
@@ -68,6 +80,9 @@ def test_an_h200_keeps_everything_resident_at_19b(sizes_19b, quantization):
 def test_an_80_gb_gpu_runs_19b_bf16_with_only_the_transformer_resident(sizes_19b):
     plan = plan_residency(sizes_19b, 80 * GB, world_size=1)
     assert plan.per_stage == EVERYTHING_BUT_THE_TRANSFORMER and plan.clean_shard_on_host is True, plan.describe()
+    # It fits without moving the transformer: it stays on the GPU while Gemma encodes (80 GiB too).
+    assert plan.transformer_parked_for_encode is False and "parked" not in plan.describe(), plan.describe()
+    assert plan_residency(sizes_19b, 80 * GIB, world_size=1).transformer_parked_for_encode is False
     assert plan.peak_bytes <= 80 * GB
     # Forcing every component resident is the user's choice; its estimate says it will not fit.
     assert plan_residency(sizes_19b, 80 * GB, world_size=1, policy="all").peak_bytes > 80 * GB
@@ -76,29 +91,88 @@ def test_an_80_gb_gpu_runs_19b_bf16_with_only_the_transformer_resident(sizes_19b
 def test_an_80_gb_gpu_keeps_everything_resident_at_19b_fp8_cast(sizes_19b):
     plan = plan_residency(sizes_19b, 80 * GB, world_size=1, quantization="fp8-cast")
     assert plan.per_stage == frozenset() and plan.clean_shard_on_host is False, plan.describe()
+    assert not plan.transformer_parked_for_encode
     assert "fp8-cast transformer" in plan.describe()
 
 
-def test_a_64_gb_gpu_is_refused_for_19b_bf16_and_told_that_fp8_cast_fits(sizes_19b):
-    with pytest.raises(ResidencyError) as refused:
-        plan_residency(sizes_19b, 64 * GB, world_size=1)
-    message = str(refused.value)
-    assert "even with residency 'minimal'" in message and "load it with quantization 'fp8-cast'" in message, message
-    assert "More GPUs do not help" in message and "latency tool" in message, message
-    plan = plan_residency(sizes_19b, 64 * GB, world_size=1, quantization="fp8-cast")
-    assert plan.peak_bytes <= 64 * GB and "gemma" in plan.per_stage, plan.describe()
+def test_48_gib_runs_22b_fp8_cast_with_the_transformer_parked_while_gemma_encodes(sizes_22b):
+    # Gemma-3 12B (22.7 GiB) + the 2.3 embeddings processor (5.9 GiB) beside the fp8 transformer
+    # (18.1 GiB) came to 48.7 GiB in the encode stage; parked, the encode needs 30.6 GiB and stage 1
+    # (transformer + video encoder + activations) sets the rest.
+    assert round(sizes_22b.transformer_fp8_bytes / GIB, 1) == 18.1
+    assert round(sizes_22b.components["embeddings_processor"] / GIB, 1) == 5.9
+    plan = plan_residency(sizes_22b, 48 * GIB, world_size=1, quantization="fp8-cast")
+    assert plan.transformer_parked_for_encode is True, plan.describe()
+    assert plan.per_stage == EVERYTHING_BUT_THE_TRANSFORMER and plan.clean_shard_on_host is True, plan.describe()
+    assert round(plan.peak_bytes / GIB, 1) == 30.6, plan.describe()
+    gemma_and_processor = sizes_22b.components["gemma"] + sizes_22b.components["embeddings_processor"]
+    assert plan.peak_bytes < sizes_22b.transformer_fp8_bytes + gemma_and_processor  # no longer side by side
+    line = plan.describe()
+    assert "\n" not in line and line.endswith("; clean LoRA shard in host memory; transformer parked in host memory while Gemma encodes"), line
+    # 52 GiB fits without parking (48.7 GiB): the transformer then stays on the GPU for the encode.
+    assert plan_residency(sizes_22b, 52 * GIB, world_size=1, quantization="fp8-cast").transformer_parked_for_encode is False
+
+
+def test_residency_is_given_up_in_order_and_parking_the_transformer_comes_last(sizes_22b):
+    # Shrinking the budget 0.1 GiB at a time, auto walks through every level once, in order.
+    levels, peaks = [], []
+    for tenths in range(1500, 0, -1):
+        try:
+            plan = plan_residency(sizes_22b, tenths * GIB // 10, world_size=1, quantization="fp8-cast")
+        except ResidencyError:
+            break
+        level = (plan.per_stage, plan.clean_shard_on_host, plan.transformer_parked_for_encode)
+        if not levels or levels[-1] != level:
+            levels.append(level)
+            peaks.append(plan.peak_bytes)
+    gemma = {"gemma", "embeddings_processor"}
+    vaes = gemma | {"video_encoder", "video_decoder", "audio_decoder", "vocoder"}
+    assert levels == [
+        (frozenset(), False, False),
+        (frozenset(gemma), False, False),
+        (frozenset(vaes), False, False),
+        (frozenset(EVERYTHING_BUT_THE_TRANSFORMER), False, False),
+        (frozenset(EVERYTHING_BUT_THE_TRANSFORMER), True, False),
+        (frozenset(EVERYTHING_BUT_THE_TRANSFORMER), True, True),
+    ], levels
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks), peaks
+    minimal = plan_residency(sizes_22b, None, world_size=1, policy="minimal", quantization="fp8-cast")
+    assert (minimal.per_stage, minimal.clean_shard_on_host, minimal.transformer_parked_for_encode) == levels[-1]
+    assert minimal.peak_bytes == peaks[-1]
+    assert plan_residency(sizes_22b, None, world_size=1, policy="all", quantization="fp8-cast").transformer_parked_for_encode is False
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8-cast"])
-def test_a_48_gb_gpu_is_refused_for_19b_before_loading_with_the_reason(sizes_19b, quantization):
-    # Gemma (24.4 GB) + its processor must sit beside the resident transformer while the prompts
-    # are encoded: even fp8-cast weights leave too little of 48 GB.
+def test_a_48_gb_gpu_runs_19b_with_the_transformer_parked_while_gemma_encodes(sizes_19b, quantization):
+    plan = plan_residency(sizes_19b, 48 * GB, world_size=1, quantization=quantization)
+    assert plan.transformer_parked_for_encode and plan.per_stage == EVERYTHING_BUT_THE_TRANSFORMER, plan.describe()
+    assert plan.peak_bytes <= 48 * GB
+
+
+def test_a_40_gb_gpu_is_refused_for_19b_bf16_and_told_that_fp8_cast_fits(sizes_19b):
     with pytest.raises(ResidencyError) as refused:
-        plan_residency(sizes_19b, 48 * GB, world_size=1, quantization=quantization)
+        plan_residency(sizes_19b, 40 * GB, world_size=1)
+    message = str(refused.value)
+    assert "even with residency 'minimal'" in message and "load it with quantization 'fp8-cast'" in message, message
+    assert "More GPUs do not help" in message and "latency tool" in message, message
+    # The stage that sets the bf16 peak is a denoising one: the whole transformer with what it builds.
+    assert "the transformer alone is 35.2 GiB, and the upscale stage builds video_encoder, spatial_upsampler beside it" in message, message
+    plan = plan_residency(sizes_19b, 40 * GB, world_size=1, quantization="fp8-cast")
+    assert plan.peak_bytes <= 40 * GB and plan.transformer_parked_for_encode, plan.describe()
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8-cast"])
+def test_a_24_gb_gpu_is_refused_for_19b_before_loading_with_the_reason(sizes_19b, quantization):
+    # Even with the transformer parked, Gemma (24.4 GB) and its processor leave too little of 24 GB.
+    with pytest.raises(ResidencyError) as refused:
+        plan_residency(sizes_19b, 24 * GB, world_size=1, quantization=quantization)
     message = str(refused.value)
     assert "use a GPU with more memory" in message and "More GPUs do not help" in message, message
     if quantization is None:
-        assert "even fp8-cast weights would need about" in message, message
+        assert "even fp8-cast weights would need about 27.4 GiB" in message, message
+    else:
+        assert "about 27.4 GiB per GPU even with residency 'minimal' (the encode stage builds gemma, embeddings_processor: " in message, message
+        assert "with the transformer parked in host memory" in message, message
 
 
 def test_more_ranks_shrink_only_the_clean_shard(sizes_19b):
@@ -110,6 +184,8 @@ def test_the_decision_is_logged_in_one_line(sizes_19b):
     line = plan_residency(sizes_19b, 80 * GB, world_size=1).describe()
     assert "\n" not in line and line.startswith("residency auto: estimated peak"), line
     assert "built per stage: audio_decoder, embeddings_processor, gemma" in line and "clean LoRA shard in host memory" in line
+    parked = plan_residency(sizes_19b, 48 * GB, world_size=1).describe()
+    assert "\n" not in parked and parked.endswith("clean LoRA shard in host memory; transformer parked in host memory while Gemma encodes"), parked
 
 
 def test_residency_and_the_memory_limit_are_checked(monkeypatch):
@@ -165,7 +241,7 @@ _run = run_job
 def _two_stage_job(socket_path, spec: dict, residency: str, logs: list) -> dict:
     common = {"spec": {**spec, "residency": residency}}
     _run(socket_path, "load", common, on_log=logs.append)
-    encoded = _run(socket_path, "encode", {**common, "prompts": ["a red fox in the snow", "blurry"]})
+    encoded = _run(socket_path, "encode", {**common, "prompts": ["a red fox in the snow", "blurry"]}, on_log=logs.append)
     contexts = {
         "positive_video_context": encoded.tensors["video_context_0"], "positive_audio_context": encoded.tensors["audio_context_0"],
         "negative_video_context": encoded.tensors["video_context_1"], "negative_audio_context": encoded.tensors["audio_context_1"],
@@ -198,6 +274,12 @@ def test_a_tiny_fleet_job_under_minimal_residency_gives_bitwise_the_latents_of_a
             assert torch.equal(ours, theirs), f"{name} differs between residency all and minimal"
     assert any("residency all:" in line and "built per stage: none" in line for line in all_logs), all_logs
     assert any("residency minimal:" in line and "built per stage: audio_decoder" in line for line in minimal_logs), minimal_logs
+    # Minimal parks the transformer for the encode: the encode job asked the tracker, which on a CPU
+    # rank (weights in host memory already) frees nothing and says so; under all it is never asked.
+    assert any(line.endswith("transformer parked in host memory while Gemma encodes") for line in minimal_logs), minimal_logs
+    cpu_rank_note = "on a CPU rank the host is the device, nothing to free"
+    assert any("transformer not parked on rank" in line and cpu_rank_note in line for line in minimal_logs), minimal_logs
+    assert not any("parked" in line for line in all_logs), all_logs
 
 
 def test_jobs_reload_a_model_resident_with_another_quantization_and_refuse_an_unknown_one(fleet, spec):

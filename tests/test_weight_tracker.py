@@ -1,11 +1,17 @@
-"""The weight tracker swaps LoRA sets into a resident transformer exactly as ltx-core fuses them.
+"""The weight tracker swaps LoRA sets into a resident transformer exactly as ltx-core fuses them, and
+parks it in host memory (storages emptied, Parameters kept) and back bitwise.
 
 Two gloo ranks on the tiny bundle run one scenario each (a cold job, then a warm job on the same
 tracker); the tests read its results. References come from a SEPARATE ModelLoader (its own
-registry), so they cannot be bent by anything the tracker does to its own loader.
+registry), so they cannot be bent by anything the tracker does to its own loader. Parking runs on
+CPU tensors too (``HostParking`` does not care where the storages live), so its mechanism is tested
+here on a tiny transformer's forward; the tracker itself parks only on a GPU (a CUDA test below: a
+CPU rank's weights are the checkpoint's memory map, which cannot be freed, and nothing to free).
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -14,8 +20,10 @@ from safetensors import safe_open
 from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.parallel.comm import Comm
-from mgpu_backend.parallel.weight_tracker import TransformerWeightTracker, clean_shard_on_host, stage_lora_set
+from mgpu_backend.parallel.weight_tracker import HostParking, TransformerWeightTracker, clean_shard_on_host, stage_lora_set
 from tests.dist_harness import run_ranks
+from tests.test_cuda_graphs import _inputs
+from tests.test_sequence_parallel import build_tiny_model
 
 WORLD_SIZE = 2
 BUCKET_BYTES = 64 * 1024  # small, so one swap needs several bucket broadcasts per owner
@@ -74,6 +82,22 @@ def _tracker_scenario(bundle: dict) -> dict:
     out["owned_keys"] = tracker.owned_keys()
     out["key_bytes"] = {key: value.nbytes for key, value in model.velocity_model.state_dict().items()}
     out["memory"] = tracker.memory_report()
+    # Parking on a CPU rank frees nothing: a no-op, said once (the weights stay where they were).
+    lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("mgpu_backend.parallel.weight_tracker")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        out["cpu_park_bytes"] = [tracker.park(), tracker.park()]
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    out["cpu_park_lines"] = [line for line in lines if "not parked" in line]
+    out["cpu_parked"] = tracker.parked
+    out["cpu_park_keeps_weights"] = _differences(model, clean_reference)
     # The tracker dropped the loader's host copy of the transformer when it built: a later build by
     # the loader reads the checkpoint again, and the LoRA fused in place above did not reach it.
     out["host_copy_dropped"] = loader.drop_host_copy("transformer") == 0
@@ -241,3 +265,91 @@ def test_unknown_stage_lora_set_is_refused(bundle):
         stage_lora_set(spec, "stage2")
     with pytest.raises(ValueError, match="distilled LoRA"):
         stage_lora_set(spec, "distilled")
+
+
+def test_parking_on_a_cpu_rank_is_a_no_op_said_once(results):
+    for rank, out in enumerate(results):
+        assert out["cpu_park_bytes"] == [0, 0] and out["cpu_parked"] is False, (rank, out["cpu_park_bytes"])
+        assert len(out["cpu_park_lines"]) == 1 and "nothing to free" in out["cpu_park_lines"][0], out["cpu_park_lines"]
+        assert out["cpu_park_keeps_weights"] == (0, 0.0), (rank, out["cpu_park_keeps_weights"])
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {key: value.clone() for key, value in model.state_dict().items()}
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.gpu])])
+def test_parking_empties_every_storage_once_and_brings_weights_and_forward_back_bitwise(device):
+    model = build_tiny_model(seed=1).to(device)
+    video, audio = _inputs(seed=2, device=device)
+    with torch.inference_mode():
+        expected = model(video=video, audio=audio, perturbations=None)
+    weights = _state(model)
+    tensors = list(model.velocity_model.state_dict(keep_vars=True).values())
+    parameters = list(model.parameters())
+    unique_bytes = sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+    # A view of a parameter shares its storage: parked with it, counted once.
+    view = parameters[0].detach()[:1]
+    parking = HostParking()
+
+    for round_ in range(2):  # the second park reuses the host buffer of the first
+        allocated = torch.cuda.memory_allocated(device) if device == "cuda" else None
+        moved = parking.park([*tensors, view])
+        assert moved == unique_bytes and parking.parked, (moved, unique_bytes)
+        assert all(t.untyped_storage().nbytes() == 0 for t in [*tensors, view]), "a storage kept its bytes"
+        if allocated is not None:
+            assert allocated - torch.cuda.memory_allocated(device) >= unique_bytes, "the GPU memory was not freed"
+        assert [p.shape for p in model.parameters()] == [p.shape for p in parameters]
+        if round_ == 0:
+            buffer = parking._buffer.data_ptr()
+            assert parking.buffer_bytes == unique_bytes and parking._buffer.is_pinned() == (device == "cuda")
+        else:
+            assert parking._buffer.data_ptr() == buffer, "a later park allocated a new host buffer"
+        with pytest.raises(RuntimeError, match="parked already; unpark"):
+            parking.park(tensors)
+        assert parking.unpark() == unique_bytes and not parking.parked
+        assert all(a is b for a, b in zip(parameters, model.parameters(), strict=True)), "parking replaced a Parameter"
+        assert all(torch.equal(weights[key], value) for key, value in model.state_dict().items())
+        with torch.inference_mode():
+            got = model(video=video, audio=audio, perturbations=None)
+        for name, e, g in zip(("video", "audio"), expected, got, strict=True):
+            assert torch.equal(e, g), f"{name} differs after a park and unpark"
+    assert parking.unpark() == 0, "unparking twice moved bytes"
+
+
+def test_parking_refuses_storage_it_cannot_free_before_moving_anything():
+    borrowed = torch.frombuffer(bytearray(64), dtype=torch.uint8)  # not resizable: the bytes are Python's
+    owned = torch.ones(16)
+    parking = HostParking()
+    with pytest.raises(RuntimeError, match="1 of the tensors to park live in storage that cannot be freed"):
+        parking.park([owned, borrowed])
+    assert not parking.parked and owned.untyped_storage().nbytes() == 64 and torch.equal(owned, torch.ones(16))
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_parked_tracker_frees_the_transformer_on_the_gpu_and_gives_it_back_bitwise_for_the_next_swap(bundle):
+    device = torch.device("cuda", 0)
+    spec = ModelSpec(checkpoint_path=bundle.checkpoint_path, gemma_root=bundle.gemma_root, distilled_lora=bundle.distilled_lora_path)
+    loader = ModelLoader(spec, device, torch.bfloat16)
+    tracker = TransformerWeightTracker(Comm.world(), clean_on_host=False)  # one rank: the whole clean copy, on the GPU
+    distilled = _state(tracker.transformer(loader, "distilled"))
+    model = tracker.transformer(loader, "none")
+    clean, parameters = _state(model), list(model.parameters())
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    moved = tracker.park()
+    freed = before - torch.cuda.memory_allocated(device)
+    report = tracker.memory_report()
+    assert tracker.parked and report["parked"] and tracker._parking._buffer.is_pinned()
+    assert moved == report["working_bytes"] + report["clean_shard_bytes"] and freed >= moved, (moved, freed, report)
+    assert tracker.park() == 0, "parking twice moved bytes"
+    assert tracker.transformer(loader, "none") is model and not tracker.parked  # what a stage calls: unparks
+    assert all(a is b for a, b in zip(parameters, model.parameters(), strict=True))
+    assert all(torch.equal(clean[key], value) for key, value in model.state_dict().items())
+    tracker.park()
+    swapped = tracker.transformer(loader, "distilled")  # a LoRA swap straight after a park: from the clean shard it put back
+    assert all(torch.equal(distilled[key], value) for key, value in swapped.state_dict().items())

@@ -95,7 +95,9 @@ class ResidentModel:
     ``video_encoder()``, ...), returning the kept instances. What is kept follows the residency
     plan (``mgpu_backend.ltx.residency``, decided from the file headers before anything loads): a
     component the plan does not keep is built from the loader's host copy at each call, for the
-    stage that asks, and released when that stage drops it.
+    stage that asks, and released when that stage drops it. Under the plan's last level the
+    transformer steps aside while Gemma encodes (``park_transformer``) and comes back with the next
+    ``transformer`` call.
     """
 
     def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype, comm,
@@ -132,6 +134,15 @@ class ResidentModel:
         model = self.tracker.transformer(self.loader, lora_set)
         self.load_seconds += time.perf_counter() - started
         return model
+
+    def park_transformer(self, state: dict) -> None:
+        """Move the transformer working copy to host memory (``TransformerWeightTracker.park``) so that
+        Gemma gets its device memory; the next ``transformer`` call copies it back. The stage-1 CUDA
+        graphs kept in ``state`` replay the weights' old addresses, so they go first (stage 1 captures
+        them again). A CPU rank has nothing to free: the tracker leaves its weights where they are."""
+        stage1_cache(state).release_graphs()
+        if self.tracker.park() and self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the freed blocks go back to the GPU, for Gemma's allocations of other sizes
 
     def video_encoder(self):
         return self._kept("video_encoder")
@@ -456,6 +467,8 @@ def encode(ctx: JobContext, args: dict, tensors: dict):
         released = stage1_cache(ctx.state).release_graphs()
         if released:
             ctx.log(f"stage-1 CUDA graphs released ({released}) before Gemma is built: residency {resident.residency.policy} builds Gemma per stage")
+    if resident.residency.transformer_parked_for_encode:
+        resident.park_transformer(ctx.state)  # Gemma and the transformer do not fit side by side
     contexts = encode_prompts_distributed(resident.loader, list(request.prompts), ctx.comm, request.gemma_mode, free_after=request.free_gemma or not resident.residency.keeps("gemma"))
     stats = last_encode_stats()
     where = f", Gemma on {stats['gemma_placement']}" if stats.get("gemma_placement") else ""

@@ -12,14 +12,22 @@ What it is
     - ``"minimal"``: only the transformer working copy stays; Gemma (with the embeddings
       processor), the video VAE encoder and decoder (with the audio decoder and vocoder) and the
       upsampler are built from the loader's host copy for the stage that needs them and released
-      after it (no disk read after the first), and the clean shard lives in host memory;
+      after it (no disk read after the first), the clean shard lives in host memory, and the
+      transformer steps aside while Gemma encodes: the encode job parks its working copy in host
+      memory (``TransformerWeightTracker.park``) before Gemma is built, and the next stage that asks
+      for the transformer copies it back;
     - ``"auto"`` (default): start from all and give up residency in this order until the estimated
-      peak fits: Gemma, then the VAEs, then the upsampler, then the clean shard to host memory.
+      peak fits: Gemma, then the VAEs, then the upsampler, then the clean shard to host memory, then
+      the transformer itself during the encode (parked).
 
     The peak estimate of a plan is the largest, over the stages, of: the resident bytes + the
     non-resident components that stage builds + its activations (``HEADROOM_BYTES`` for the
-    denoising and decoding stages at usual sizes, ``ENCODE_HEADROOM_BYTES`` for Gemma's). So
-    building Gemma per stage pays off once the denoising activations no longer sit beside it. Each
+    denoising and decoding stages at usual sizes, ``ENCODE_HEADROOM_BYTES`` for Gemma's); with the
+    transformer parked, the encode stage counts no transformer (nor a clean shard on the device). So
+    building Gemma per stage pays off once the denoising activations no longer sit beside it, and
+    parking once Gemma alone is larger than the denoising stage's activations and builds. Parking
+    costs host memory (the transformer's bytes, a pinned buffer kept for later jobs) and two copies
+    per job over PCIe; stage 1 captures its CUDA graphs again after it. Each
     job still checks its own activations against the free memory before it starts. The device memory is
     ``MGPU_MEMORY_LIMIT_GIB`` when set, else the GPU's total memory times the process's memory
     fraction (``torch.cuda.set_per_process_memory_fraction``). CPU ranks have no limit unless the
@@ -50,7 +58,8 @@ ENCODE_HEADROOM_BYTES = 2 * GIB
 """Activations of a Gemma encode: a 1024-token prompt and every layer's hidden states."""
 MEMORY_LIMIT_ENV = "MGPU_MEMORY_LIMIT_GIB"
 
-# What gives up residency first, in order; the clean shard (to host memory) comes last.
+# What gives up residency first, in order; then the clean shard (to host memory), and last the
+# transformer itself for the encode stage (parked in host memory while Gemma encodes).
 EVICTION_ORDER: tuple[tuple[str, ...], ...] = (
     ("gemma", "embeddings_processor"),
     ("video_encoder", "video_decoder", "audio_decoder", "vocoder"),
@@ -187,6 +196,7 @@ class ResidencyPlan:
     peak_bytes: int  # estimated peak of this plan
     budget_bytes: int | None
     quantization: str | None = None
+    transformer_parked_for_encode: bool = False  # the working copy waits in host memory while Gemma encodes
 
     def keeps(self, component: str) -> bool:
         return component not in self.per_stage
@@ -199,18 +209,27 @@ class ResidencyPlan:
         return (
             f"residency {self.policy}: estimated peak {self.peak_bytes / GIB:.1f} GiB of {budget} ({weights} transformer); "
             f"built per stage: {per_stage}; clean LoRA shard {shard}"
+            + ("; transformer parked in host memory while Gemma encodes" if self.transformer_parked_for_encode else "")
         )
 
 
-def _peak(sizes: ComponentSizes, quantization, per_stage: set[str], shard_bytes: int, headroom: int) -> int:
-    resident = sizes.transformer(quantization) + shard_bytes
-    resident += sum(size for name, size in sizes.components.items() if name not in per_stage)
-    return max(
-        resident
+def _stage_peaks(sizes: ComponentSizes, quantization, per_stage: set[str], shard_bytes: int, headroom: int,
+                 parked: bool = False) -> dict[str, int]:  # fmt: skip
+    """Each stage's estimated device bytes: what stays resident + what the stage builds + its activations.
+    A transformer parked for the encode (with its clean shard, when that is on the device) is not there then."""
+    transformer = sizes.transformer(quantization) + shard_bytes
+    others = sum(size for name, size in sizes.components.items() if name not in per_stage)
+    return {
+        stage: (0 if parked and stage == "encode" else transformer)
+        + others
         + sum(sizes.components.get(name, 0) for name in names if name in per_stage)
         + (min(headroom, ENCODE_HEADROOM_BYTES) if stage == "encode" else headroom)
         for stage, names in STAGE_COMPONENTS.items()
-    )
+    }
+
+
+def _peak(sizes: ComponentSizes, quantization, per_stage: set[str], shard_bytes: int, headroom: int, parked: bool = False) -> int:
+    return max(_stage_peaks(sizes, quantization, per_stage, shard_bytes, headroom, parked).values())
 
 
 def plan_residency(
@@ -226,18 +245,20 @@ def plan_residency(
     policy = parse_residency(policy)
     quantization = fp8.parse_quantization(quantization)
     shard = math.ceil(sizes.transformer(quantization) / world_size) if lora_swap else 0
-    levels: list[tuple[set[str], bool]] = []  # (built per stage, clean shard on host), least evicted first
+    # (built per stage, clean shard on host, transformer parked for the encode), least evicted first
+    levels: list[tuple[set[str], bool, bool]] = []
     evicted: set[str] = set()
-    levels.append((set(), False))
+    levels.append((set(), False, False))
     for group in EVICTION_ORDER:
         evicted |= set(group)
-        levels.append((set(evicted), False))
-    levels.append((set(evicted), True))
+        levels.append((set(evicted), False, False))
+    levels.append((set(evicted), True, False))
+    levels.append((set(evicted), True, True))
 
     def plan_at(level: int, name: str) -> ResidencyPlan:
-        per_stage, on_host = levels[level]
-        peak = _peak(sizes, quantization, per_stage, 0 if on_host else shard, headroom_bytes)
-        return ResidencyPlan(name, frozenset(per_stage), on_host, peak, budget_bytes, quantization)
+        per_stage, on_host, parked = levels[level]
+        peak = _peak(sizes, quantization, per_stage, 0 if on_host else shard, headroom_bytes, parked)
+        return ResidencyPlan(name, frozenset(per_stage), on_host, peak, budget_bytes, quantization, parked)
 
     minimal = plan_at(len(levels) - 1, "minimal")
     if budget_bytes is not None and minimal.peak_bytes > budget_bytes:
@@ -255,14 +276,23 @@ def plan_residency(
 
 
 def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: ResidencyPlan, headroom: int) -> str:
-    stage_bytes = {stage: sum(sizes.components.get(name, 0) for name in names) for stage, names in STAGE_COMPONENTS.items()}
-    stage = max(stage_bytes, key=stage_bytes.get)
-    needed = (
-        f"the transformer alone is {sizes.transformer(quantization) / GIB:.1f} GiB, and what one stage builds beside it "
-        f"up to {stage_bytes[stage] / GIB:.1f} GiB ({', '.join(STAGE_COMPONENTS[stage])} in the {stage} stage), plus activations"
-    )
+    parked = minimal.transformer_parked_for_encode
+    peaks = _stage_peaks(sizes, quantization, set(minimal.per_stage), 0, headroom, parked)
+    stage = max(peaks, key=peaks.get)  # the stage that sets the peak
+    names = [name for name in STAGE_COMPONENTS[stage] if name in minimal.per_stage]
+    built = sum(sizes.components.get(name, 0) for name in names)
+    if parked and stage == "encode":
+        needed = (
+            f"the encode stage builds {', '.join(names)}: {built / GIB:.1f} GiB, with the transformer parked in host memory, "
+            "plus activations"
+        )
+    else:
+        needed = (
+            f"the transformer alone is {sizes.transformer(quantization) / GIB:.1f} GiB, and the {stage} stage builds "
+            f"{', '.join(names) or 'nothing'} beside it: {built / GIB:.1f} GiB, plus activations"
+        )
     if quantization is None:
-        fp8_peak = _peak(sizes, "fp8-cast", set(minimal.per_stage), 0, headroom)
+        fp8_peak = _peak(sizes, "fp8-cast", set(minimal.per_stage), 0, headroom, parked)
         if fp8_peak <= budget:
             advice = (
                 f"load it with quantization 'fp8-cast' (transformer {sizes.transformer('fp8-cast') / GIB:.1f} GiB, "

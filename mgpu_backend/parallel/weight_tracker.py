@@ -44,6 +44,18 @@ Device note
     stochastically, seed 0, on CUDA and to nearest on the CPU). No drift: every swap starts again
     from the clean weights, and the same swap on the same device gives the same bytes.
 
+Stepping aside for Gemma
+    ``park()`` moves the working copy (and the clean shard, when it is on the same device) into one
+    host buffer and frees its device memory, so that a GPU too small for the transformer and Gemma
+    side by side can still encode (the residency policy's last level, ``mgpu_backend.ltx.residency``);
+    ``unpark()`` copies it back, and ``transformer()``, what the stages call, unparks first. The
+    Parameters stay the same objects (only their storages are emptied and refilled: ``HostParking``),
+    so LoRA swaps and everything holding the model keep working; the weights come back bitwise. Cost:
+    host memory equal to the transformer's bytes (a pinned buffer, kept for later parks), and two
+    copies per job over PCIe (18 GB of fp8-cast 22B weights: a few seconds each way). Captured CUDA
+    graphs replay the old addresses: release them before parking (stage 1 captures again). On a CPU
+    rank the host is the device, so parking frees nothing and is a no-op (logged once).
+
 Once the working copy is built, the loader's registry drops its host copy of the transformer (up to
 ~38 GB of host memory per rank at 19B); a later ``ModelLoader.transformer`` call reads the checkpoint
 again. LoRA files stay in the registry: every swap needs them. This module never edits or forks ltx-core, never
@@ -55,6 +67,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -138,6 +152,102 @@ def _owners_by_bytes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
     return owners
 
 
+def _storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A uint8 tensor over the whole of ``storage`` (whatever the dtypes and views of its tensors)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def _synchronize(storages: Iterable[torch.UntypedStorage]) -> None:
+    for device in {storage.device for storage in storages if storage.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
+
+
+def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """``nbytes`` of host memory, pinned when asked and the system grants it (else pageable: slower
+    copies, same bytes)."""
+    if pin:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as error:
+            log.warning("could not pin %.1f MB of host memory to park the transformer (%s); using pageable memory", nbytes / 1e6, error)
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class HostParking:
+    """The storages of a set of tensors moved into one host buffer and back; the tensors stay.
+
+    ``park(tensors)`` copies every distinct storage once (tensors sharing one, as views or tied
+    weights do, are copied together) into the host buffer, then empties it with
+    ``untyped_storage().resize_(0)``: the tensors, and the Parameters that hold them, remain the
+    same Python objects with the same shapes but own no memory until ``unpark()`` gives every
+    storage its bytes back (at a new address) and copies them in. The buffer is pinned when a
+    storage is on a GPU (fast, asynchronous copies; pageable if the system refuses to pin that
+    much) and allocated once: a later park of no more bytes reuses it. Device-agnostic: it runs
+    the same on CPU tensors (it frees nothing there, as the host is the device; the tests use it so).
+    """
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self._parked: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, offset in the buffer, bytes)
+
+    @property
+    def parked(self) -> bool:
+        return bool(self._parked)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Host bytes held by the buffer (kept between parks)."""
+        return 0 if self._buffer is None else self._buffer.numel()
+
+    def park(self, tensors: Iterable[torch.Tensor]) -> int:
+        """Move the storages of ``tensors`` to the host buffer and free them; returns the bytes moved."""
+        if self._parked:
+            raise RuntimeError("these tensors are parked already; unpark() them before parking again")
+        storages: dict[int, torch.UntypedStorage] = {}
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            if storage.nbytes() > 0:
+                storages.setdefault(storage.data_ptr(), storage)
+        fixed = [storage for storage in storages.values() if not storage.resizable()]
+        if fixed:  # checked before anything moves: a half-parked model would be unusable
+            raise RuntimeError(
+                f"{len(fixed)} of the tensors to park live in storage that cannot be freed (memory-mapped or borrowed); "
+                "parking needs tensors the process allocated itself (a model built on its device)"
+            )
+        total = sum(storage.nbytes() for storage in storages.values())
+        pin = any(storage.device.type == "cuda" for storage in storages.values())
+        if self._buffer is None or self._buffer.numel() < total:
+            self._buffer = None  # the old buffer goes before a larger one is allocated
+            self._buffer = _host_buffer(total, pin)
+        pin = self._buffer.is_pinned()
+        parked, offset = [], 0
+        for storage in storages.values():
+            nbytes = storage.nbytes()
+            self._buffer[offset : offset + nbytes].copy_(_storage_bytes(storage), non_blocking=pin)
+            parked.append((storage, offset, nbytes))
+            offset += nbytes
+        _synchronize(storages.values())  # every copy has landed before any storage is freed
+        for storage, _, _ in parked:
+            storage.resize_(0)
+        self._parked = parked
+        return total
+
+    def unpark(self) -> int:
+        """Give every parked storage its bytes back and copy them in; returns the bytes moved."""
+        total = 0
+        for storage, offset, nbytes in self._parked:
+            storage.resize_(nbytes)
+            _storage_bytes(storage).copy_(self._buffer[offset : offset + nbytes], non_blocking=self._buffer.is_pinned())
+            total += nbytes
+        _synchronize(storage for storage, _, _ in self._parked)  # the buffer may be written again by the next park
+        self._parked = []
+        return total
+
+    def release(self) -> None:
+        """Forget what is parked and drop the host buffer (for a model that is being dropped)."""
+        self._parked, self._buffer = [], None
+
+
 class TransformerWeightTracker:
     """One working transformer per rank, a clean copy sharded over the ranks, LoRA sets swapped in place.
 
@@ -159,10 +269,13 @@ class TransformerWeightTracker:
         self._loader = None
         self._model: X0Model | None = None
         self._working: dict[str, torch.Tensor] = {}  # velocity-model key -> tensor sharing the parameter's storage
+        self._working_bytes = 0
         self._owners: dict[str, int] = {}
         self._clean: dict[str, torch.Tensor] = {}  # this rank's shard of the pre-LoRA weights (device or host)
         self._applied: LoraSet = ()
         self._touched: frozenset[str] = frozenset()  # keys where the working copy differs from clean
+        self._parking = HostParking()
+        self._said_nothing_to_park = False
 
     # --- Building -----------------------------------------------------------------------------------
 
@@ -202,6 +315,8 @@ class TransformerWeightTracker:
             where = torch.device("cpu") if on_host else loader.device
             clean = {key: working[key].to(where, copy=True) for key in mine}
         self._loader, self._model, self._working, self._owners, self._clean = loader, model, working, owners, clean
+        # Counted now: a parked working copy's storages are empty (and all at address 0).
+        self._working_bytes = sum({tensor.untyped_storage().data_ptr(): tensor.nbytes for tensor in working.values()}.values())
         self._applied, self._touched, self.stats = (), frozenset(), SwapStats()
         report = self.memory_report()
         log.info(
@@ -220,7 +335,8 @@ class TransformerWeightTracker:
 
     def _drop(self) -> None:
         self._loader, self._model = None, None
-        self._working, self._owners, self._clean = {}, {}, {}
+        self._working, self._owners, self._clean, self._working_bytes = {}, {}, {}, 0
+        self._parking.release()
 
     def _check_same_model_on_every_rank(self, working: dict[str, torch.Tensor], device) -> None:
         """Ownership is computed locally from the key list: all ranks must hold the same keys and shapes."""
@@ -234,11 +350,54 @@ class TransformerWeightTracker:
                 "checkpoint (same model spec on every rank)"
             )
 
+    # --- Parking ---------------------------------------------------------------------------------------
+
+    @property
+    def parked(self) -> bool:
+        """True while the working copy waits in host memory (``park``) and holds no device memory."""
+        return self._parking.parked
+
+    def park(self) -> int:
+        """Move the working copy (and the clean shard when it is on the same device) to host memory
+        and free its device memory, keeping every Parameter object; returns the bytes moved. The next
+        ``transformer``/``apply``/``unpark`` copies it back. Not collective. Release captured CUDA
+        graphs of the model first: they hold the old addresses. A no-op when nothing is built, when
+        it is parked already, and on a CPU rank (logged once: nothing to free there)."""
+        if self._model is None or self.parked:
+            return 0
+        device = next(iter(self._working.values())).device
+        if device.type == "cpu":
+            if not self._said_nothing_to_park:
+                log.info("transformer not parked on rank %d: on a CPU rank the host is the device, nothing to free", self.comm.rank)
+                self._said_nothing_to_park = True
+            return 0
+        started = time.perf_counter()
+        moved = self._parking.park([*self._working.values(), *(tensor for tensor in self._clean.values() if tensor.device == device)])
+        self._log_move("parked in host memory", moved, time.perf_counter() - started)
+        return moved
+
+    def unpark(self) -> int:
+        """Copy a parked working copy back to its device (a no-op when not parked); returns the bytes moved."""
+        if not self.parked:
+            return 0
+        started = time.perf_counter()
+        moved = self._parking.unpark()
+        self._log_move("back on the device", moved, time.perf_counter() - started)
+        return moved
+
+    def _log_move(self, what: str, moved: int, seconds: float) -> None:
+        log.info(
+            "transformer %s on rank %d: %.1f MB in %.2f s (%.1f GB/s; host buffer %.1f MB)",
+            what, self.comm.rank, moved / 1e6, seconds, moved / 1e9 / max(seconds, 1e-9), self._parking.buffer_bytes / 1e6,
+        )  # fmt: skip
+
     # --- Swapping -------------------------------------------------------------------------------------
 
     def transformer(self, loader, lora_set: str) -> X0Model:
         """The working transformer with the stage's LoRA set (``"none"`` or ``"distilled"``) fused:
-        what ``loader.transformer(lora_set)`` builds, without building anything after the first call."""
+        what ``loader.transformer(lora_set)`` builds, without building anything after the first call
+        (a parked working copy comes back from host memory first)."""
+        self.unpark()
         fresh = self._model is None or loader is not self._loader
         if self.comm.world_size > 1:
             # A rank that replaced a dead one builds while the survivors kept theirs: they agree on
@@ -281,6 +440,7 @@ class TransformerWeightTracker:
     def apply(self, lora_set) -> X0Model:
         """Make the working copy hold the clean weights with ``lora_set`` fused; return the model."""
         model = self.model
+        self.unpark()
         lora_set = _normalised(lora_set)
         if lora_set == self._applied:
             self.stats.unchanged += 1
@@ -361,18 +521,16 @@ class TransformerWeightTracker:
 
     def memory_report(self) -> dict:
         """Bytes held on this rank, for ``status``: the working copy and the clean shard."""
-        working_bytes = sum(
-            {tensor.untyped_storage().data_ptr(): tensor.nbytes for tensor in self._working.values()}.values()
-        )
         return {
             "rank": self.comm.rank,
             "world_size": self.comm.world_size,
-            "working_bytes": working_bytes,
+            "working_bytes": self._working_bytes,
             "clean_shard_bytes": sum(tensor.nbytes for tensor in self._clean.values()),
             "clean_shard_device": str(next(iter(self._clean.values())).device) if self._clean else None,
             "clean_shard_keys": len(self._clean),
             "transformer_keys": len(self._working),
             "no_lora_swap": self.no_lora_swap,
+            "parked": self.parked,
             "lora_set": [[path, strength] for path, strength in self._applied],
         }
 
