@@ -74,7 +74,7 @@ def main() -> None:
     unknown = [plan for plan in requested if plan not in PLAN_MODES]
     if unknown:
         raise SystemExit(f"--plans {args.plans}: unknown plan {', '.join(unknown)}; choose from {', '.join(PLAN_MODES)}")
-    plans, skipped = applicable_plans(requested, recipe)
+    plans, skipped = applicable_plans(requested, recipe, guidance)
     for plan, why in skipped.items():
         print(f"plan {plan} skipped for the {args.pipeline} pipeline: {why}", file=sys.stderr)
     if not plans and max(worlds) > 1:
@@ -159,10 +159,10 @@ def planned_guiders(recipe: PipelineDefaults, guidance: dict):
     ]  # fmt: skip
 
 
-def applicable_plans(plans: list[str], recipe: PipelineDefaults) -> tuple[list[str], dict[str, str]]:
-    """The ``plans`` that apply to the recipe's stage 1, and why each other one is skipped: a step of
-    one pass (the distilled recipe) leaves nothing to split over guidance groups."""
-    if len(active_passes(*planned_guiders(recipe, recipe_job_fields(recipe, None)[1]))) > 1:
+def applicable_plans(plans: list[str], recipe: PipelineDefaults, guidance: dict) -> tuple[list[str], dict[str, str]]:
+    """The ``plans`` that apply to the recipe's stage 1 under ``guidance``, and why each other one is
+    skipped: a step of one pass (the distilled recipe) leaves nothing to split over guidance groups."""
+    if len(active_passes(*planned_guiders(recipe, guidance))) > 1:
         return plans, {}
     skipped = {plan: ONE_PASS_NO_GROUPS for plan in plans if plan in GUIDANCE_GROUP_MODES}
     return [plan for plan in plans if plan not in skipped], skipped
