@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from mgpu_backend.ltx.schema import DISTILLED_SIGMAS
 from mgpu_backend.parallel.guidance_parallel import ONE_PASS_NO_GROUPS
 
@@ -50,14 +52,15 @@ def test_two_stage_recipe_times_sp_and_guidance_groups_against_one_rank():
         assert all(diff <= BF16_NOISE for diff in row["diffs"]), row
 
 
-def test_distilled_ltx23_recipe_runs_the_sp_plans_and_says_why_guidance_groups_are_skipped(tmp_path):
+@pytest.mark.parametrize("version", ["2.0", "2.3"])
+def test_distilled_recipe_runs_the_sp_plans_and_says_why_guidance_groups_are_skipped(tmp_path, version):
     out = tmp_path / "scaling.md"
-    completed = run_bench("--pipeline", "distilled", "--model", "2.3", "--plans", "sp,guidance,hybrid,auto", "--out", str(out))
+    completed = run_bench("--pipeline", "distilled", "--model", version, "--plans", "sp,guidance,hybrid,auto", "--out", str(out))
     assert completed.returncode == 0, completed.stderr[-3000:]
     for plan in ("guidance", "hybrid"):
         assert f"plan {plan} skipped for the distilled pipeline: {ONE_PASS_NO_GROUPS}" in completed.stderr.splitlines()
     # The ranks ran the recipe's fixed sigmas, one pass per step.
-    assert f"LTX-2.3 distilled stage 1: {len(DISTILLED_SIGMAS) - 1} steps, 1 pass per step" in completed.stdout
+    assert f"LTX-{version} distilled stage 1: {len(DISTILLED_SIGMAS) - 1} steps, 1 pass per step" in completed.stdout
     rows = table_rows(completed.stdout)
     for size in ("96x64x9", "192x128x17"):
         # auto agrees with the planner: one pass leaves nothing for a second group, so SP over both ranks.
