@@ -316,6 +316,8 @@ def test_a_run_on_a_fleet_with_other_devices_warns_of_each_flag_not_applied_and_
         f"warning: --cpu-ranks 3 not applied: the fleet at {fleet} already runs on 2 CPU rank(s); this run uses it as it is "
         "(stop it with 'python -m mgpu_backend stop' to start one with your devices)"
     ) in completed.stderr.splitlines()
+    (stage2_line,) = [line for line in completed.stderr.splitlines() if line.startswith("stage-2 plan")]
+    assert "tiled data parallel on 2 ranks for" in stage2_line and stage2_line.count("stage-1 audio") == 1, stage2_line
     assert re.search(r"^wrote .*fox\.mp4 \(9 frames 128x192 \(height x width\), audio (\d+) Hz\)", completed.stdout, re.M)
     sample_rate = int(re.search(r"audio (\d+) Hz", completed.stdout).group(1))
     waveform = load_file(str(dump))["waveform"]

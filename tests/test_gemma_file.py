@@ -303,6 +303,16 @@ def test_another_file_given_as_gemma_says_what_it_is(bundle, pick, message):
     assert spec.gemma_root in str(error.value) and message in str(error.value), str(error.value)
 
 
+def test_residency_sizes_a_gemma_file_by_the_text_stack_it_builds_whatever_the_file_stores(bundle, comfy_file, fp8_file):
+    from mgpu_backend.ltx.residency import component_sizes
+
+    text_stack = [value for name, value in load_file(comfy_file).items() if name.startswith("model.")]
+    bf16_bytes = sum(value.numel() for value in text_stack) * 2
+    assert component_sizes(_spec(bundle, comfy_file)).components["gemma"] == bf16_bytes
+    # fp8 scaled: the same layers, dequantized to bfloat16 on load; the per-tensor scales build nothing
+    assert component_sizes(_spec(bundle, fp8_file)).components["gemma"] == bf16_bytes
+
+
 def test_spec_names_a_gemma_file_or_says_where_it_should_be(bundle, comfy_file):
     spec = ModelSpec.from_json(_spec(bundle, comfy_file).to_json())
     assert spec.gemma_root == comfy_file

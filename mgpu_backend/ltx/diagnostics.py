@@ -22,7 +22,7 @@ from ltx_core.model.transformer import LTXModelConfigurator, X0Model
 from mgpu_backend.bundles.configs import model_version
 from mgpu_backend.bundles.random_weights import materialize_random_
 from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
-from mgpu_backend.ltx.jobs import input_errors, run_stage1
+from mgpu_backend.ltx.jobs import active_passes, input_errors, run_stage1
 from mgpu_backend.ltx.safetensors_header import model_version_of
 from mgpu_backend.ltx.schema import MAX_FRAMES, MAX_SIDE, MAX_STEPS, OFFICIAL, Guidance, defaults_for, integer_field, number_field
 from mgpu_backend.ltx.stages import GenerationParams, guider_params, transformer_layer_count
@@ -105,7 +105,11 @@ class RandomModel:
 
 @job("bench_stage1")
 def bench_stage1(ctx: JobContext, args: dict, tensors: dict):
-    """Stage 1 of the fleet on a random transformer; returns step times and the latents."""
+    """Stage 1 of the fleet on a random transformer; returns step times and the latents.
+
+    ``pipeline`` (default two-stage) picks the recipe's stage 1: two-stage runs ``steps`` (default
+    ``BENCH_STEPS``) of LTX2Scheduler's schedule with the guidance asked for; distilled runs its fixed
+    sigmas (all of their steps) with no guidance unless asked, one pass per step."""
     config = args.get("config")
     if not isinstance(config, dict) or not isinstance(config.get("transformer"), dict):
         raise JobInputError("bench_stage1 needs 'config' with a 'transformer' section (shared/configs/*.json)")
@@ -119,19 +123,22 @@ def bench_stage1(ctx: JobContext, args: dict, tensors: dict):
         ctx.state["bench_key"] = key
     model = ctx.state["bench_model"]
     layers = model.layer_count()
-    official = defaults_for(transformer_version(config["transformer"]))  # STG on block 28 for 2.3, 29 for 2.0
     with input_errors():
+        # STG on block 28 for 2.3, 29 for 2.0; the distilled recipe: no guidance over its fixed sigmas
+        official = defaults_for(transformer_version(config["transformer"]), args.get("pipeline", "two-stage"))
         video, audio = (Guidance.from_wire(args.get(f"{m}_guidance"), f"{m}_guidance", getattr(official, f"{m}_guidance")) for m in ("video", "audio"))
+        fixed_steps = None if official.stage1_sigmas is None else len(official.stage1_sigmas) - 1
         params = GenerationParams(
             height=integer_field(args, "height", OFFICIAL.stage1_height, 32, MAX_SIDE),
             width=integer_field(args, "width", OFFICIAL.stage1_width, 32, MAX_SIDE),
             num_frames=integer_field(args, "num_frames", OFFICIAL.num_frames, 1, MAX_FRAMES),
             frame_rate=number_field(args, "frame_rate", OFFICIAL.frame_rate, 1.0, 240.0),
-            seed=seed, num_inference_steps=integer_field(args, "steps", BENCH_STEPS, 1, MAX_STEPS),
+            seed=seed, num_inference_steps=integer_field(args, "steps", fixed_steps or BENCH_STEPS, 1, MAX_STEPS),
             video_guider=guider_params(video, official.video_guidance, layers),
             audio_guider=guider_params(audio, official.audio_guidance, layers),
-            two_stage=False,
+            two_stage=False, stage1_sigmas=official.stage1_sigmas,
         )  # fmt: skip
+        params.validate()  # a fixed schedule runs its own step count
     positive, negative = random_contexts(config["transformer"], ctx.device, dtype, seed)
     original_step = ctx.step
     marks: list[float] = []
@@ -149,6 +156,7 @@ def bench_stage1(ctx: JobContext, args: dict, tensors: dict):
                              args.get("batch_passes", "auto"), compile_blocks)  # fmt: skip
     boundaries = [started, *marks]
     fields["step_seconds"] = [b - a for a, b in zip(boundaries, boundaries[1:])]
+    fields["passes"] = len(active_passes(params.video_guider, params.audio_guider))
     fields["video_tokens"] = params.stage1.video_tokens
     fields["audio_tokens"] = params.stage1.audio_tokens
     if ctx.device.type == "cuda":

@@ -144,6 +144,20 @@ def inspect_gemma_file(path: str) -> GemmaFile:
     return GemmaFile(path=path, text_config=text_config, quantized_layers=quantized)
 
 
+def text_stack_tensors(path: str) -> dict:
+    """The header entries (dtype, shape) of the text-stack tensors the fleet builds from the file: the
+    ``model.*`` weights, NVFP4 ones at their unpacked shape, without the quantization scales, the vision
+    tower, the projector or the tokenizer (what the residency plan sizes Gemma by)."""
+    from mgpu_backend.ltx.loading import _read_header
+
+    header = _read_header(path, "Gemma text encoder", _REMEDY)
+    shapes = _logical_shapes(header.tensors, _weight_formats(path, header))
+    return {
+        name: entry for name, entry in shapes.items()
+        if name.startswith("model.") and not name.endswith(_QUANT_SUFFIXES) and not name.endswith(".scaled_fp8")
+    }  # fmt: skip
+
+
 def _weight_formats(path: str, header) -> dict[str, str]:
     """Text-stack weight -> how it is stored ("plain", "float8_e4m3fn", "float8_e5m2", "nvfp4"); anything
     the fleet cannot dequantize is refused here, naming the file to use instead."""

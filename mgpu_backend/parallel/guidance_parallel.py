@@ -47,6 +47,9 @@ from mgpu_backend.parallel.sequence_parallel import check_sp_degree, valid_sp_de
 log = logging.getLogger(__name__)
 
 PLAN_MODES = ("auto", "sp", "guidance", "hybrid")
+GUIDANCE_GROUP_MODES = ("guidance", "hybrid")
+"""The modes that split the world into guidance groups: nothing to split when a step runs one pass."""
+ONE_PASS_NO_GROUPS = "guidance groups do not apply: one pass per step (no guidance), so every group but one would idle"
 
 # Per-rank video tokens below which a shard stops getting faster: the kernels of a forward are
 # launch-bound rather than compute-bound there. ~1500 is the project's planning figure for
@@ -104,6 +107,11 @@ def _choices(values) -> str:
     return ", ".join(str(value) for value in sorted(values))
 
 
+def _counted(count: int, noun: str, plural: str | None = None) -> str:
+    """``1 rank``, ``2 ranks``: the reasons are read by people."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
 def estimated_step_cost(video_tokens: int, pass_count: int, guidance_groups: int, sp_degree: int) -> float:
     """Relative time of one step (in 'video tokens of work on one rank'): rounds of passes per
     group x the time of one pass on an SP shard, which stops shrinking at the launch-bound size and
@@ -155,7 +163,7 @@ def plan_stage1(
     if mode == "sp":
         check_sp_degree(world_size, attention_heads, audio_attention_heads)
         chosen = (1, world_size)
-        why = f"all {world_size} ranks in one SP group"
+        why = f"all {_counted(world_size, 'rank')} in one SP group"
     elif mode == "guidance":
         own_group_each = [layout for layout in layouts if layout[0] >= pass_count]
         chosen = min(own_group_each) if own_group_each else max(layouts)
@@ -185,13 +193,13 @@ def plan_stage1(
             why += f"; next {other[0]} groups x SP {other[1]} at {cost(other) / cost(chosen):.2f}x"
     guidance_groups, sp_degree = chosen
     if pass_count == 1 and mode != "guidance":
-        why += "; guidance groups do not apply: one pass per step (no guidance), so every group but one would idle"
+        why += f"; {ONE_PASS_NO_GROUPS}"
     shard_tokens = math.ceil(video_tokens / sp_degree)
     launch_bound = sp_degree > 1 and shard_tokens < LAUNCH_BOUND_SHARD_TOKENS
     launch_note = f" (below the launch-bound ~{LAUNCH_BOUND_SHARD_TOKENS})" if launch_bound else ""
     reason = (
-        f"stage-1 plan ({mode}): {guidance_groups} guidance groups x SP degree {sp_degree} on {world_size} ranks for "
-        f"{pass_count} passes and {video_tokens} video tokens, {shard_tokens} tokens per shard{launch_note}; {why}"
+        f"stage-1 plan ({mode}): {guidance_groups} guidance groups x SP degree {sp_degree} on {_counted(world_size, 'rank')} for "
+        f"{_counted(pass_count, 'pass', 'passes')} and {video_tokens} video tokens, {shard_tokens} tokens per shard{launch_note}; {why}"
     )
     return Plan(mode, world_size, guidance_groups, sp_degree, video_tokens, pass_count, reason)
 
@@ -268,7 +276,7 @@ def plan_stage2(
     audio = "audio denoised in stage 2 (as the official pipelines)" if technique == "sp" else "audio frozen (the stage-1 audio)"
     what = f"SP degree {sp_degree}" if technique == "sp" else "tiled data parallel"
     reason = (
-        f"stage-2 plan ({mode}, {pipeline}): {what} on {world_size} ranks for {video_tokens} video tokens; {why}; {audio}"
+        f"stage-2 plan ({mode}, {pipeline}): {what} on {_counted(world_size, 'rank')} for {video_tokens} video tokens; {why}; {audio}"
     )
     return Stage2Plan(mode, world_size, technique, sp_degree, video_tokens, reason)
 

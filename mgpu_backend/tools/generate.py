@@ -539,7 +539,8 @@ def run_generate(args) -> int:
             fields=stage2_fields, **common, **denoising,
         )  # fmt: skip
         progress.close()
-        print(f"{stage2_fields.get('plan', 'stage 2')}; audio: {stage2_fields.get('audio', '?')}", file=sys.stderr)
+        # The plan's reason already says what the stage-2 audio is (denoised or the stage-1 audio).
+        print(stage2_fields.get("plan", "stage 2 done"), file=sys.stderr)
         frames, waveform, sample_rate = api.decode(spec, video, audio, seed=args.seed, frame_rate=args.frame_rate, **common)
         progress.close()
     except FleetCancelled:

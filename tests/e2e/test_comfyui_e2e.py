@@ -1,17 +1,21 @@
 """The pack inside a real ComfyUI: load it, queue the tiny API workflow headless, get an mp4 with video
-and audio, interrupt a long run with POST /interrupt, and see the same fleet serve the next run.
+and audio, interrupt a long run with POST /interrupt, and see the same fleet serve the next run; then
+the same graph on model FILES placed as a user places them (the tiny checkpoint, upsampler and
+distilled LoRA in models/checkpoints, latent_upscale_models and loras, the tiny Gemma converted to
+ComfyUI's single-file layout in models/text_encoders), picked from Load Checkpoint MGPU's lists.
 
 Runs only with COMFYUI_DIR pointing at a ComfyUI checkout (its Python: COMFYUI_PYTHON, default this
 interpreter; it needs ComfyUI's requirements). ComfyUI starts with --cpu on a free port and a
 temporary --base-directory whose custom_nodes/ holds a symlink to this pack; its fleet runs
-MGPU_CPU_RANKS CPU ranks (default 2) behind a private socket of its own (XDG_RUNTIME_DIR). It
-never touches the checkout's own folders.
+MGPU_CPU_RANKS CPU ranks (default 2) behind a private socket of its own (XDG_RUNTIME_DIR). Its
+models/ folder is in the temporary base directory too: it never touches the checkout's own folders.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -24,12 +28,15 @@ from pathlib import Path
 
 import pytest
 
+from mgpu_backend.bundles import tiny
+from mgpu_backend.ltx.gemma_file import gemma_folder_to_comfy_file
 from mgpu_backend.tools import comfy_queue
 
 PACK_DIR = Path(__file__).resolve().parents[2]
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 TINY_WORKFLOW = PACK_DIR / "workflows" / "api" / "ltx2_t2v_tiny.json"
 START_TIMEOUT_SECONDS = 240
+GEMMA_FILE = "gemma_3_tiny_it.safetensors"  # the tiny Gemma in the layout of ComfyUI's gemma_3_12B_it.safetensors
 
 pytestmark = [
     pytest.mark.e2e,
@@ -62,6 +69,7 @@ class ComfyUI:
         self.log_path = base / "comfyui.log"
         (base / "custom_nodes").mkdir(parents=True)
         (base / "custom_nodes" / "comfyui-mgpu").symlink_to(PACK_DIR, target_is_directory=True)
+        self.model_files = place_user_models(base / "models")
         runtime = base / "run"
         runtime.mkdir(mode=0o700)
         env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "MGPU_CPU_RANKS": os.environ.get("MGPU_CPU_RANKS", "2"), "OMP_NUM_THREADS": "1"}
@@ -98,6 +106,23 @@ class ComfyUI:
                 self.process.kill()
                 self.process.wait()
         self.log.close()
+
+
+def place_user_models(models: Path) -> dict[str, str]:
+    """Copy the tiny bundle's files where a user puts downloaded LTX-2 files, and write its Gemma
+    folder as one ComfyUI-layout file there; returns the Load Checkpoint MGPU input naming each."""
+    bundle = tiny.default_tiny_bundle()  # the same cache the fleet's embedded entry reads
+    placed = {}
+    for input_name, folder, source in (
+        ("ckpt_name", "checkpoints", bundle.checkpoint_path),
+        ("spatial_upsampler", "latent_upscale_models", bundle.spatial_upsampler_path),
+        ("distilled_lora", "loras", bundle.distilled_lora_path),
+    ):
+        (models / folder).mkdir(parents=True)
+        placed[input_name] = Path(shutil.copyfile(source, models / folder / Path(source).name)).name
+    (models / "text_encoders").mkdir()
+    placed["gemma"] = Path(gemma_folder_to_comfy_file(bundle.gemma_root, str(models / "text_encoders" / GEMMA_FILE))).name
+    return placed
 
 
 @pytest.fixture(scope="module")
@@ -286,6 +311,39 @@ def test_previews_reach_the_prompts_client_as_jpegs_and_only_with_previews_on(co
     own, _ = run_listening(comfyui, off, "none")
     assert PREVIEW_IMAGE not in binary_kinds(own), "--preview-method none must send no preview"
     assert TEXT_EVENT in binary_kinds(own)
+
+
+def decoded(path: Path):
+    """Every video frame and audio sample of an mp4, as arrays."""
+    import av
+    import numpy as np
+
+    with av.open(str(path)) as container:
+        frames = np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+    with av.open(str(path)) as container:
+        audio = np.concatenate([frame.to_ndarray() for frame in container.decode(audio=0)], axis=-1)
+    return frames, audio
+
+
+def test_model_files_in_comfyuis_folders_with_the_single_file_gemma_run_the_graph_as_the_embedded_bundle(comfyui):
+    inputs = get_json(f"{comfyui.url}/object_info/MGPULoadCheckpoint")["MGPULoadCheckpoint"]["input"]["required"]
+    # A combo is served as [choices, options], or as ["COMBO", {"options": choices}] by newer servers.
+    listed = {name: entry[0] if isinstance(entry[0], list) else entry[1]["options"] for name, entry in inputs.items() if name in comfyui.model_files}
+    for input_name, file_name in comfyui.model_files.items():
+        assert file_name in listed[input_name], f"{input_name} lists {listed[input_name]}, not the placed {file_name}"
+    assert listed["gemma"].count(GEMMA_FILE) == 1 and GEMMA_FILE not in listed["ckpt_name"], listed
+
+    # Same graph and seeds on both: the files are the embedded bundle's bytes and the single file
+    # encodes bit for bit as the Gemma folder, so the decoded frames and audio must be identical.
+    seeds = {"4.seed": 31, "5.seed": 31, "6.seed": 31}
+    from_files = queue(comfyui, **seeds, **{f"1.{name}": value for name, value in comfyui.model_files.items()})
+    print(f"\ntiny two-stage workflow on files in models/ (load from disk, encode with the single-file Gemma, ...): {from_files.seconds:.1f} s")
+    embedded = queue(comfyui, **seeds)
+    files_path, embedded_path = saved_video(comfyui, from_files), saved_video(comfyui, embedded)
+    assert files_path != embedded_path
+    (files_frames, files_audio), (embedded_frames, embedded_audio) = decoded(files_path), decoded(embedded_path)
+    assert files_frames.shape == (9, 128, 192, 3) and files_audio.size > 0, (files_frames.shape, files_audio.shape)
+    assert (files_frames == embedded_frames).all() and (files_audio == embedded_audio).all(), "the files gave other frames or audio"
 
 
 def test_stopping_comfyui_ends_its_fleet(comfyui):
