@@ -24,7 +24,7 @@ from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stag
 from mgpu_backend.ltx.text import encode_prompts
 
 from .fleet_harness import module_fleet, run_job
-from .official_reference import version_id
+from .official_reference import first_frame_image, version_id
 
 PROMPT = "a paper boat drifts down a rain-filled gutter"
 
@@ -75,7 +75,12 @@ STAGE2 = GenerationParams(height=128, width=192, num_frames=9, seed=7, two_stage
 
 
 @pytest.fixture(scope="module")
-def one_process(spec) -> dict:
+def image(tmp_path_factory) -> torch.Tensor:
+    return first_frame_image(tmp_path_factory.mktemp("image"))[1]
+
+
+@pytest.fixture(scope="module")
+def one_process(spec, image) -> dict:
     """The distilled recipe's stages in this process, one thread (like a CPU rank), on the same files."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -84,11 +89,15 @@ def one_process(spec) -> dict:
         (context,) = encode_prompts(loader, [PROMPT])
         params = stage1_params(SampleRequest.from_wire(sample_args(spec)), layer_count=2)
         video, audio = sample_stage1(loader, params, context, None)
+        image_video, image_audio = sample_stage1(loader, params, context, None, image=image)
         video2, audio2 = refine_stage2(loader, STAGE2, upsample_video(loader, video), audio, context, sigmas=STAGE_2_SIGMAS, lora_set="none", denoise_audio=True)
         frames = decode_video(loader, video2, generator=STAGE2.decoder_generator(loader.device, loader.dtype))
     finally:
         torch.set_num_threads(threads)
-    return {"stage-1 video": video, "stage-1 audio": audio, "stage-2 video": video2, "stage-2 audio": audio2, "decoded frames": frames}
+    return {
+        "stage-1 video": video, "stage-1 audio": audio, "stage-2 video": video2, "stage-2 audio": audio2, "decoded frames": frames,
+        "image-to-video stage-1 video": image_video, "image-to-video stage-1 audio": image_audio,
+    }  # fmt: skip
 
 
 def assert_equal(fleet_tensor: torch.Tensor, ours: torch.Tensor, what: str) -> None:
@@ -132,7 +141,7 @@ def test_distilled_stage1_at_two_ranks_under_the_guidance_plan_is_sp_and_hybrid_
     assert info.value.kind == "input_error"
 
 
-def test_distilled_job_at_four_ranks_under_sp_guidance_and_hybrid_equals_the_one_process_stages_bf16(fleet_of_four, spec, one_process):
+def test_distilled_job_at_four_ranks_under_sp_guidance_and_hybrid_equals_the_one_process_stages_bf16(fleet_of_four, spec, one_process, image):
     """3 video tokens per rank at SP degree 4: the shards where CPU attention rounded a short query
     call differently, before the video-query cross-attentions ran head-parallel."""
     positive = positive_tensors(run(fleet_of_four, "encode", {"spec": spec, "prompts": [PROMPT]}))
@@ -147,6 +156,11 @@ def test_distilled_job_at_four_ranks_under_sp_guidance_and_hybrid_equals_the_one
     assert (upscaled.fields["stage2_parallel"], upscaled.fields["sp_degree"]) == ("sp", 4)
     assert_equal(upscaled.tensors["video_latent"], one_process["stage-2 video"], "stage-2 video at 4 ranks under SP")
     assert_equal(upscaled.tensors["audio_latent"], one_process["stage-2 audio"], "stage-2 audio at 4 ranks under SP")
+    # Image-to-video: the clean first frame's zero timesteps and the text mask under the same exchanges.
+    conditioned = run(fleet_of_four, "sample", sample_args(spec, parallel="sp"), {**positive, "image": image})
+    for name in ("video", "audio"):
+        assert_equal(conditioned.tensors[f"{name}_latent"], one_process[f"image-to-video stage-1 {name}"], f"image-to-video stage-1 {name} at 4 ranks under SP")
+    assert (one_process["image-to-video stage-1 video"] - one_process["stage-1 video"]).abs().max().item() > 0.05, "the image must condition the video"
 
 
 def test_distilled_stage2_planner_picks_tdp_for_small_shards_and_keeps_the_audio_frozen(fleet, spec):
