@@ -29,14 +29,16 @@ back to token shards. The reason is PyTorch's CPU attention kernel: in bfloat16 
 query row depends on how many query rows the call holds (a call of 2 or 3 rows, or a block tail of
 that size, rounds differently from the same rows inside a longer call), so local shards of a few
 tokens broke the bitwise equality with one process (the tiny LTX-2.0 bundle at SP degree 4: 3
-video tokens per rank, 0.03 off in both latents after 8 steps). Per head the kernel is exact, so
+video tokens per rank; both stage-1 latents 0.03 off after the 8 distilled steps, up to ~0.2 after
+the 40 guided steps of the two-stage defaults). Per head the kernel is exact, so
 the head-parallel call with the full query sequence is bitwise by construction. GPU kernels keep
 the local shards (no extra all-to-all); there SP equals one GPU within bf16 noise.
 
 When to use it: stage 1 (full-frame denoising) of a single generation, to cut its latency. What it
 costs: two all-to-alls per block for self-attention and, with audio, one all-to-all plus one small
-all-gather per block (on CPU ranks, two more all-to-alls for each video-query cross-attention); shards below ~1500 video tokens stop getting faster (see the stage-1 planner
-in ``guidance_parallel``). It is not a memory tool: every rank holds the full weights.
+all-gather per block (on CPU ranks two more for each video-query cross-attention); shards below
+~1500 video tokens stop getting faster (see the stage-1 planner in ``guidance_parallel``). It is
+not a memory tool: every rank holds the full weights.
 
 How it is applied: from outside, to one model instance. The model's ``forward`` and the
 ``attention_function`` of the attention modules that need an exchange are replaced on that instance;
@@ -262,7 +264,7 @@ class _VideoQueryExchange:
         q = comm.all_to_all(q.reshape(batch, local_tokens, heads, head_dim), scatter_dim=2, gather_dim=1)
         q = q[:, : shards.video_tokens].reshape(batch, shards.video_tokens, local_heads * head_dim)
         k, v = (
-            t.view(batch, t.shape[1], heads, head_dim)[:, :, first_head : first_head + local_heads].reshape(batch, t.shape[1], local_heads * head_dim)
+            t.reshape(batch, t.shape[1], heads, head_dim)[:, :, first_head : first_head + local_heads].reshape(batch, t.shape[1], local_heads * head_dim)
             for t in (k, v)
         )
         out = self.inner(q, k, v, local_heads, mask).view(batch, shards.video_tokens, local_heads, head_dim)
