@@ -1,46 +1,43 @@
-"""The distilled recipe against the official ``DistilledPipeline`` (ltx-pipelines 1.0.0), world size 1.
+"""The distilled recipe against the official ``DistilledPipeline`` (ltx-pipelines 1.0.0), world size 1,
+on the tiny bundle of each model version (LTX-2.0 in the 19B layout, LTX-2.3 in the 22B layout).
 
-The reference runs on the tiny bundle in bfloat16 on the CPU, its intermediate latents captured by
-wrapping its internals from the test side (the adjustments of ``test_pipeline_parity``: no-op CUDA
-calls, Gemma sized to the tiny bundle, the same stand-in Gemma hidden states on both sides). Our
-stages run the distilled request's schema defaults on the same files and seed: 8 distilled sigmas
-with one positive-only pass per step, the 2x upsample, the 3-step tail on the same transformer with
-no LoRA. Stage-1 video and audio, the upsampled latent, the stage-2 video, the stage-2 audio (the
-untiled stage 2 denoises it, as the official one does) and the decoded frames must be equal bitwise.
+The reference runs in bfloat16 on the CPU, its intermediate latents captured by wrapping its
+internals from the test side (``official_reference``: no-op CUDA calls, Gemma sized to the tiny
+bundle, the same stand-in Gemma hidden states on both sides). Our stages run the distilled
+request's schema defaults on the same files and seed: 8 distilled sigmas with one positive-only
+pass per step, the 2x upsample, the 3-step tail on the same transformer with no LoRA.
+
+``DistilledPipeline`` re-noises the stage-1 audio in stage 2 (``initial_audio_latent``, noise scale
+the first stage-2 sigma), denoises it with the video and decodes that stage-2 audio. The distilled
+job's untiled (or SP) stage 2 does the same, so everything is equal bitwise: stage-1 video and audio,
+the upsampled latent, the stage-2 video and audio, the decoded frames and the decoded waveform.
 
 Both sides load the tiny bundle's own distilled checkpoint.
 """
 
 from __future__ import annotations
 
-import json
-import types
-from pathlib import Path
-
-import numpy as np
 import pytest
 import torch
-from ltx_core.model.video_vae import TilingConfig
-from ltx_core.text_encoders.gemma.encoders import encoder_configurator
-from PIL import Image
 
 from mgpu_backend.bundles import tiny
-from mgpu_backend.bundles.full_size import ltx_core_gemma_config
-from mgpu_backend.ltx.decode import decode_video
+from mgpu_backend.ltx.decode import decode_audio, decode_video
 from mgpu_backend.ltx.jobs import active_passes, stage1_params
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.ltx.schema import DISTILLED_SIGMAS, STAGE_2_SIGMAS, SampleRequest, UpscaleRequest
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import contexts_from_gemma
 
-from .test_pipeline_parity import PROMPT, assert_bitwise, max_abs_diff, reference_uint8_frames, stand_in_gemma_output
+from . import official_reference
+from .official_reference import assert_bitwise, first_frame_image, max_abs_diff, reference_uint8_frames, stand_in_gemma_output
 
+PROMPT = "A cat sleeping on a windowsill while rain runs down the glass."
 HEIGHT, WIDTH, FRAMES, FRAME_RATE, SEED = 128, 192, 9, 24.0, 10
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    return tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny-ltx2"))
+@pytest.fixture(scope="module", params=tiny.VERSIONS, ids=official_reference.version_id)
+def bundle(request, tmp_path_factory):
+    return official_reference.tiny_bundle_of_each_version(request, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -51,57 +48,19 @@ def spec(bundle) -> ModelSpec:
 
 @pytest.fixture(scope="module")
 def reference_side(bundle):
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
-        patch.setattr(torch.cuda, "empty_cache", lambda *args, **kwargs: None)
-        tiny_gemma = ltx_core_gemma_config(json.loads((Path(bundle.gemma_root) / "config.json").read_text()))
-        patch.setattr(encoder_configurator, "GEMMA3_CONFIG_FOR_LTX", tiny_gemma)
-        from ltx_pipelines import distilled as reference_module
+    def build(module):
+        return module.DistilledPipeline(
+            distilled_checkpoint_path=bundle.distilled_checkpoint_path, gemma_root=bundle.gemma_root,
+            spatial_upsampler_path=bundle.spatial_upsampler_path, loras=[], device=torch.device("cpu"),
+        )  # fmt: skip
 
-        pipeline = reference_module.DistilledPipeline(
-            distilled_checkpoint_path=bundle.distilled_checkpoint_path,
-            gemma_root=bundle.gemma_root,
-            spatial_upsampler_path=bundle.spatial_upsampler_path,
-            loras=[],
-            device=torch.device("cpu"),
-        )
-        yield types.SimpleNamespace(module=reference_module, pipeline=pipeline)
+    yield from official_reference.reference_side(bundle, "distilled", build)
 
 
 def run_reference(reference_side, image_path: str | None) -> dict:
-    module, captured = reference_side.module, {"denoised": [], "sigmas": []}
-    original_denoise, original_upsample = module.denoise_audio_video, module.upsample_video
-
-    def stand_in_encode_prompts(prompts, model_ledger, **_enhancement):
-        processor = model_ledger.gemma_embeddings_processor()
-        captured["contexts"] = [processor.process_hidden_states(*stand_in_gemma_output(prompt)) for prompt in prompts]
-        return captured["contexts"]
-
-    def capturing_denoise(*args, **kwargs):
-        captured["sigmas"].append(kwargs["sigmas"].tolist())
-        video_state, audio_state = original_denoise(*args, **kwargs)
-        captured["denoised"].append((video_state.latent.clone(), audio_state.latent.clone()))
-        return video_state, audio_state
-
-    def capturing_upsample(*args, **kwargs):
-        captured["upsampled"] = original_upsample(*args, **kwargs)
-        return captured["upsampled"]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(module, "encode_prompts", stand_in_encode_prompts)
-        patch.setattr(module, "denoise_audio_video", capturing_denoise)
-        patch.setattr(module, "upsample_video", capturing_upsample)
-        images = [] if image_path is None else [module.ImageConditioningInput(image_path, 0, 1.0)]
-        with torch.inference_mode():
-            video_chunks, audio = reference_side.pipeline(
-                prompt=PROMPT, seed=SEED, height=HEIGHT, width=WIDTH, num_frames=FRAMES, frame_rate=FRAME_RATE,
-                images=images, tiling_config=TilingConfig.default(),
-            )  # fmt: skip
-            captured["frames"] = torch.cat(list(video_chunks))
-    captured["audio"] = audio
-    (captured["stage1_video"], captured["stage1_audio"]), (captured["stage2_video"], captured["stage2_audio"]) = captured["denoised"]
-    return captured
+    return official_reference.run_reference(
+        reference_side, image_path, prompt=PROMPT, seed=SEED, height=HEIGHT, width=WIDTH, num_frames=FRAMES, frame_rate=FRAME_RATE
+    )
 
 
 def run_ours(loader: ModelLoader, spec: ModelSpec, image: torch.Tensor | None) -> dict:
@@ -122,10 +81,12 @@ def run_ours(loader: ModelLoader, spec: ModelSpec, image: torch.Tensor | None) -
         denoise_audio=True, on_step=lambda step, total, video_x0: progress.append((2, step, total)),
     )  # fmt: skip
     frames = decode_video(loader, stage2_video, generator=stage2.decoder_generator(loader.device, loader.dtype))
+    waveform, sample_rate = decode_audio(loader, stage2_audio)
     return {
-        "context": positive, "passes": passes, "stage1_sigmas": stage1.stage1_sigmas, "stage2_sigmas": upscale_request.sigmas,
-        "stage1_video": stage1_video, "stage1_audio": stage1_audio, "upsampled": upsampled,
-        "stage2_video": stage2_video, "stage2_audio": stage2_audio, "frames": frames, "progress": progress,
+        "version": sample_request.model_version, "context": positive, "passes": passes, "stage1_sigmas": stage1.stage1_sigmas,
+        "stage2_sigmas": upscale_request.sigmas, "stage1_video": stage1_video, "stage1_audio": stage1_audio, "upsampled": upsampled,
+        "stage2_video": stage2_video, "stage2_audio": stage2_audio, "frames": frames, "waveform": waveform, "sample_rate": sample_rate,
+        "progress": progress,
     }  # fmt: skip
 
 
@@ -134,9 +95,11 @@ def loader(spec):
     return ModelLoader(spec, device="cpu", dtype=torch.bfloat16)
 
 
-def check_run(ours: dict, reference: dict) -> None:
+def check_run(ours: dict, reference: dict, version: str) -> None:
+    assert ours["version"] == version, "the request reads the model version from the distilled checkpoint"
     (reference_context,) = reference["contexts"]
     assert_bitwise(ours["context"].video_context, reference_context.video_encoding, "video text context")
+    assert_bitwise(ours["context"].audio_context, reference_context.audio_encoding, "audio text context")
     assert ours["passes"] == ["conditional"], "the distilled recipe runs one positive-only pass per step"
     assert [list(ours["stage1_sigmas"]), list(ours["stage2_sigmas"])] == [list(DISTILLED_SIGMAS), list(STAGE_2_SIGMAS)]
     assert [[round(s, 6) for s in sigmas] for sigmas in reference["sigmas"]] == [[round(s, 6) for s in DISTILLED_SIGMAS], [round(s, 6) for s in STAGE_2_SIGMAS]]
@@ -146,24 +109,22 @@ def check_run(ours: dict, reference: dict) -> None:
     assert_bitwise(ours["upsampled"], reference["upsampled"], "upsampled video latent")
     assert tuple(ours["stage2_video"].shape) == (1, 128, 2, 4, 6)
     assert_bitwise(ours["stage2_video"], reference["stage2_video"], "stage-2 video latent")
-    # The official stage 2 re-denoises the audio; the untiled stage 2 of the distilled job does too.
+    # The official stage 2 re-denoises the audio and decodes that; the untiled stage 2 of the distilled job does too.
     assert max_abs_diff(reference["stage2_audio"], reference["stage1_audio"]) > 0.05
     assert_bitwise(ours["stage2_audio"], reference["stage2_audio"], "stage-2 audio latent")
     assert_bitwise(reference_uint8_frames(ours["frames"]), reference["frames"], "decoded frames (uint8)")
+    assert ours["sample_rate"] == reference["audio"].sampling_rate == official_reference.VOCODER_SAMPLE_RATE[version]
+    assert_bitwise(ours["waveform"][0], reference["audio"].waveform, "decoded waveform (of the stage-2 audio)")
     assert ours["progress"] == [(1, step, 8) for step in range(1, 9)] + [(2, step, 3) for step in range(1, 4)]
 
 
-def test_distilled_text_to_video_matches_the_official_distilled_pipeline_bitwise_bf16(loader, spec, reference_side):
-    check_run(run_ours(loader, spec, image=None), run_reference(reference_side, image_path=None))
+def test_distilled_text_to_video_matches_the_official_distilled_pipeline_bitwise_bf16(bundle, loader, spec, reference_side):
+    check_run(run_ours(loader, spec, image=None), run_reference(reference_side, image_path=None), bundle.version)
 
 
-def test_distilled_image_to_video_matches_the_official_distilled_pipeline_bitwise_bf16(loader, spec, reference_side, tmp_path):
-    rows, cols = np.meshgrid(np.linspace(0, 1, 50), np.linspace(0, 1, 62), indexing="ij")
-    pixels = (np.stack([rows, cols, (rows * cols) ** 0.5], axis=-1) * 255).round().astype(np.uint8)
-    image_path = tmp_path / "first_frame.png"
-    Image.fromarray(pixels).save(image_path)
-    comfy_image = torch.from_numpy(np.array(Image.open(image_path))).float() / 255.0
+def test_distilled_image_to_video_matches_the_official_distilled_pipeline_bitwise_bf16(bundle, loader, spec, reference_side, tmp_path):
+    image_path, comfy_image = first_frame_image(tmp_path)
     ours = run_ours(loader, spec, image=comfy_image)
-    check_run(ours, run_reference(reference_side, image_path=str(image_path)))
+    check_run(ours, run_reference(reference_side, image_path=image_path), bundle.version)
     # Without the image the first latent frame differs: the conditioning took effect.
     assert max_abs_diff(ours["stage1_video"][:, :, :1], run_ours(loader, spec, image=None)["stage1_video"][:, :, :1]) > 0.05

@@ -6,25 +6,13 @@ intermediate latents captured by wrapping its internals from the test side; our 
 same files, seed and parameters. Stage-1 video and audio, the upsampled latent, the stage-2 video,
 the text contexts and the decoded frames must be equal bitwise.
 
-Test-side adjustments to the reference, none of which changes its arithmetic:
-- ``torch.cuda.synchronize`` / ``empty_cache`` become no-ops (no GPU here);
-- ltx-core's hard-coded Gemma-3 12B configuration is replaced by the tiny bundle's (as agreed with
-  the loader); it sizes the feature extractor of the embeddings processor;
-- Gemma itself: ltx-core 1.0.0's Gemma code needs transformers 4.x (under transformers 5 the
-  reference fails building it, SiglipVisionModel having lost its ``vision_model``, and our loader
-  refuses it). So the stage tests feed both pipelines the same deterministic stand-in Gemma hidden
-  states, which the real embeddings processor of each side turns into contexts; the Gemma half is
-  compared by its own test, which runs where transformers 4 is installed.
+The reference's test-side adjustments (none changes its arithmetic) are those of ``official_reference``.
 """
 
 from __future__ import annotations
 
-import json
 import types
-import zlib
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import transformers
@@ -35,10 +23,7 @@ from ltx_core.components.schedulers import LTX2Scheduler
 from ltx_core.guidance.perturbations import PerturbationType
 from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP, LoraPathStrengthAndSDOps
 from ltx_core.model.audio_vae import decode_audio as ltx_decode_audio
-from ltx_core.model.video_vae import TilingConfig
-from ltx_core.text_encoders.gemma.encoders import encoder_configurator
 from ltx_core.types import VideoPixelShape
-from PIL import Image
 
 from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.decode import decode_audio, decode_video
@@ -51,9 +36,11 @@ from mgpu_backend.ltx.latents import (
 )
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.ltx.passes import SequentialPassRunner
-from mgpu_backend.bundles.full_size import ltx_core_gemma_config
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import TextContext, contexts_from_gemma, encode_prompts
+
+from . import official_reference
+from .official_reference import assert_bitwise, first_frame_image, max_abs_diff, reference_uint8_frames, stand_in_gemma_output
 
 PROMPT = "A cat sleeping on a windowsill while rain runs down the glass."
 NEGATIVE_PROMPT = "blurry, out of focus, low contrast"
@@ -74,54 +61,18 @@ PARAMS = GenerationParams(
     video_guider=VIDEO_GUIDER,
     audio_guider=AUDIO_GUIDER,
 )
-# The 2.3 vocoder extends the bandwidth to 48 kHz; the 2.0 one stops at 24 kHz.
-VOCODER_SAMPLE_RATE = {"2.0": 24000, "2.3": 48000}
-TEXT_TOKENS = 128  # a multiple of the connectors' 128 learnable registers, as Gemma's 1024 is
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
-def stand_in_gemma_output(prompt: str) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """Deterministic Gemma-shaped output for a prompt: hidden states of every layer, left padding."""
-    generator = torch.Generator().manual_seed(zlib.crc32(prompt.encode()))
-    text = tiny.GEMMA_TEXT_CONFIG
-    hidden_states = tuple(
-        torch.randn(1, TEXT_TOKENS, text["hidden_size"], generator=generator).to(torch.bfloat16)
-        for _ in range(text["num_hidden_layers"] + 1)
-    )
-    real_tokens = 5 + len(prompt) // 4
-    attention_mask = torch.zeros(1, TEXT_TOKENS, dtype=torch.int64)
-    attention_mask[:, TEXT_TOKENS - real_tokens :] = 1
-    return hidden_states, attention_mask
-
-
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
-def assert_bitwise(ours: torch.Tensor, reference: torch.Tensor, what: str) -> None:
-    assert ours.shape == reference.shape, f"{what}: shape {tuple(ours.shape)} != reference {tuple(reference.shape)}"
-    assert torch.equal(ours.float(), reference.float()), f"{what}: max abs diff {max_abs_diff(ours, reference):.3e}"
-
-
-@pytest.fixture(scope="module", params=tiny.VERSIONS, ids=lambda version: f"ltx-{version}")
+@pytest.fixture(scope="module", params=tiny.VERSIONS, ids=official_reference.version_id)
 def bundle(request, tmp_path_factory):
     """The tiny bundle of each model version: LTX-2.0 (19B layout) and LTX-2.3 (22B layout)."""
-    return tiny.make_tiny_bundle(tmp_path_factory.mktemp(f"tiny-ltx{request.param}"), version=request.param)
+    return official_reference.tiny_bundle_of_each_version(request, tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def reference_side(bundle):
-    """The official pipeline with its CUDA calls neutralised and its Gemma sized to the tiny bundle."""
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
-        patch.setattr(torch.cuda, "empty_cache", lambda *args, **kwargs: None)
-
-        tiny_gemma = ltx_core_gemma_config(json.loads((Path(bundle.gemma_root) / "config.json").read_text()))
-        patch.setattr(encoder_configurator, "GEMMA3_CONFIG_FOR_LTX", tiny_gemma)
-        from ltx_pipelines import ti2vid_two_stages as reference_module
-
-        pipeline = reference_module.TI2VidTwoStagesPipeline(
+def official_two_stages(bundle):
+    def build(module):
+        return module.TI2VidTwoStagesPipeline(
             checkpoint_path=bundle.checkpoint_path,
             distilled_lora=[LoraPathStrengthAndSDOps(bundle.distilled_lora_path, 1.0, LTXV_LORA_COMFY_RENAMING_MAP)],
             spatial_upsampler_path=bundle.spatial_upsampler_path,
@@ -129,55 +80,23 @@ def reference_side(bundle):
             loras=[],
             device=torch.device("cpu"),
         )
-        yield types.SimpleNamespace(module=reference_module, pipeline=pipeline, patch=patch)
+
+    return build
+
+
+@pytest.fixture(scope="module")
+def reference_side(bundle):
+    """The official two-stage pipeline with its CUDA calls neutralised and its Gemma sized to the tiny bundle."""
+    yield from official_reference.reference_side(bundle, "ti2vid_two_stages", official_two_stages(bundle))
 
 
 def run_reference(reference_side, image_path: str | None) -> dict:
     """One official two-stage run; returns the latents it passed between its steps, and its outputs."""
-    module, captured = reference_side.module, {"denoised": []}
-    original_denoise, original_upsample = module.denoise_audio_video, module.upsample_video
-
-    def stand_in_encode_prompts(prompts, model_ledger, **_enhancement):
-        processor = model_ledger.gemma_embeddings_processor()
-        outputs = [processor.process_hidden_states(*stand_in_gemma_output(prompt)) for prompt in prompts]
-        captured["contexts"] = outputs
-        return outputs
-
-    def capturing_denoise(*args, **kwargs):
-        video_state, audio_state = original_denoise(*args, **kwargs)
-        captured["denoised"].append((video_state.latent.clone(), audio_state.latent.clone()))
-        return video_state, audio_state
-
-    def capturing_upsample(*args, **kwargs):
-        captured["upsampled"] = original_upsample(*args, **kwargs)
-        return captured["upsampled"]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(module, "encode_prompts", stand_in_encode_prompts)
-        patch.setattr(module, "denoise_audio_video", capturing_denoise)
-        patch.setattr(module, "upsample_video", capturing_upsample)
-        images = [] if image_path is None else [module.ImageConditioningInput(image_path, 0, 1.0)]
-        with torch.inference_mode():
-            video_chunks, audio = reference_side.pipeline(
-                prompt=PROMPT,
-                negative_prompt=NEGATIVE_PROMPT,
-                seed=PARAMS.seed,
-                height=PARAMS.height,
-                width=PARAMS.width,
-                num_frames=PARAMS.num_frames,
-                frame_rate=PARAMS.frame_rate,
-                num_inference_steps=PARAMS.num_inference_steps,
-                video_guider_params=VIDEO_GUIDER,
-                audio_guider_params=AUDIO_GUIDER,
-                images=images,
-                tiling_config=TilingConfig.default(),
-            )
-            captured["frames"] = torch.cat(list(video_chunks))  # decoding happens while iterating
-    captured["audio"] = audio
-    stage1, stage2 = captured["denoised"]
-    captured["stage1_video"], captured["stage1_audio"] = stage1
-    captured["stage2_video"], captured["stage2_audio"] = stage2
-    return captured
+    return official_reference.run_reference(
+        reference_side, image_path, prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, seed=PARAMS.seed, height=PARAMS.height,
+        width=PARAMS.width, num_frames=PARAMS.num_frames, frame_rate=PARAMS.frame_rate, num_inference_steps=PARAMS.num_inference_steps,
+        video_guider_params=VIDEO_GUIDER, audio_guider_params=AUDIO_GUIDER,
+    )  # fmt: skip
 
 
 def run_ours(loader: ModelLoader, image: torch.Tensor | None) -> dict:
@@ -218,16 +137,6 @@ def loader(bundle):
         distilled_lora=bundle.distilled_lora_path,
     )
     return ModelLoader(spec, device="cpu", dtype=torch.bfloat16)
-
-
-def reference_uint8_frames(frames: torch.Tensor) -> torch.Tensor:
-    """Our 0..1 float frames put through the reference's bf16 conversion to uint8.
-
-    Ours are (x + 1) / 2 of the decoder's bf16 output x, exact in float32; the reference computes
-    the same in bf16 (rounding x + 1), clamps, scales by 255 in bf16 and truncates.
-    """
-    decoder_plus_one = (frames * 2).to(torch.bfloat16)
-    return ((decoder_plus_one / 2.0).clamp(0.0, 1.0) * 255.0).to(torch.uint8)
 
 
 def check_run(ours: dict, reference: dict) -> None:
@@ -283,21 +192,14 @@ def test_text_to_video_stages_match_the_official_pipeline_bitwise_bf16(bundle, l
     ledger = reference_side.pipeline.stage_2_model_ledger
     with torch.inference_mode():
         expected = ltx_decode_audio(reference["stage1_audio"], ledger.audio_decoder(), ledger.vocoder())
-    assert sample_rate == expected.sampling_rate == VOCODER_SAMPLE_RATE[bundle.version]
+    assert sample_rate == expected.sampling_rate == official_reference.VOCODER_SAMPLE_RATE[bundle.version]
     assert waveform.dtype == torch.float32 and waveform.ndim == 3 and waveform.shape[:2] == (1, 2), waveform.shape
     assert_bitwise(waveform[0], expected.waveform, "decoded audio waveform")
 
 
 def test_image_to_video_stages_match_the_official_pipeline_bitwise_bf16(loader, reference_side, tmp_path):
-    # A small smooth image of another aspect ratio than the video, so resize and crop both matter.
-    rows, cols = np.meshgrid(np.linspace(0, 1, 50), np.linspace(0, 1, 62), indexing="ij")
-    pixels = np.stack([rows, cols, (rows * cols) ** 0.5], axis=-1)
-    pixels = (pixels * 255).round().astype(np.uint8)
-    image_path = tmp_path / "first_frame.png"
-    Image.fromarray(pixels).save(image_path)
-    comfy_image = torch.from_numpy(np.array(Image.open(image_path))).float() / 255.0  # as ComfyUI's LoadImage
-
-    reference = run_reference(reference_side, image_path=str(image_path))
+    image_path, comfy_image = first_frame_image(tmp_path)
+    reference = run_reference(reference_side, image_path=image_path)
     ours = run_ours(loader, image=comfy_image)
     check_run(ours, reference)
     # Strength 1.0: the first latent frame of stage 1 is the encoded image itself, untouched by noise.

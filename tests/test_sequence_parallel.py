@@ -226,19 +226,23 @@ def from_portable(per_rank: list[bytes]) -> list:
     return [torch.load(io.BytesIO(blob), weights_only=False) for blob in per_rank]
 
 
+LOCAL_QUERIES = "4, local video queries"  # SP degree 4 as on GPUs: video-query cross-attention on the local shards
+
+
 def sp_forward_on_ranks() -> dict:
-    """On 4 ranks: every case at SP degree 4 (one group), then at SP degree 2 (two groups of two),
+    """On 4 ranks: every case at SP degree 4 (one group), at SP degree 4 with the video-query
+    cross-attentions on the local shards (the GPU layout), then at SP degree 2 (two groups of two),
     re-applying SP to the same model instances."""
     torch.set_num_threads(1)
     world = Comm.world()
     models = {variant: build_tiny_model(variant) for variant in ("19b", "22b")}
     results = {}
-    for degree, groups in ((4, [[0, 1, 2, 3]]), (2, [[0, 1], [2, 3]])):
+    for key, degree, groups, video_query_exchange in ((4, 4, [[0, 1, 2, 3]], None), (LOCAL_QUERIES, 4, [[0, 1, 2, 3]], False), (2, 2, [[0, 1], [2, 3]], None)):
         comm = world if degree == world.world_size else world.split(groups)
         for model in models.values():
-            apply_sequence_parallel(model, comm)
+            apply_sequence_parallel(model, comm, video_query_exchange=video_query_exchange)
             assert sequence_parallel_degree(model) == degree
-        results[degree] = _run_cases(models)
+        results[key] = _run_cases(models)
     for model in models.values():
         remove_sequence_parallel(model)
     results["after_removal"] = _run_cases(models)
@@ -272,10 +276,10 @@ def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("case", list(sp_forward_cases()))
-@pytest.mark.parametrize("sp_degree", [2, 4])
+@pytest.mark.parametrize("sp_degree", [2, 4, LOCAL_QUERIES])
 def test_sp_degree_matches_single_rank_fp32(sp_degree, case, single_rank_outputs, four_rank_outputs):
     video_tokens = sp_forward_cases()[case][1].latent.shape[1]
-    assert video_tokens % sp_degree != 0, "the case must exercise padding"
+    assert video_tokens % (4 if sp_degree == LOCAL_QUERIES else sp_degree) != 0, "the case must exercise padding"
     reference_video, reference_audio = single_rank_outputs[case]
     assert reference_video.abs().mean() > 0.1 and reference_audio.abs().mean() > 0.1
     for rank, per_rank in enumerate(four_rank_outputs):
@@ -289,7 +293,7 @@ def test_sp_degree_matches_single_rank_fp32(sp_degree, case, single_rank_outputs
 
 
 def test_sp_ranks_of_a_group_return_identical_outputs(four_rank_outputs):
-    for sp_degree in (2, 4):
+    for sp_degree in (2, 4, LOCAL_QUERIES):
         for case in sp_forward_cases():
             first_video, first_audio = four_rank_outputs[0][sp_degree][case]
             for rank, per_rank in enumerate(four_rank_outputs[1:], start=1):
@@ -336,6 +340,24 @@ def test_sp_degree_refused_when_it_does_not_divide_the_audio_heads():
     with pytest.raises(ValueError) as refused:
         check_sp_degree(4, 32, 2)
     assert str(refused.value) == "SP degree 4 does not divide the 2 audio attention heads; use 1 or 2"
+
+
+def test_sp_on_cpu_weights_runs_the_video_query_cross_attentions_head_parallel_and_says_why(caplog):
+    model = build_tiny_model()
+    with caplog.at_level(logging.INFO, logger="mgpu_backend.parallel.sequence_parallel"):
+        apply_sequence_parallel(model, _CommOfSize(4))
+    blocks = model.velocity_model.transformer_blocks
+    exchanged = {name for name in ("attn1", "attn2", "audio_to_video_attn", "video_to_audio_attn", "audio_attn1", "audio_attn2")
+                 if getattr(blocks[0], name).attention_function.__class__.__module__ == "mgpu_backend.parallel.sequence_parallel"}  # fmt: skip
+    assert exchanged == {"attn1", "attn2", "audio_to_video_attn", "video_to_audio_attn"}
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert "text and video-from-audio cross-attention head-parallel over all video queries too (CPU attention rounds" in line
+    with caplog.at_level(logging.INFO, logger="mgpu_backend.parallel.sequence_parallel"):
+        apply_sequence_parallel(model, _CommOfSize(4), video_query_exchange=False)
+    local = {name for name in ("attn2", "audio_to_video_attn") if getattr(blocks[0], name).attention_function.__class__.__module__ == "mgpu_backend.parallel.sequence_parallel"}
+    assert local == set() and "on the local shards" in caplog.records[-1].getMessage()
+    remove_sequence_parallel(model)
+    assert sequence_parallel_degree(model) == 1
 
 
 def test_sp_degree_1_leaves_model_unchanged_and_logs_one_line(caplog, single_rank_outputs):

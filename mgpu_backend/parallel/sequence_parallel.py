@@ -13,17 +13,32 @@ video token are exchanged Ulysses-style, head-parallel:
   exchange, each rank attends its slice of audio heads over all video tokens, and the audio output
   (replicated, it is short) is all-gathered over the heads.
 
-Audio tokens and the text context are replicated on every rank, so audio self-attention, audio text
-cross-attention and the video-from-audio cross-attention need no exchange. The padding that makes
-the shards equal is cut off before attention, so padded tokens are never keys; the conditioning
-attention mask (``Modality.attention_mask``) stays whole because after the exchange every rank holds
-every query. The output tokens are gathered at the end of the forward, so every rank of the group
-returns the full result, equal to the single-GPU forward up to float rounding.
+Audio tokens and the text context are replicated on every rank, so audio self-attention and audio
+text cross-attention need no exchange. The padding that makes the shards equal is cut off before
+attention, so padded tokens are never keys; the conditioning attention mask
+(``Modality.attention_mask``) stays whole because after the exchange every rank holds every query.
+The output tokens are gathered at the end of the forward, so every rank of the group returns the
+full result, equal to the single-GPU forward up to float rounding.
+
+The two attentions whose queries are video tokens and whose keys are replicated (text
+cross-attention, video-from-audio cross-attention) need no exchange for correctness: each rank can
+attend its own query tokens. On CPU ranks they are exchanged anyway (``video_query_exchange``): the
+video queries go from token shards to head shards, each rank attends ALL video queries on its
+``heads / sp_degree`` heads (keys and values sliced to those heads locally), and the output comes
+back to token shards. The reason is PyTorch's CPU attention kernel: in bfloat16 the result of a
+query row depends on how many query rows the call holds (a call of 2 or 3 rows, or a block tail of
+that size, rounds differently from the same rows inside a longer call), so local shards of a few
+tokens broke the bitwise equality with one process (the tiny LTX-2.0 bundle at SP degree 4: 3
+video tokens per rank; both stage-1 latents 0.03 off after the 8 distilled steps, up to ~0.2 after
+the 40 guided steps of the two-stage defaults). Per head the kernel is exact, so
+the head-parallel call with the full query sequence is bitwise by construction. GPU kernels keep
+the local shards (no extra all-to-all); there SP equals one GPU within bf16 noise.
 
 When to use it: stage 1 (full-frame denoising) of a single generation, to cut its latency. What it
 costs: two all-to-alls per block for self-attention and, with audio, one all-to-all plus one small
-all-gather per block; shards below ~1500 video tokens stop getting faster (see the stage-1 planner
-in ``guidance_parallel``). It is not a memory tool: every rank holds the full weights.
+all-gather per block (on CPU ranks two more for each video-query cross-attention); shards below
+~1500 video tokens stop getting faster (see the stage-1 planner in ``guidance_parallel``). It is
+not a memory tool: every rank holds the full weights.
 
 How it is applied: from outside, to one model instance. The model's ``forward`` and the
 ``attention_function`` of the attention modules that need an exchange are replaced on that instance;
@@ -221,6 +236,43 @@ class _VideoContextExchange:
         return out.reshape(batch, audio_tokens, heads * head_dim)
 
 
+class _VideoQueryExchange:
+    """Replaces the ``attention_function`` of an attention whose queries are the local video tokens and
+    whose keys/values are replicated (text cross-attention, video-from-audio cross-attention), where
+    the call must see every video query (``video_query_exchange``, see the module docstring).
+
+    The queries go from token shards to head shards; each rank attends all video queries with its
+    slice of the heads over the whole (replicated) context, and the output returns to token shards.
+    """
+
+    def __init__(self, inner, state: _SequenceParallelState) -> None:
+        self.inner = inner
+        self.state = state
+
+    def __call__(self, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        shards = self.state.active_shards
+        if shards is None:
+            return self.inner(q, k, v, heads, mask)
+        # A context mask broadcasts over the queries ((B, 1, 1, S)); one per query row would need its rows exchanged too.
+        assert mask is None or mask.shape[-2] == 1, f"video-query attention under SP takes a query-broadcast mask, got {tuple(mask.shape)}"
+        comm = self.state.comm
+        batch, local_tokens, inner_dim = q.shape
+        head_dim = inner_dim // heads
+        local_heads = heads // comm.world_size
+        first_head = comm.rank * local_heads
+
+        q = comm.all_to_all(q.reshape(batch, local_tokens, heads, head_dim), scatter_dim=2, gather_dim=1)
+        q = q[:, : shards.video_tokens].reshape(batch, shards.video_tokens, local_heads * head_dim)
+        k, v = (
+            t.reshape(batch, t.shape[1], heads, head_dim)[:, :, first_head : first_head + local_heads].reshape(batch, t.shape[1], local_heads * head_dim)
+            for t in (k, v)
+        )
+        out = self.inner(q, k, v, local_heads, mask).view(batch, shards.video_tokens, local_heads, head_dim)
+        out = F.pad(out, (0, 0, 0, 0, 0, shards.padding))
+        out = comm.all_to_all(out, scatter_dim=1, gather_dim=2)  # (B, local tokens, heads, D)
+        return out.reshape(batch, local_tokens, heads * head_dim)
+
+
 def _velocity_model(model: torch.nn.Module) -> LTXModel:
     """The ``LTXModel`` inside ``model`` (itself, or the ``velocity_model`` of an X0 wrapper)."""
     inner = getattr(model, "velocity_model", model)
@@ -232,12 +284,16 @@ def _velocity_model(model: torch.nn.Module) -> LTXModel:
     return inner
 
 
-def apply_sequence_parallel(model: torch.nn.Module, comm: Comm) -> torch.nn.Module:
+def apply_sequence_parallel(model: torch.nn.Module, comm: Comm, video_query_exchange: bool | None = None) -> torch.nn.Module:
     """Make ``model`` (LTXModel or X0Model) run each forward sequence-parallel over ``comm``.
 
     Afterwards every rank of ``comm`` must call the model together, with the same full (replicated)
     inputs; each returns the full outputs. Applying it again replaces the previous group. Returns
     ``model`` itself (patched in place).
+
+    ``video_query_exchange``: run the text and video-from-audio cross-attentions head-parallel over
+    all video queries (see the module docstring); None (the default) does so where the model's
+    weights are on the CPU, whose attention kernel needs it for bitwise results.
     """
     velocity = _velocity_model(model)
     if not velocity.model_type.is_video_enabled():
@@ -250,7 +306,11 @@ def apply_sequence_parallel(model: torch.nn.Module, comm: Comm) -> torch.nn.Modu
         log.info("sequence parallel: SP degree 1, model left as it is")
         return model
 
+    if video_query_exchange is None:
+        video_query_exchange = next(velocity.parameters()).device.type == "cpu"
     exchanges = {"attn1": _VideoSelfAttentionExchange, "video_to_audio_attn": _VideoContextExchange}
+    if video_query_exchange:
+        exchanges.update(attn2=_VideoQueryExchange, audio_to_video_attn=_VideoQueryExchange)
     patched = [
         (getattr(block, name), exchange)
         for block in velocity.transformer_blocks
@@ -281,15 +341,22 @@ def apply_sequence_parallel(model: torch.nn.Module, comm: Comm) -> torch.nn.Modu
     audio_note = (
         f", {audio_heads} audio heads -> {audio_heads // comm.world_size} per rank" if audio_heads is not None else ""
     )
+    query_note = (
+        "; text and video-from-audio cross-attention head-parallel over all video queries too (CPU attention rounds "
+        "a query row by the row count of its call: local shards would not be bitwise)"
+        if video_query_exchange
+        else "; text and video-from-audio cross-attention on the local shards"
+    )
     log.info(
         "sequence parallel: SP degree %d over ranks %s; %d video heads -> %d per rank%s; "
-        "all-to-all around video self-attention and audio-from-video cross-attention in %d blocks",
+        "all-to-all around video self-attention and audio-from-video cross-attention in %d blocks%s",
         comm.world_size,
         comm.global_ranks,
         velocity.num_attention_heads,
         velocity.num_attention_heads // comm.world_size,
         audio_note,
         len(velocity.transformer_blocks),
+        query_note,
     )
     return model
 
