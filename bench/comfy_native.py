@@ -48,7 +48,7 @@ It prints one markdown table (with ``--out``: appended under the command, machin
 downloads anything; it writes only into ``--bundle-dir`` (default: a temporary folder).
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - one-line imports, _common first: it puts the repository on sys.path
 
 import contextlib
 import gc
@@ -59,14 +59,12 @@ import os
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from _common import REPO_ROOT, log, machine_description, markdown_table, median, synchronize  # noqa: I001 - puts the repository on sys.path first
-
+from _common import REPO_ROOT, log, machine_description, markdown_table, median, synchronize
 from mgpu_backend.bundles import full_size, tiny
 from mgpu_backend.bundles.configs import OFFICIAL_TRANSFORMER_METADATA, BundleConfig
 from mgpu_backend.ltx import api
@@ -241,6 +239,13 @@ def unused_transformer_keys(lines: list[str]) -> list[str]:
     return unused
 
 
+def refuse_model(detail: str) -> None:
+    raise SystemExit(
+        f"error: ComfyUI's LTX-2 model (LTXAVModel) does not match this checkpoint's transformer: {detail}; this ComfyUI does not "
+        "implement this model version (LTX-2.3's gated attention and cross-attention AdaLN need a newer ComfyUI); use --model 2.0"
+    )
+
+
 class ComfyNative:
     """ComfyUI's LTX-2 (LTXAV) model loaded from the checkpoint by ComfyUI's own loader."""
 
@@ -250,15 +255,16 @@ class ComfyNative:
         logging.getLogger().addHandler(report)
         try:
             patcher, *_ = comfy.sd.load_checkpoint_guess_config(checkpoint_path, output_vae=False, output_clip=False, output_clipvision=False)
+        except RuntimeError as exc:
+            if "size mismatch" not in str(exc):
+                raise
+            mismatches = [line.strip() for line in str(exc).splitlines() if "size mismatch" in line]
+            refuse_model(f"{len(mismatches)} weights of another shape (first: {mismatches[0]})")
         finally:
             logging.getLogger().removeHandler(report)
         unused = unused_transformer_keys(report.lines)
         if unused:
-            raise SystemExit(
-                f"error: ComfyUI's {type(patcher.model.diffusion_model).__name__} does not match this checkpoint's transformer: "
-                f"{len(unused)} weights unused or missing (first: {', '.join(unused[:3])}); this ComfyUI does not implement "
-                "this model version (LTX-2.3's gated attention and cross-attention AdaLN need a newer ComfyUI); use --model 2.0"
-            )
+            refuse_model(f"{len(unused)} weights unused or missing (first: {', '.join(unused[:3])})")
         self.patcher = patcher
         comfy.model_management.load_models_gpu([patcher], force_full_load=True)
         model = patcher.model
