@@ -52,6 +52,7 @@ from __future__ import annotations  # noqa: I001 - one-line imports, _common fir
 
 import contextlib
 import gc
+import importlib
 import json
 import logging
 import math
@@ -64,7 +65,7 @@ from pathlib import Path
 
 import torch
 
-from _common import REPO_ROOT, log, machine_description, markdown_table, median, synchronize
+from _common import log, machine_description, markdown_table, median, synchronize
 from mgpu_backend.bundles import full_size, tiny
 from mgpu_backend.bundles.configs import OFFICIAL_TRANSFORMER_METADATA, BundleConfig
 from mgpu_backend.ltx import api
@@ -78,6 +79,8 @@ TEMPLATE_CFG = 4.0  # ComfyUI's LTX-2 template: CFGGuider cfg 4 in stage 1
 POSITIVE_ONLY = Guidance(cfg_scale=1.0, stg_scale=0.0, rescale_scale=0.0, modality_scale=1.0, skip_step=0, stg_blocks=())
 TEMPLATE_GUIDANCE = Guidance(cfg_scale=TEMPLATE_CFG, stg_scale=0.0, rescale_scale=0.0, modality_scale=1.0, skip_step=0, stg_blocks=())
 TINY_SIZES = "96x64x9,192x128x17"
+COMFY_MODULES = ("comfy.model_management", "comfy.nested_tensor", "comfy.samplers", "comfy.sd", "comfy.utils")
+"""The parts of ComfyUI this bench imports (after ``comfy.cli_args``), in this order."""
 MULTIGPU_MARKERS = ("MultiGPU", "WorkUnit", "work_unit")  # how ComfyUI's MultiGPU work-unit nodes are named in its source
 
 
@@ -200,11 +203,8 @@ def import_comfy(comfyui_dir: str, device: torch.device):
     else:
         settings.cpu = True
     try:
-        import comfy.model_management
-        import comfy.nested_tensor
-        import comfy.samplers
-        import comfy.sd
-        import comfy.utils
+        for name in COMFY_MODULES:
+            importlib.import_module(name)
     except ImportError as exc:
         raise SystemExit(f"error: importing ComfyUI from {root} failed ({exc}); install its requirements (see this script's docstring)") from None
     return comfy
@@ -483,21 +483,25 @@ def multi_gpu_section(comfyui_dir: str) -> list[str]:
 
 
 def check_imports(comfyui_dir: str) -> None:
-    """Import the parts of ComfyUI this bench uses and print the third-party modules they loaded."""
-    import sysconfig
+    """Import the parts of ComfyUI this bench uses in a fresh interpreter (nothing of this project
+    loaded) and print every third-party top-level module they loaded, torch included."""
+    import subprocess
 
-    before = set(sys.modules)
-    import_comfy(comfyui_dir, torch.device("cpu"))
-    stdlib = sysconfig.get_paths()["stdlib"]
     root = str(Path(comfyui_dir).expanduser().resolve())
-    loaded = set()
-    for name in set(sys.modules) - before:
-        module = sys.modules[name]
-        path = getattr(module, "__file__", None) or ""
-        top = name.split(".")[0]
-        if path and not path.startswith((stdlib, root, str(REPO_ROOT))) and top not in sys.builtin_module_names:
-            loaded.add(top)
-    print("third-party modules imported by ComfyUI's comfy (besides those already loaded: torch, ...): " + ", ".join(sorted(loaded)))
+    code = (
+        "import importlib, sys\n"
+        f"sys.path.insert(0, {root!r})\n"
+        "import comfy.cli_args\n"
+        "comfy.cli_args.args.cpu = True\n"
+        f"for name in {COMFY_MODULES!r}: importlib.import_module(name)\n"
+        "installed = lambda m: any(part in (getattr(m, '__file__', None) or '') for part in ('site-packages', 'dist-packages'))\n"
+        "names = {n.split('.')[0] for n, m in list(sys.modules.items()) if installed(m)}\n"
+        "print(', '.join(sorted(n for n in names if not n.startswith('_'))))\n"
+    )
+    completed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root)
+    if completed.returncode:
+        raise SystemExit(f"error: importing ComfyUI from {root} failed:\n{completed.stderr[-2000:]}")
+    print(f"third-party modules that ComfyUI's {', '.join(COMFY_MODULES)} import: {completed.stdout.strip()}")
 
 
 def main() -> None:
