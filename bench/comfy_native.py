@@ -44,8 +44,11 @@ plan when 2+ GPUs are visible; it says which of the two is missing otherwise.
     python bench/comfy_native.py --comfyui-dir ~/ComfyUI --tiny                     # CPU smoke run
     python bench/comfy_native.py --comfyui-dir ~/ComfyUI --bundle-dir /data/b19 --out FILE   # one H200
 
-It prints one markdown table (with ``--out``: appended under the command, machine and date). It never
-downloads anything; it writes only into ``--bundle-dir`` (default: a temporary folder).
+It prints one markdown table and notes (with ``--out``: appended under the command, machine and date).
+Before a full-size bundle is written (checked against the free disk: 56 GB for 2.0), ComfyUI loads the
+tiny bundle of the same version, so a ComfyUI that lacks the version (LTX-2.3 in January 2026) stops
+in seconds. It never downloads anything; it writes only into ``--bundle-dir`` (default: a temporary
+folder) and a temporary folder for that probe.
 """
 
 from __future__ import annotations  # noqa: I001 - one-line imports, _common first: it puts the repository on sys.path
@@ -66,6 +69,7 @@ from pathlib import Path
 import torch
 
 from _common import log, machine_description, markdown_table, median, synchronize
+from e2e import check_space
 from mgpu_backend.bundles import full_size, tiny
 from mgpu_backend.bundles.configs import OFFICIAL_TRANSFORMER_METADATA, BundleConfig
 from mgpu_backend.ltx import api
@@ -277,7 +281,8 @@ class ComfyNative:
         )
 
     def _packed(self, video: torch.Tensor, audio: torch.Tensor):
-        return self.comfy.utils.pack_latents([video.to(self.device), audio.to(self.device)])
+        # float32, as ComfyUI's samplers hold latents (apply_model casts to the weights' dtype itself)
+        return self.comfy.utils.pack_latents([video.to(self.device, torch.float32), audio.to(self.device, torch.float32)])
 
     def _context(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # ComfyUI's LTX-2 text encoder hands the diffusion model [video context | audio context] on the last axis.
@@ -543,8 +548,17 @@ def main() -> None:
         stack.enter_context(contextlib.redirect_stdout(sys.stderr))
         bundle_dir = args.bundle_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-comfy-native-"))
         started = time.perf_counter()
+        if not args.tiny:  # a ComfyUI without this model version refuses in seconds, before tens of GB are written
+            probe_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-comfy-native-probe-"))
+            probe = full_size.write_bundle(probe_dir, bundle_config(args.model, True), "cpu", 0)
+            ComfyNative(comfy, probe.checkpoint_path, device).free()
+            log(f"ComfyUI holds the LTX-{args.model} layout (checked on the tiny bundle)")
         config = bundle_config(args.model, args.tiny)
-        log(f"random bundle: {sum(full_size.planned_bytes(config).values()) / 1e9:.2f} GB in {bundle_dir}, drawn on {device} ...")
+        planned = sum(full_size.planned_bytes(config).values())
+        Path(bundle_dir).mkdir(parents=True, exist_ok=True)
+        if not full_size.is_complete(bundle_dir, config, device, 0):
+            check_space(Path(bundle_dir), planned + (1 << 30), "the random bundle", "point --bundle-dir at a larger disk")
+        log(f"random bundle: {planned / 1e9:.2f} GB in {bundle_dir}, drawn on {device} ...")
         bundle = full_size.write_bundle(bundle_dir, config, device, 0, log=log)
         spec = bundle.spec()
         if args.tiny:
