@@ -38,8 +38,11 @@ The whole two-stage graph through ComfyUI's nodes is not run: ComfyUI's LTX-2 te
 Gemma-3 12B with 49 hidden states and loads Gemma from one file, while the random bundles carry a
 Gemma folder of fewer layers; everything past the text encoder is the denoiser measured here.
 
-``--multi-gpu`` compares ComfyUI's MultiGPU CFG split (its work-unit nodes) with the fleet's guidance
-plan when 2+ GPUs are visible; it says which of the two is missing otherwise.
+``--multi-gpu`` with 2+ GPUs visible also runs the template's CFG steps on the fleet over all of them
+(the planner's guidance plan: the two passes side by side) and sets them against ComfyUI on one GPU
+and against the fleet's world-1 latents. It says whether this ComfyUI has MultiGPU work-unit nodes (its
+own CFG split; the January 2026 checkout has none, and this bench does not drive them); with fewer
+than 2 GPUs it says it needs them and skips.
 
     python bench/comfy_native.py --comfyui-dir ~/ComfyUI --tiny                     # CPU smoke run
     python bench/comfy_native.py --comfyui-dir ~/ComfyUI --bundle-dir /data/b19 --out FILE   # one H200
@@ -397,19 +400,24 @@ def fleet_sample(spec: ModelSpec, inputs: Inputs, dtype: str, steps: int, guidan
     return result.fields, result.tensors["video_latent"], result.tensors["audio_latent"], [s * 1e3 for s in step_seconds]
 
 
-def run_fleet(spec: ModelSpec, inputs_per_size: list[Inputs], device: torch.device, dtype: str, repeats: int, socket_dir: str):
-    gpus = str(device.index or 0) if device.type == "cuda" else None
-    api.configure(address=str(Path(socket_dir) / "fleet.sock"), gpus=gpus, cpu_ranks=None if gpus else 1)
+def run_fleet(spec: ModelSpec, inputs_per_size: list[Inputs], dtype: str, repeats: int, socket_dir: str, gpus: str | None,
+              cpu_ranks: int | None = None, forwards: bool = True) -> list[SideResult]:  # fmt: skip
+    """The fleet's side at every size, on ``gpus`` (or ``cpu_ranks`` gloo ranks): one forward and its
+    timing (``forwards``), then the template's CFG steps under the planner's choice for that world."""
+    # A socket of its own per fleet: the previous one may still be shutting down on the old address.
+    address = Path(socket_dir) / f"fleet-{(gpus or f'{cpu_ranks}cpu').replace(',', '-')}.sock"
+    api.configure(address=str(address), gpus=gpus, cpu_ranks=cpu_ranks)
     results = []
     try:
         for inputs in inputs_per_size:
             result = SideResult()
-            log(f"fleet {inputs.size}: one forward (one positive-only step, sigma {inputs.forward_sigma:g} -> 0) ...")
-            _fields, video, audio, _ = fleet_sample(spec, inputs, dtype, 1, POSITIVE_ONLY)
-            result.denoised = (video.float(), audio.float())
-            log(f"fleet {inputs.size}: {repeats} timed forwards after one untimed ...")
-            _fields, _video, _audio, step_ms = fleet_sample(spec, inputs, dtype, 1 + repeats, POSITIVE_ONLY)
-            result.forward_ms = step_ms[1:]
+            if forwards:
+                log(f"fleet {inputs.size}: one forward (one positive-only step, sigma {inputs.forward_sigma:g} -> 0) ...")
+                _fields, video, audio, _ = fleet_sample(spec, inputs, dtype, 1, POSITIVE_ONLY)
+                result.denoised = (video.float(), audio.float())
+                log(f"fleet {inputs.size}: {repeats} timed forwards after one untimed ...")
+                _fields, _video, _audio, step_ms = fleet_sample(spec, inputs, dtype, 1 + repeats, POSITIVE_ONLY)
+                result.forward_ms = step_ms[1:]
             steps = len(inputs.sigmas) - 1
             log(f"fleet {inputs.size}: {steps} CFG steps ...")
             fields, video, audio, result.step_ms = fleet_sample(spec, inputs, dtype, steps, TEMPLATE_GUIDANCE)
@@ -423,6 +431,7 @@ def run_fleet(spec: ModelSpec, inputs_per_size: list[Inputs], device: torch.devi
         with contextlib.suppress(Exception):
             api.fleet().shutdown()
         api.configure()
+        time.sleep(2)  # the ranks give their GPU memory back
     return results
 
 
@@ -470,21 +479,32 @@ HEADERS = [
 ]  # fmt: skip
 
 
-def multi_gpu_section(comfyui_dir: str) -> list[str]:
-    """What ``--multi-gpu`` can compare here: ComfyUI's MultiGPU work-unit nodes against the fleet's
-    guidance plan need 2+ GPUs, and those nodes in this ComfyUI."""
+def multigpu_code(comfyui_dir: str) -> list[str]:
+    """ComfyUI's files that mention its MultiGPU work units (none in the January 2026 checkout)."""
     root = Path(comfyui_dir).expanduser().resolve()
-    found = sorted(
+    return sorted(
         str(path.relative_to(root)) for folder in ("comfy", "comfy_extras") for path in (root / folder).rglob("*.py")
         if any(marker in path.read_text(errors="replace") for marker in MULTIGPU_MARKERS)
     )  # fmt: skip
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def multi_gpu_lines(found: list[str], gpus: int, inputs_per_size: list[Inputs], comfy_results: list[SideResult],
+                    world_1: list[SideResult], world_n: list[SideResult] | None) -> list[str]:  # fmt: skip
+    """The ``--multi-gpu`` notes: the fleet's guidance plan on every visible GPU against ComfyUI on one
+    (and, when this ComfyUI has them, a pointer to its MultiGPU nodes, which this bench does not drive)."""
     nodes = f"this ComfyUI has MultiGPU work-unit code in {', '.join(found)}" if found else "this ComfyUI has no MultiGPU work-unit nodes"
-    if gpus < 2:
+    if world_n is None:
         return [f"- --multi-gpu: skipped, it needs at least 2 GPUs ({gpus} visible); {nodes}"]
-    if not found:
-        return [f"- --multi-gpu: skipped, {nodes} to compare the fleet's guidance plan with (on {gpus} GPUs)"]
-    return [f"- --multi-gpu: {nodes}, but this bench does not drive it yet: compare by hand with the fleet's guidance plan"]
+    lines = [f"- --multi-gpu on {gpus} GPUs: {nodes}" + (" (not driven by this bench: compare them by hand)" if found else "; ComfyUI runs on one")]
+    for inputs, native, single, multi in zip(inputs_per_size, comfy_results, world_1, world_n):
+        world_ms, comfy_ms = timed_median(multi.step_ms), timed_median(native.step_ms)
+        video, audio = (difference(single.stepped[index], multi.stepped[index])[0] for index in (0, 1))
+        width, height, frames = inputs.size
+        lines.append(
+            f"  - {width}x{height}x{frames}: fleet world {gpus} CFG step {world_ms:.1f} ms ({multi.notes[0].removeprefix('fleet plan: ')}), "
+            f"ComfyUI on one GPU {comfy_ms:.1f} ms: {comfy_ms / world_ms:.2f}x; latents vs fleet world 1: max abs diff {video:.3g} / {audio:.3g}"
+        )
+    return lines
 
 
 def check_imports(comfyui_dir: str) -> None:
@@ -572,7 +592,14 @@ def main() -> None:
         comfy_results, comfy_description = run_comfy(comfy, bundle.checkpoint_path, inputs_per_size, device, args.warmup, args.repeats)
         socket_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-comfy-native-fleet-"))
         os.chmod(socket_dir, 0o700)
-        fleet_results = run_fleet(spec, inputs_per_size, device, dtype_name, args.repeats, socket_dir)
+        gpus = str(device.index or 0) if device.type == "cuda" else None
+        fleet_results = run_fleet(spec, inputs_per_size, dtype_name, args.repeats, socket_dir, gpus, None if gpus else 1)
+        visible = torch.cuda.device_count() if device.type == "cuda" else 0
+        multi_results = None
+        if args.multi_gpu and visible >= 2:
+            log(f"--multi-gpu: the fleet on all {visible} GPUs ...")
+            all_gpus = ",".join(str(index) for index in range(visible))
+            multi_results = run_fleet(spec, inputs_per_size, dtype_name, args.repeats, socket_dir, all_gpus, forwards=False)
 
     table = markdown_table(HEADERS, report_rows(inputs_per_size, comfy_results, fleet_results))
     notes = [
@@ -583,7 +610,7 @@ def main() -> None:
         *(f"- {note}" for note in dict.fromkeys(note for result in comfy_results + fleet_results for note in result.notes)),
     ]
     if args.multi_gpu:
-        notes += multi_gpu_section(args.comfyui_dir)
+        notes += multi_gpu_lines(multigpu_code(args.comfyui_dir), visible, inputs_per_size, comfy_results, fleet_results, multi_results)
     text = table + "\n\n" + "\n".join(notes)
     print(text, flush=True)
     if args.out:

@@ -1,5 +1,5 @@
 """``bench/comfy_native.py --tiny`` on the CPU: ComfyUI's own LTX-2 and the fleet at world 1 on one tiny
-checkpoint agree, and the table says so.
+checkpoint agree, and the table says so; the ``--multi-gpu`` fleet side on two gloo ranks.
 
 It needs a ComfyUI checkout (``COMFYUI_DIR``) and a Python with ComfyUI's requirements (the bench's
 docstring lists them): run it as ``COMFYUI_DIR=~/ComfyUI ~/comfy-venv/bin/python -m pytest
@@ -30,13 +30,19 @@ COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
 FORWARD_TOLERANCE = 1e-4
 STEPPED_TOLERANCE = 1e-3
 
-pytestmark = [
+needs_comfyui = [
     pytest.mark.skipif(not COMFYUI_DIR, reason="set COMFYUI_DIR to a ComfyUI checkout to compare its LTX-2 with the fleet"),
     pytest.mark.skipif(
         importlib.util.find_spec("torchvision") is None or importlib.util.find_spec("torchsde") is None,
         reason="this Python lacks ComfyUI's requirements (torchvision, torchsde, ...): run pytest with the Python of a ComfyUI environment",
     ),
 ]
+
+
+def with_comfyui(test):
+    for mark in needs_comfyui:
+        test = mark(test)
+    return test
 
 
 def run_bench(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -64,6 +70,7 @@ def tiny_run(tmp_path_factory):
     return completed, out
 
 
+@with_comfyui
 def test_tiny_run_prints_one_row_per_size_with_both_sides_timed(tiny_run):
     completed, _ = tiny_run
     header, *rows = table_rows(completed.stdout)
@@ -80,6 +87,7 @@ def test_tiny_run_prints_one_row_per_size_with_both_sides_timed(tiny_run):
         assert step_ratio == pytest.approx(comfy_step / fleet_step, rel=0.03, abs=0.002), row
 
 
+@with_comfyui
 def test_comfyui_and_the_fleet_give_the_same_denoiser_outputs_in_fp32(tiny_run):
     completed, _ = tiny_run
     for row in table_rows(completed.stdout)[1:]:
@@ -91,6 +99,7 @@ def test_comfyui_and_the_fleet_give_the_same_denoiser_outputs_in_fp32(tiny_run):
         assert stepped_video < STEPPED_TOLERANCE and stepped_audio < STEPPED_TOLERANCE, row
 
 
+@with_comfyui
 def test_the_notes_name_dtype_passes_and_what_multi_gpu_needs(tiny_run):
     completed, out = tiny_run
     notes = completed.stdout
@@ -105,6 +114,7 @@ def test_the_notes_name_dtype_passes_and_what_multi_gpu_needs(tiny_run):
     assert completed.stdout.strip() in written
 
 
+@with_comfyui
 def test_an_ltx_2_3_checkpoint_is_refused_in_words_when_comfyui_does_not_implement_it(tmp_path):
     completed = run_bench("--tiny", "--model", "2.3", "--bundle-dir", str(tmp_path), timeout=600)
     assert completed.returncode == 1, completed.stderr[-4000:]
@@ -112,3 +122,36 @@ def test_an_ltx_2_3_checkpoint_is_refused_in_words_when_comfyui_does_not_impleme
     assert last.startswith("error: ComfyUI's LTX-2 model (LTXAVModel) does not match this checkpoint's transformer: "), last
     assert last.endswith("this ComfyUI does not implement this model version (LTX-2.3's gated attention and cross-attention AdaLN need a newer ComfyUI); use --model 2.0")
     assert "Traceback" not in completed.stderr
+
+
+def test_the_fleet_on_two_ranks_gives_the_world_1_cfg_steps_and_the_multi_gpu_notes_say_so(tmp_path, monkeypatch):
+    """The ``--multi-gpu`` comparison's fleet side, on two gloo ranks (the CLI runs it on 2+ GPUs only):
+    the planner's split of the two CFG passes gives the world-1 latents; no ComfyUI is needed."""
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import comfy_native
+
+    torch.set_num_threads(1)
+    bundle = comfy_native.full_size.write_bundle(tmp_path / "bundle", comfy_native.bundle_config("2.0", True), "cpu", 0)
+    spec = comfy_native.replace(bundle.spec(), distilled_lora=None)
+    config = comfy_native.checkpoint_transformer_config(bundle.checkpoint_path)
+    inputs = [comfy_native.make_inputs((96, 64, 9), config, 3, torch.device("cpu"), torch.float32)]
+    socket_dir = tmp_path / "fleet"
+    socket_dir.mkdir(mode=0o700)
+    world_1 = comfy_native.run_fleet(spec, inputs, "float32", 1, str(socket_dir), None, cpu_ranks=1, forwards=False)
+    world_2 = comfy_native.run_fleet(spec, inputs, "float32", 1, str(socket_dir), None, cpu_ranks=2, forwards=False)
+    assert "1 guidance groups x SP degree 1 on 1 ranks for 2 passes" in world_1[0].notes[0]
+    # Two passes on two ranks: the planner runs them side by side (one guidance group each).
+    assert "2 guidance groups x SP degree 1 on 2 ranks for 2 passes" in world_2[0].notes[0], world_2[0].notes
+    for single, multi in zip(world_1[0].stepped, world_2[0].stepped):
+        assert single.shape == multi.shape and float((single - multi).abs().max()) < 1e-5
+
+    comfy = comfy_native.SideResult(step_ms=[30.0, 20.0, 22.0])
+    world_2[0].step_ms = [15.0, 10.0, 12.0]
+    lines = comfy_native.multi_gpu_lines([], 2, inputs, [comfy], world_1, world_2)
+    assert lines[0] == "- --multi-gpu on 2 GPUs: this ComfyUI has no MultiGPU work-unit nodes; ComfyUI runs on one"
+    assert lines[1].startswith("  - 96x64x9: fleet world 2 CFG step 11.0 ms (stage-1 plan"), lines[1]
+    assert "ComfyUI on one GPU 21.0 ms: 1.91x; latents vs fleet world 1: max abs diff " in lines[1]
+    skipped = comfy_native.multi_gpu_lines(["comfy_extras/nodes_multigpu.py"], 1, inputs, [comfy], world_1, None)
+    assert skipped == ["- --multi-gpu: skipped, it needs at least 2 GPUs (1 visible); this ComfyUI has MultiGPU work-unit code in comfy_extras/nodes_multigpu.py"]
