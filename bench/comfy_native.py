@@ -1,17 +1,23 @@
 """ComfyUI's own LTX-2 against the fleet at world 1, on the same random checkpoint and identical inputs.
 
-Python packages the ComfyUI side needs besides torch, numpy, safetensors and this project's own
-dependencies (ltx-core, ltx-pipelines), for the parts of ``comfy`` this bench imports
-(``comfy.cli_args``, ``comfy.model_management``, ``comfy.sd``, ``comfy.samplers``, ``comfy.utils``,
-``comfy.nested_tensor``; ``comfy.sd`` pulls in every model family's code): torchvision, torchsde,
-einops, scipy, tqdm, psutil, pyyaml, Pillow, transformers, tokenizers, sentencepiece, av, comfy-kitchen
-(ComfyUI's ``requirements.txt`` names them; kornia, spandrel, aiohttp and the frontend packages are
-not imported). ``python bench/comfy_native.py --comfyui-dir DIR --check-imports`` imports those parts
-and prints every third-party top-level module they loaded, then exits: run it on a new machine first.
+Python packages ``import comfy`` needs for the parts this bench imports (``comfy.cli_args``,
+``comfy.model_management``, ``comfy.nested_tensor``, ``comfy.samplers``, ``comfy.sd``, ``comfy.utils``;
+``comfy.sd`` pulls in every model family's code), besides torch and this project's own dependencies
+(ltx-core with numpy, scipy, einops, safetensors, torchaudio; transformers with tokenizers,
+huggingface-hub, regex, pyyaml, tqdm; av): torchvision (matching torch: 0.26.0 for torch 2.11, whose
+PyPI wheel is the cu130 build), torchsde with trampoline, sentencepiece, psutil, Pillow.
+comfy-kitchen is optional (without it ComfyUI logs that fp8/fp4 are off); kornia, spandrel, aiohttp,
+SQLAlchemy, alembic and the frontend packages are not imported. Of the checkout only ``comfy/``,
+``comfy_api/``, ``comfy_execution/``, ``comfy_config/``, ``utils/`` and the top-level ``*.py`` files are
+read, and not the tokenizer data (``comfy/sd1_tokenizer``, ``comfy/text_encoders/*_tokenizer``, 12 MB).
+``python bench/comfy_native.py --comfyui-dir DIR --check-imports`` imports those parts in a fresh
+interpreter and prints every installed top-level module they loaded: run it on a new machine first.
 
-What runs on each side, on one bundle written by ``mgpu_backend.bundles.full_size`` (the official
-single-file layout: LTX-2.0 19B, or the 22B with ``--model 2.3``; the tiny bundle of
-``mgpu_backend.bundles.tiny`` with ``--tiny``):
+What runs on each side, on one bundle written by ``mgpu_backend.bundles.full_size`` in the official
+single-file layout (LTX-2.0 19B, or the 22B with ``--model 2.3``; with ``--tiny``, the configuration of
+``mgpu_backend.bundles.tiny``), carrying the official ``causal_temporal_positioning`` metadata that
+ComfyUI reads and ltx-core does not (the pinned tiny files lack it: ComfyUI would place the first
+latent frame otherwise and differ by about 1%):
 
 - ComfyUI: ``comfy.sd.load_checkpoint_guess_config`` on the checkpoint (its model detection reads
   the dims from the state dict and the ``config`` metadata; the weight dtype is ComfyUI's own
@@ -25,8 +31,8 @@ single-file layout: LTX-2.0 19B, or the 22B with ``--model 2.3``; the tiny bundl
   ``euler`` is used to keep the two sides comparable).
 - fleet: one rank (``mgpu_backend.ltx.api``, the jobs the ComfyUI nodes run) on the same checkpoint.
   A denoiser forward is a ``sample`` job with one positive-only step (LTX2Scheduler's one-step
-  schedule, sigmas 0.1 -> 0, from the noise: the step's result is the denoised output); its time is the median of the per-step times a job of
-  ``--repeats`` more such steps reports. The stage-1 step is a ``sample`` job with CFG 4 on both
+  schedule, sigmas 0.1 -> 0, from the noise: the step's result is the denoised output); its time is
+  the median of the per-step times a job of ``--repeats`` more such steps reports. The stage-1 step is a ``sample`` job with CFG 4 on both
   modalities and nothing else (no STG, no modality guidance, no rescale): the same two passes.
 
 Inputs are identical: the noise is the fleet's own (its seeded generator, drawn here the same way on
