@@ -327,7 +327,9 @@ class ComfyNative:
         from the noise: per-step milliseconds, the final latents, and the batch size of each model call."""
         comfy = self.comfy
         guider = comfy.samplers.CFGGuider(self.patcher)
-        guider.set_conds([[self._context(inputs.positive), {"frame_rate": FRAME_RATE}]], [[self._context(inputs.negative), {"frame_rate": FRAME_RATE}]])
+        # CONDITIONING as ComfyUI's LTX-2 text encoder and LTXVConditioning (frame rate) make it.
+        positive, negative = ([[self._context(pair), {"frame_rate": FRAME_RATE}]] for pair in (inputs.positive, inputs.negative))
+        guider.set_conds(positive, negative)
         guider.set_cfg(TEMPLATE_CFG)
         batches: list[int] = []
 
@@ -348,7 +350,8 @@ class ComfyNative:
         synchronize(self.device)
         started = time.perf_counter()
         with torch.inference_mode():
-            output = guider.sample(noise, latent, comfy.samplers.sampler_object("euler"), inputs.sigmas.clone(), callback=on_step, disable_pbar=True, seed=SEED)
+            sampler = comfy.samplers.sampler_object("euler")
+            output = guider.sample(noise, latent, sampler, inputs.sigmas.clone(), callback=on_step, disable_pbar=True, seed=SEED)
         video, audio = output.unbind()
         boundaries = [started, *marks]
         return [(b - a) * 1e3 for a, b in zip(boundaries, boundaries[1:])], (video.float().cpu(), audio.float().cpu()), batches
@@ -548,7 +551,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5, help="timed forwards per side; the median is reported (default 5)")
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available; cpu with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="the tiny bundle on the CPU, small sizes, fp32 (the smoke run)")
-    parser.add_argument("--multi-gpu", action="store_true", help="also compare ComfyUI's MultiGPU CFG split with the fleet's guidance plan (2+ GPUs)")
+    parser.add_argument("--multi-gpu", action="store_true", help="also the fleet's guidance plan on every GPU (2+) against ComfyUI on one")
     parser.add_argument("--check-imports", action="store_true", help="only import ComfyUI's parts used here and list the packages they loaded")
     parser.add_argument("--out", help="append the table, with command, machine and date, to this file")
     args = parser.parse_args()
