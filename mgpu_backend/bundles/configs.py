@@ -402,6 +402,12 @@ FULL_SIZE_LORA_RANK = 384
 DEFAULT_GEMMA_LAYERS = 6
 GEMMA_FULL_LAYERS = 48
 
+OFFICIAL_TRANSFORMER_METADATA = {"causal_temporal_positioning": True}
+"""Transformer metadata of the official checkpoints that ltx-core 1.0.0 does not read (it always places
+the first latent frame causally, at pixel frame 0 alone) but ComfyUI's LTX-2 does: without it ComfyUI
+spans that frame over 8 pixel frames and its video RoPE differs. Full-size bundles carry it; the tiny
+bundles predate it and keep their pinned bytes."""
+
 
 @dataclass(frozen=True)
 class BundleConfig:
@@ -484,7 +490,7 @@ def full_size_config(
     gemma["text_config"]["torch_dtype"] = gemma["vision_config"]["torch_dtype"] = "bfloat16"
     is_2_3 = model_version({"transformer": transformer}).startswith("2.3")
     checkpoint = {
-        "transformer": copy.deepcopy(transformer),
+        "transformer": {**copy.deepcopy(transformer), **OFFICIAL_TRANSFORMER_METADATA},
         "vae": copy.deepcopy(FULL_SIZE_VIDEO_VAE_CONFIG_2_3 if is_2_3 else FULL_SIZE_VIDEO_VAE_CONFIG),
         "audio_vae": copy.deepcopy(FULL_SIZE_AUDIO_VAE_CONFIG),
         "vocoder": copy.deepcopy(FULL_SIZE_VOCODER_CONFIG_2_3 if is_2_3 else FULL_SIZE_VOCODER_CONFIG),
