@@ -104,6 +104,22 @@ def module_fleet(tmp_path_factory, name: str, cpu_ranks: int = 2, *extra: str, e
         stop_server(process)
 
 
+def api_fleet(tmp_path: Path, monkeypatch) -> Iterator[Path]:
+    """A one-rank fleet that ``mgpu_backend.ltx.api`` (what the nodes call) talks to, for a test's body."""
+    from mgpu_backend.ltx import api
+
+    tmp_path.chmod(0o700)
+    socket_path = tmp_path / "fleet.sock"
+    process = start_server(socket_path, 1, "--idle-timeout", "0")
+    try:
+        monkeypatch.setenv("MGPU_SOCKET", str(socket_path))  # never start a fleet of its own
+        api.configure(address=str(socket_path))
+        yield socket_path
+    finally:
+        api.configure()
+        stop_server(process)
+
+
 def run_job(socket_path, op: str, args: dict, tensors: dict | None = None, **callbacks):
     """One job on the fleet at ``socket_path`` through a connection of its own."""
     with FleetClient.connect(str(socket_path), autostart=False) as client:

@@ -573,18 +573,9 @@ def test_cancel_without_comfyui_surfaces_as_fleet_cancelled():
 
 @pytest.fixture
 def one_rank_fleet(tmp_path, monkeypatch):
-    from .fleet_harness import start_server, stop_server
+    from .fleet_harness import api_fleet
 
-    tmp_path.chmod(0o700)
-    socket_path = tmp_path / "fleet.sock"
-    process = start_server(socket_path, 1, "--idle-timeout", "0")
-    try:
-        monkeypatch.setenv("MGPU_SOCKET", str(socket_path))  # never start a fleet of its own
-        api.configure(address=str(socket_path))
-        yield socket_path
-    finally:
-        api.configure()
-        stop_server(process)
+    yield from api_fleet(tmp_path, monkeypatch)
 
 
 def test_comfy_interrupt_cancels_a_real_fleet_job_which_keeps_serving(monkeypatch, one_rank_fleet):

@@ -448,20 +448,9 @@ def run_api_prompt_through_the_nodes(prompt: dict) -> dict:
 
 @pytest.fixture
 def one_rank_fleet(tmp_path, monkeypatch):
-    from mgpu_backend.ltx import api
+    from .fleet_harness import api_fleet
 
-    from .fleet_harness import start_server, stop_server
-
-    tmp_path.chmod(0o700)
-    socket_path = tmp_path / "fleet.sock"
-    process = start_server(socket_path, 1, "--idle-timeout", "0")
-    try:
-        monkeypatch.setenv("MGPU_SOCKET", str(socket_path))  # never start a fleet of its own
-        api.configure(address=str(socket_path))
-        yield socket_path
-    finally:
-        api.configure()
-        stop_server(process)
+    yield from api_fleet(tmp_path, monkeypatch)
 
 
 def test_tiny_api_workflows_of_both_versions_run_through_the_nodes_on_a_real_fleet(one_rank_fleet):
