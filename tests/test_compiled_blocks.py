@@ -45,11 +45,11 @@ SHARED_GRAPHS = tuple(int(part) for part in torch.__version__.split("+")[0].spli
 SP_CASES = ("unperturbed", "stg_perturbed", "modality_isolated")
 
 
-def _deep_model(layers: int = 6):
+def _deep_model(layers: int = 6, variant: str = "19b"):
     """The tiny model with more blocks, so a compile per block would show in the graph count."""
     from ltx_core.model.transformer import LTXModelConfigurator, X0Model
 
-    config = tiny_transformer_config()
+    config = tiny_transformer_config(variant)
     config["transformer"]["num_layers"] = layers
     model = LTXModelConfigurator.from_config(config)
     generator = torch.Generator().manual_seed(1)
@@ -69,9 +69,10 @@ def _calls():
     return [(*short, None), (*longer, None), (*_inputs(4), None), (*short, _isolated()), (*short, _stg())]
 
 
-def test_compiled_blocks_equal_eager_and_share_graphs_across_blocks_with_torch_2_14():
+@pytest.mark.parametrize("variant", ["19b", "22b"])  # the LTX-2.0 and LTX-2.3 block layouts
+def test_compiled_blocks_equal_eager_and_share_graphs_across_blocks_with_torch_2_14(variant):
     torch._dynamo.reset()
-    model = _deep_model()
+    model = _deep_model(variant=variant)
     blocks = len(transformer_blocks(model))
     calls = _calls()
     eager = _forwards(model, calls)
@@ -152,9 +153,9 @@ def test_compile_blocks_argument_is_off_by_default_cuda_only_and_boolean():
         compile_blocks_wanted("yes", torch.device("cpu"))
 
 
-def _compiled_sp_on_ranks() -> bytes:
+def _compiled_sp_on_ranks(variant: str) -> bytes:
     torch.set_num_threads(1)
-    model = build_tiny_model("19b")
+    model = build_tiny_model(variant)
     apply_sequence_parallel(model, Comm.world())
     apply_compiled_blocks(model, backend="aot_eager")
     cases = sp_forward_cases()
@@ -163,12 +164,13 @@ def _compiled_sp_on_ranks() -> bytes:
     return portable(outputs)
 
 
-def test_compiled_blocks_under_sp_degree_2_match_single_rank_eager_fp32():
+@pytest.mark.parametrize("variant", ["19b", "22b"])
+def test_compiled_blocks_under_sp_degree_2_match_single_rank_eager_fp32(variant):
     cases = sp_forward_cases()
     with torch.no_grad():
-        model = single_threaded(build_tiny_model, "19b")
+        model = single_threaded(build_tiny_model, variant)
         reference = {name: single_threaded(lambda c=cases[name]: model(video=c[1], audio=c[2], perturbations=c[3])) for name in SP_CASES}
-    for rank, outputs in enumerate(from_portable(run_ranks(2, _compiled_sp_on_ranks))):
+    for rank, outputs in enumerate(from_portable(run_ranks(2, _compiled_sp_on_ranks, variant))):
         for name in SP_CASES:
             for slot, what in enumerate(("video", "audio")):
                 diff = _max_abs_diff(outputs[name][slot], reference[name][slot])
