@@ -33,7 +33,6 @@ from _common import (  # noqa: I001 - _common puts the repository on sys.path fi
     bench_parser,
     run_bench,
     bench_dtype,
-    emit,
     log,
     markdown_table,
     materialize_random_,
@@ -41,7 +40,6 @@ from _common import (  # noqa: I001 - _common puts the repository on sys.path fi
     peak_memory_text,
     reset_peak_memory,
     resolve_device,
-    stdout_to_stderr,
     synchronize,
     time_calls,
 )

@@ -87,7 +87,7 @@ def plain_ltx_core(config: dict, size: tuple[int, int, int], steps: int, device:
         )  # fmt: skip
         video, audio = video_state.latent.float().cpu(), audio_state.latent.float().cpu()  # already unpatchified
     boundaries = [started, *marks]
-    del model
+    model = None  # the fleet run that follows needs the GPU memory; the closure above is done with it
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return [b - a for a, b in zip(boundaries, boundaries[1:])], video, audio

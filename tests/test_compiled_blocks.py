@@ -73,7 +73,6 @@ def _calls():
 def test_compiled_blocks_equal_eager_and_share_graphs_across_blocks_with_torch_2_14(variant):
     torch._dynamo.reset()
     model = _deep_model(variant=variant)
-    blocks = len(transformer_blocks(model))
     calls = _calls()
     eager = _forwards(model, calls)
     assert apply_compiled_blocks(model, backend="aot_eager")
