@@ -141,7 +141,7 @@ def test_the_fleet_on_two_ranks_gives_the_world_1_cfg_steps_and_the_multi_gpu_no
     socket_dir.mkdir(mode=0o700)
     world_1 = comfy_native.run_fleet(spec, inputs, "float32", 1, str(socket_dir), None, cpu_ranks=1, forwards=False)
     world_2 = comfy_native.run_fleet(spec, inputs, "float32", 1, str(socket_dir), None, cpu_ranks=2, forwards=False)
-    assert "1 guidance groups x SP degree 1 on 1 ranks for 2 passes" in world_1[0].notes[0]
+    assert "1 guidance groups x SP degree 1 on 1 rank for 2 passes" in world_1[0].notes[0]
     # Two passes on two ranks: the planner runs them side by side (one guidance group each).
     assert "2 guidance groups x SP degree 1 on 2 ranks for 2 passes" in world_2[0].notes[0], world_2[0].notes
     for single, multi in zip(world_1[0].stepped, world_2[0].stepped):
