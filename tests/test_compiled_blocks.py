@@ -177,9 +177,10 @@ def test_compiled_blocks_under_sp_degree_2_match_single_rank_eager_fp32(variant)
 
 
 @gpu
-def test_gpu_inductor_blocks_with_graph_replay_match_eager_within_bf16_noise():
+@pytest.mark.parametrize("variant", ["19b", "22b"])
+def test_gpu_inductor_blocks_with_graph_replay_match_eager_within_bf16_noise(variant):
     device = torch.device("cuda", torch.cuda.current_device())
-    model = build_tiny_model(seed=9).to(device=device, dtype=torch.bfloat16)
+    model = build_tiny_model(variant, seed=9).to(device=device, dtype=torch.bfloat16)
     calls = [(*_inputs(seed, device=device, dtype=torch.bfloat16), None) for seed in (10, 11)]
     eager = _forwards(model, calls)
     wrapper = CapturedForward(model)

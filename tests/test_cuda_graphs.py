@@ -150,9 +150,10 @@ def test_cuda_graphs_argument_defaults_to_the_device_and_refuses_non_booleans():
 
 @pytest.mark.gpu
 @gpu
-def test_captured_forward_matches_eager_bf16_over_new_values_and_two_shapes():
+@pytest.mark.parametrize("variant", ["19b", "22b"])  # the LTX-2.0 and LTX-2.3 block layouts
+def test_captured_forward_matches_eager_bf16_over_new_values_and_two_shapes(variant):
     device = torch.device("cuda", torch.cuda.current_device())
-    model = build_tiny_model(seed=21).to(device, torch.bfloat16)
+    model = build_tiny_model(variant, seed=21).to(device, torch.bfloat16)
     wrapper = CapturedForward(model)
     worst, scale = 0.0, 0.0
     calls = [(frames, seed, perturbations) for frames in (3, 5) for seed in (31, 32, 33) for perturbations in (None,)]
@@ -173,9 +174,10 @@ def test_captured_forward_matches_eager_bf16_over_new_values_and_two_shapes():
 
 @pytest.mark.gpu
 @gpu
-def test_captured_forward_reads_new_inputs_not_the_captured_ones():
+@pytest.mark.parametrize("variant", ["19b", "22b"])  # the LTX-2.0 and LTX-2.3 block layouts
+def test_captured_forward_reads_new_inputs_not_the_captured_ones(variant):
     device = torch.device("cuda", torch.cuda.current_device())
-    model = build_tiny_model(seed=22).to(device, torch.bfloat16)
+    model = build_tiny_model(variant, seed=22).to(device, torch.bfloat16)
     wrapper = CapturedForward(model)
     with torch.inference_mode():
         first = wrapper(*_inputs(41, device=device, dtype=torch.bfloat16))
