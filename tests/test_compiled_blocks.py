@@ -43,6 +43,7 @@ from tests.test_sequence_parallel import (
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SHARED_GRAPHS = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)
 SP_CASES = ("unperturbed", "stg_perturbed", "modality_isolated")
+VARIANTS = ("19b", "22b")  # the LTX-2.0 and LTX-2.3 block layouts
 
 
 def _deep_model(layers: int = 6, variant: str = "19b"):
@@ -69,7 +70,7 @@ def _calls():
     return [(*short, None), (*longer, None), (*_inputs(4), None), (*short, _isolated()), (*short, _stg())]
 
 
-@pytest.mark.parametrize("variant", ["19b", "22b"])  # the LTX-2.0 and LTX-2.3 block layouts
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_compiled_blocks_equal_eager_and_share_graphs_across_blocks_with_torch_2_14(variant):
     torch._dynamo.reset()
     model = _deep_model(variant=variant)
@@ -152,32 +153,35 @@ def test_compile_blocks_argument_is_off_by_default_cuda_only_and_boolean():
         compile_blocks_wanted("yes", torch.device("cpu"))
 
 
-def _compiled_sp_on_ranks(variant: str) -> bytes:
+def _compiled_sp_on_ranks() -> bytes:
     torch.set_num_threads(1)
-    model = build_tiny_model(variant)
-    apply_sequence_parallel(model, Comm.world())
-    apply_compiled_blocks(model, backend="aot_eager")
-    cases = sp_forward_cases()
-    with torch.no_grad():
-        outputs = {name: model(video=cases[name][1], audio=cases[name][2], perturbations=cases[name][3]) for name in SP_CASES}
+    cases, outputs = sp_forward_cases(), {}
+    for variant in VARIANTS:  # one spawn of the ranks serves both layouts
+        model = build_tiny_model(variant)
+        apply_sequence_parallel(model, Comm.world())
+        apply_compiled_blocks(model, backend="aot_eager")
+        with torch.no_grad():
+            outputs[variant] = {name: model(video=cases[name][1], audio=cases[name][2], perturbations=cases[name][3]) for name in SP_CASES}
     return portable(outputs)
 
 
-@pytest.mark.parametrize("variant", ["19b", "22b"])
-def test_compiled_blocks_under_sp_degree_2_match_single_rank_eager_fp32(variant):
+def test_compiled_blocks_under_sp_degree_2_match_single_rank_eager_fp32():
     cases = sp_forward_cases()
+    reference = {}
     with torch.no_grad():
-        model = single_threaded(build_tiny_model, variant)
-        reference = {name: single_threaded(lambda c=cases[name]: model(video=c[1], audio=c[2], perturbations=c[3])) for name in SP_CASES}
-    for rank, outputs in enumerate(from_portable(run_ranks(2, _compiled_sp_on_ranks, variant))):
-        for name in SP_CASES:
-            for slot, what in enumerate(("video", "audio")):
-                diff = _max_abs_diff(outputs[name][slot], reference[name][slot])
-                assert diff <= 1e-5, f"rank {rank}, {name}, {what}: max abs diff {diff}"
+        for variant in VARIANTS:
+            model = single_threaded(build_tiny_model, variant)
+            reference[variant] = {name: single_threaded(lambda c=cases[name]: model(video=c[1], audio=c[2], perturbations=c[3])) for name in SP_CASES}
+    for rank, outputs in enumerate(from_portable(run_ranks(2, _compiled_sp_on_ranks))):
+        for variant in VARIANTS:
+            for name in SP_CASES:
+                for slot, what in enumerate(("video", "audio")):
+                    diff = _max_abs_diff(outputs[variant][name][slot], reference[variant][name][slot])
+                    assert diff <= 1e-5, f"{variant} rank {rank}, {name}, {what}: max abs diff {diff}"
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["19b", "22b"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_gpu_inductor_blocks_with_graph_replay_match_eager_within_bf16_noise(variant):
     device = torch.device("cuda", torch.cuda.current_device())
     model = build_tiny_model(variant, seed=9).to(device=device, dtype=torch.bfloat16)
