@@ -124,6 +124,7 @@ def test_an_ltx_2_3_checkpoint_is_refused_in_words_when_comfyui_does_not_impleme
     assert "Traceback" not in completed.stderr
 
 
+@pytest.mark.slow
 def test_the_fleet_on_two_ranks_gives_the_world_1_cfg_steps_and_the_multi_gpu_notes_say_so(tmp_path, monkeypatch):
     """The ``--multi-gpu`` comparison's fleet side, on two gloo ranks (the CLI runs it on 2+ GPUs only):
     the planner's split of the two CFG passes gives the world-1 latents; no ComfyUI is needed."""

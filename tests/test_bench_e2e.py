@@ -33,6 +33,7 @@ def table_rows(stdout: str) -> list[list[str]]:
     return [[cell.strip() for cell in line.split("|")[1:-1]] for line in stdout.splitlines() if line.startswith("| ") and "---" not in line]
 
 
+@pytest.mark.slow
 def test_fleet_only_run_with_minimal_residency_and_fp8_cast_reports_the_decision_the_ranks_logged(tmp_path):
     out = tmp_path / "e2e.md"
     completed = run_bench(
@@ -63,6 +64,7 @@ def test_fleet_only_run_with_minimal_residency_and_fp8_cast_reports_the_decision
     assert out.read_text().lstrip().startswith("`python "), "the --out file carries the command line"
 
 
+@pytest.mark.slow
 def test_a_cap_below_what_the_model_needs_prints_the_fleets_refusal_not_a_traceback():
     completed = run_bench("--tiny", "--cpu-ranks", "1", "--fleet-only", "--memory-gb", "1")
     assert completed.returncode == 1, completed.stderr[-3000:]
@@ -73,6 +75,7 @@ def test_a_cap_below_what_the_model_needs_prints_the_fleets_refusal_not_a_traceb
     assert "CPU ranks planned for 1 GiB" in completed.stdout
 
 
+@pytest.mark.slow
 def test_the_distilled_recipe_runs_on_both_sides_with_equal_outputs():
     completed = run_bench("--tiny", "--pipeline", "distilled", timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]

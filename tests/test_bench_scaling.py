@@ -39,6 +39,7 @@ def table_rows(stdout: str) -> list[dict]:
     return [{"size": row[0], "world": int(row[2]), "plan": row[3], "diffs": [float(v) for v in row[7].split(" / ")]} for row in rows]
 
 
+@pytest.mark.slow
 def test_two_stage_recipe_times_sp_and_guidance_groups_against_one_rank():
     completed = run_bench("--plans", "sp,guidance")
     assert completed.returncode == 0, completed.stderr[-3000:]
@@ -52,6 +53,7 @@ def test_two_stage_recipe_times_sp_and_guidance_groups_against_one_rank():
         assert all(diff <= BF16_NOISE for diff in row["diffs"]), row
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", ["2.0", "2.3"])
 def test_distilled_recipe_runs_the_sp_plans_and_says_why_guidance_groups_are_skipped(tmp_path, version):
     out = tmp_path / "scaling.md"

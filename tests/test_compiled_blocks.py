@@ -165,6 +165,7 @@ def _compiled_sp_on_ranks() -> bytes:
     return portable(outputs)
 
 
+@pytest.mark.slow
 def test_compiled_blocks_under_sp_degree_2_match_single_rank_eager_fp32():
     cases = sp_forward_cases()
     reference = {}

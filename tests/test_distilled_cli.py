@@ -24,6 +24,7 @@ def test_generate_runs_the_distilled_pipeline_on_the_embedded_tiny_bundle(tmp_pa
     assert (dump["stage2_audio"] - dump["stage1_audio"]).abs().max().item() > 0.05
 
 
+@pytest.mark.slow
 def test_distilled_debug_dump_under_sp_is_identical_at_1_and_2_cpu_ranks(tmp_path):
     dumps = {}
     for ranks in (1, 2):

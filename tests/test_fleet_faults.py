@@ -79,6 +79,7 @@ def test_a_failure_on_one_rank_after_its_last_collective_keeps_the_groups_and_th
         assert rank_pids(client) == pids
 
 
+@pytest.mark.slow
 def test_a_stopped_rank_is_named_in_every_trial_and_only_it_is_replaced(fleet):
     with connect(fleet) as client:
         for trial, stopped_rank in enumerate([1, 0, 1, 0]):
@@ -98,6 +99,7 @@ def test_a_stopped_rank_is_named_in_every_trial_and_only_it_is_replaced(fleet):
             assert remembered[1 - stopped_rank] == trial and remembered[stopped_rank] == -1
 
 
+@pytest.mark.slow
 def test_a_rank_computing_a_step_longer_than_the_rank_timeout_is_not_declared_hung(fleet):
     with connect(fleet) as client:
         restarts, pids = client.status()["fleet_restarts"], rank_pids(client)
@@ -109,6 +111,7 @@ def test_a_rank_computing_a_step_longer_than_the_rank_timeout_is_not_declared_hu
         assert client.status()["fleet_restarts"] == restarts and rank_pids(client) == pids
 
 
+@pytest.mark.slow
 def test_a_cancel_during_a_long_step_stops_every_rank_at_the_next_step_boundary(fleet):
     with connect(fleet) as client:
         pids = rank_pids(client)
@@ -274,6 +277,7 @@ def _start_a_long_step(socket_path) -> tuple[FleetClient, threading.Thread, list
     return client, runner, events
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["stop", "ctrl-c"])
 def test_shutdown_during_a_long_step_ends_every_rank_and_starts_none(tmp_path, how):
     process, socket_path = _own_server(tmp_path)

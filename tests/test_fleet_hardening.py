@@ -341,6 +341,7 @@ def test_a_clean_shutdown_unlinks_queued_inputs_and_unread_results(tmp_path):
 
 
 # -- bounds -------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_hello_trickled_byte_by_byte_is_cut_off_at_the_handshake_deadline(fleet):
     sock = raw(fleet, authenticate=False)
     hello = frame(json.dumps({"type": "hello", "fields": {"version": protocol.PROTOCOL_VERSION, "nonce": "0" * 64}}).encode())
@@ -435,6 +436,7 @@ def test_frames_being_read_share_one_byte_budget_and_return_it():
         assert budget.used == 48 << 10  # the refused frame gave back what it took
 
 
+@pytest.mark.slow
 def test_a_frame_stalled_half_way_gets_an_error_at_its_deadline(fleet):
     sock = raw(fleet)
     header = submit_header(4096)

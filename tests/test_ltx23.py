@@ -188,6 +188,7 @@ def assert_equal(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
     assert diff == 0.0, f"{what} at 4 ranks differs from one process by {diff}"
 
 
+@pytest.mark.slow
 def test_every_job_of_ltx23_at_four_cpu_ranks_equals_one_process_bf16(fleet, cache):
     """load, encode (sharded and batch-parallel Gemma), sample under sp / guidance / hybrid, the
     upscale with the distilled LoRA swapped in and out, and the distributed decode: each equal to

@@ -263,6 +263,7 @@ def test_generate_writes_an_h264_aac_mp4_on_the_tiny_bundle_and_says_so(tmp_path
     assert torch.equal(dump["stage2_audio"], dump["stage1_audio"])
 
 
+@pytest.mark.slow
 def test_debug_dump_is_identical_at_1_2_and_4_cpu_ranks(tmp_path):
     dumps = {}
     for ranks in (1, 2, 4):
