@@ -296,7 +296,7 @@ class TDPUpscale:
             fields=fields,
             dtype=handle["dtype"],
         )
-        node_note(unique_id, f"{fields.get('plan', 'stage 2')}; audio: {fields.get('audio', 'the stage-1 audio')}")
+        node_note(unique_id, fields.get("plan", "stage 2"))  # the plan's reason already says what stage 2 does with the audio
         if fields.get("stage2_parallel") == "sp":
             return (make_av_latent(refined_video, refined_audio, rate, stages=2),)  # denoised over the whole latent: faithful
         # TDP must not change the audio (its audio is context only). Reusing the input tensor makes

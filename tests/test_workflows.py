@@ -13,6 +13,7 @@ import importlib.util
 import inspect
 import io
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -453,11 +454,16 @@ def one_rank_fleet(tmp_path, monkeypatch):
     yield from api_fleet(tmp_path, monkeypatch)
 
 
-def test_tiny_api_workflows_of_both_versions_run_through_the_nodes_on_a_real_fleet(one_rank_fleet):
+def test_tiny_api_workflows_of_both_versions_run_through_the_nodes_on_a_real_fleet(one_rank_fleet, caplog):
     results = {}
     for name in ("ltx2_t2v_tiny", "ltx23_t2v_tiny"):
         prompt = read(WORKFLOWS / "api" / f"{name}.json")
-        results[name] = run_api_prompt_through_the_nodes(prompt)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="comfyui-mgpu"):
+            results[name] = run_api_prompt_through_the_nodes(prompt)
+        # TDP Upscale's note is the stage-2 plan, which says once what happens to the audio.
+        (stage2_note,) = [record.getMessage() for record in caplog.records if record.getMessage().startswith("stage-2 plan")]
+        assert "tiled data parallel on 1 rank for" in stage2_note and stage2_note.count("stage-1 audio") == 1, stage2_note
         (sampler,) = [node["inputs"] for node in prompt.values() if node["class_type"] == "MGPUSPSampler"]
         frames, audio = results[name]["MGPUDistributedVAEDecode"]
         assert tuple(frames.shape) == (sampler["length"], 2 * sampler["height"], 2 * sampler["width"], 3), frames.shape
