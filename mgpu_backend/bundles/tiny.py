@@ -221,3 +221,12 @@ def default_tiny_bundle(version: str = "2.0") -> TinyBundle:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return _bundle_at(final, version)
+
+
+def tiny_spec(version: str = "2.0"):
+    """The ``ModelSpec`` of the embedded tiny LTX-``version`` bundle with its real paths, the bundle made
+    in the cache folder on first use (writes files: for the fleet's processes and tests; the ComfyUI
+    side names it ``ModelSpec.embedded_tiny`` and never writes)."""
+    from mgpu_backend.ltx.schema import ModelSpec
+
+    return ModelSpec.embedded_tiny(version=version).resolve_embedded(default_tiny_bundle(version))

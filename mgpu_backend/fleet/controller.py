@@ -83,6 +83,22 @@ class DeviceSpec:
             raise ValueError(f"GPU index {missing[0]} is not visible: CUDA_VISIBLE_DEVICES={inherited} shows {len(ids)} GPU(s)")
         return [ids[gpu] for gpu in self.gpus]
 
+    def check_gpus_visible(self) -> None:
+        """GPUs named by index must exist here: otherwise every rank would die with a CUDA traceback."""
+        if not self.gpus:
+            return
+        import torch
+
+        count = torch.cuda.device_count()
+        missing = [gpu for gpu in self.gpus if not 0 <= gpu < count]
+        if count == 0:
+            raise ValueError(
+                f"--gpus {','.join(map(str, self.gpus))} names CUDA GPUs, but none is visible (no CUDA device or driver, or "
+                "CUDA_VISIBLE_DEVICES hides them); use --cpu-ranks N to run on the CPU"
+            )
+        if missing:
+            raise ValueError(f"--gpus names GPU {','.join(map(str, missing))}, but only GPUs 0..{count - 1} are visible; use indices in that range")
+
     @classmethod
     def parse(cls, gpus: str | None, cpu_ranks: int | None) -> DeviceSpec:
         if gpus and cpu_ranks:

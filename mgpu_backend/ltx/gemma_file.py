@@ -75,7 +75,7 @@ _REMEDY = (
 
 
 def _model_file_error(message: str):
-    from mgpu_backend.ltx.loading import ModelFileError
+    from mgpu_backend.ltx.schema import ModelFileError
 
     return ModelFileError(message)
 
@@ -105,9 +105,9 @@ def inspect_gemma_file(path: str) -> GemmaFile:
     Reads the header, the tiny ``comfy_quant`` entries of a quantized file and nothing else; raises
     ModelFileError naming the file and the fix.
     """
-    from mgpu_backend.ltx.loading import _read_header
+    from mgpu_backend.ltx.safetensors_header import read_header
 
-    header = _read_header(path, "Gemma text encoder", _REMEDY)
+    header = read_header(path, "Gemma text encoder", _REMEDY)
     tensors = header.tensors
     if any(name.startswith(("language_model.model.", "model.language_model.")) for name in tensors):
         raise _model_file_error(
@@ -148,9 +148,9 @@ def text_stack_tensors(path: str) -> dict:
     """The header entries (dtype, shape) of the text-stack tensors the fleet builds from the file: the
     ``model.*`` weights, NVFP4 ones at their unpacked shape, without the quantization scales, the vision
     tower, the projector or the tokenizer (what the residency plan sizes Gemma by)."""
-    from mgpu_backend.ltx.loading import _read_header
+    from mgpu_backend.ltx.safetensors_header import read_header
 
-    header = _read_header(path, "Gemma text encoder", _REMEDY)
+    header = read_header(path, "Gemma text encoder", _REMEDY)
     shapes = _logical_shapes(header.tensors, _weight_formats(path, header))
     return {
         name: entry for name, entry in shapes.items()
@@ -409,12 +409,12 @@ def gemma_folder_to_comfy_file(gemma_root: str, out_path: str, weights: str = "b
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from mgpu_backend.ltx.loading import _gemma_config, _gemma_files
+    from mgpu_backend.ltx.hf_gemma import gemma_folder_config, gemma_folder_files
 
     if weights not in ("bf16", "fp8_scaled"):
         raise ValueError(f"weights must be 'bf16' or 'fp8_scaled', got {weights!r}")
-    text_config = _gemma_config(gemma_root)["text_config"]
-    _, weight_paths = _gemma_files(gemma_root)
+    text_config = gemma_folder_config(gemma_root)["text_config"]
+    _, weight_paths = gemma_folder_files(gemma_root)
     tensors: dict[str, torch.Tensor] = {}
     for weight_path in weight_paths:
         with safe_open(weight_path, framework="pt") as f:

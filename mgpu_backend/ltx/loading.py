@@ -57,6 +57,7 @@ from ltx_core.model.video_vae import (
 )
 
 from mgpu_backend.ltx import fp8
+from mgpu_backend.ltx.hf_gemma import gemma_folder_config, gemma_folder_files
 from mgpu_backend.ltx.safetensors_header import SafetensorsHeader, model_version_of, read_header
 from mgpu_backend.ltx.schema import ModelFileError, ModelSpec  # noqa: F401 - re-exported: the loader's callers name them here
 
@@ -84,46 +85,6 @@ _UPSAMPLER_KEYS = ("initial_conv.weight", "final_conv.weight")
 # The one torch-free header reader, under the names the loader's callers import.
 _SafetensorsHeader = SafetensorsHeader
 _read_header = read_header
-
-
-def _gemma_files(gemma_root: str) -> tuple[Path, list[str]]:
-    """The Gemma config.json and weight files, found the way ltx-core finds them."""
-    root = Path(gemma_root)
-    weights = sorted(root.rglob("model*.safetensors"))
-    missing = [name for name in ("tokenizer.model",) if not any(root.rglob(name))]
-    if not weights or missing:
-        what = ", ".join((["model*.safetensors"] if not weights else []) + missing)
-        raise ModelFileError(
-            f"Gemma folder {gemma_root} has no {what}; it must hold the whole Gemma-3 text encoder as "
-            "published (config, weights and tokenizer files)"
-        )
-    model_folder = weights[0].parent
-    config_path = model_folder / "config.json"
-    if not config_path.is_file():
-        raise ModelFileError(
-            f"Gemma folder {model_folder} has no config.json next to its weights; copy it from the release"
-        )
-    return config_path, sorted(str(p) for p in model_folder.rglob("*.safetensors"))
-
-
-def _gemma_config(gemma_root: str) -> dict:
-    """ltx-core's Gemma-3 12B configuration, updated with the folder's own config.json."""
-    from ltx_core.text_encoders.gemma.config import GEMMA3_CONFIG_FOR_LTX
-
-    config_path, _ = _gemma_files(gemma_root)
-    try:
-        folder_config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as error:
-        raise ModelFileError(
-            f"Gemma config {config_path} is not valid JSON ({error}); restore it from the release"
-        ) from error
-    config = GEMMA3_CONFIG_FOR_LTX.to_dict()
-    for key, value in folder_config.items():
-        if key in ("text_config", "vision_config") and isinstance(value, dict):
-            config[key].update(value)
-        else:
-            config[key] = value
-    return config
 
 
 def is_gemma_file(gemma_root: str) -> bool:
@@ -163,8 +124,8 @@ def _gemma_weights(gemma_root: str) -> _GemmaWeights:
         return _GemmaWeights(gemma_root, (str(gemma_root),), COMFY_GEMMA_KEY_OPS, text_config, from_comfy_file=True)
     from mgpu_backend.ltx.gemma_encoder import GEMMA_FOLDER_KEY_OPS
 
-    _, weight_paths = _gemma_files(gemma_root)
-    text_config = _gemma_config(gemma_root)["text_config"]
+    _, weight_paths = gemma_folder_files(gemma_root)
+    text_config = gemma_folder_config(gemma_root)["text_config"]
     return _GemmaWeights(gemma_root, tuple(weight_paths), GEMMA_FOLDER_KEY_OPS, text_config, from_comfy_file=False)
 
 

@@ -149,18 +149,20 @@ def sizes_from_headers(checkpoint: Headers, upsampler: Headers | None, gemma: He
 def component_sizes(spec, dtype: torch.dtype = torch.bfloat16) -> ComponentSizes:
     """``sizes_from_headers`` for the files of a model spec (headers only: nothing is loaded)."""
     from mgpu_backend.ltx.gemma_file import text_stack_tensors
-    from mgpu_backend.ltx.loading import _gemma_files, _read_header, is_gemma_file
+    from mgpu_backend.ltx.hf_gemma import gemma_folder_files
+    from mgpu_backend.ltx.loading import is_gemma_file
+    from mgpu_backend.ltx.safetensors_header import read_header
 
-    checkpoint = _read_header(spec.checkpoint_path, "checkpoint", "Choose the LTX-2 audio+video checkpoint.").tensors
+    checkpoint = read_header(spec.checkpoint_path, "checkpoint", "Choose the LTX-2 audio+video checkpoint.").tensors
     upsampler = None
     if spec.spatial_upsampler_path is not None:
-        upsampler = _read_header(spec.spatial_upsampler_path, "spatial upsampler", "Choose the LTX-2 spatial upscaler.").tensors
+        upsampler = read_header(spec.spatial_upsampler_path, "spatial upsampler", "Choose the LTX-2 spatial upscaler.").tensors
     gemma: Headers = {}
     if is_gemma_file(spec.gemma_root):  # ComfyUI's single file: its text stack, dequantized as it loads
         gemma = text_stack_tensors(spec.gemma_root)
     else:
-        for path in _gemma_files(spec.gemma_root)[1]:
-            gemma.update(_read_header(path, "Gemma weights", "Restore the Gemma folder from the release.").tensors)
+        for path in gemma_folder_files(spec.gemma_root)[1]:
+            gemma.update(read_header(path, "Gemma weights", "Restore the Gemma folder from the release.").tensors)
     return sizes_from_headers(checkpoint, upsampler, gemma, dtype)
 
 

@@ -367,15 +367,6 @@ class ModelSpec:
             return replace(cls.embedded_tiny(distilled_lora=False, version=version), checkpoint_path=EMBEDDED_DISTILLED_CHECKPOINTS[version])
         return cls.embedded_tiny(version=version)
 
-    @classmethod
-    def tiny(cls, version: str = "2.0") -> ModelSpec:
-        """The embedded tiny bundle of LTX-``version`` with its real paths, made in the cache folder on first use.
-
-        Writes files: for the fleet's processes and tests. The ComfyUI side uses ``embedded_tiny``."""
-        from mgpu_backend.bundles.tiny import default_tiny_bundle
-
-        return cls.embedded_tiny(version=version).resolve_embedded(default_tiny_bundle(version))
-
     def _paths(self) -> tuple[str | None, ...]:
         return (self.checkpoint_path, self.gemma_root, self.spatial_upsampler_path, self.distilled_lora, *(path for path, _ in self.loras))
 

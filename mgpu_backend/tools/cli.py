@@ -25,7 +25,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         devices = DeviceSpec.parse(args.gpus, args.cpu_ranks)
-        check_gpus_visible(devices.gpus)
+        devices.check_gpus_visible()
         address = Address.parse(args.socket)
     except (ValueError, AddressError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -46,23 +46,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"error: the fleet's ranks did not start: {exc}", file=sys.stderr)
         return 1
     return 0
-
-
-def check_gpus_visible(gpus: tuple[int, ...]) -> None:
-    """GPUs named by index must exist here: otherwise every rank would die with a CUDA traceback."""
-    if not gpus:
-        return
-    import torch
-
-    count = torch.cuda.device_count()
-    missing = [gpu for gpu in gpus if not 0 <= gpu < count]
-    if count == 0:
-        raise ValueError(
-            f"--gpus {','.join(map(str, gpus))} names CUDA GPUs, but none is visible (no CUDA device or driver, or "
-            "CUDA_VISIBLE_DEVICES hides them); use --cpu-ranks N to run on the CPU"
-        )
-    if missing:
-        raise ValueError(f"--gpus names GPU {','.join(map(str, missing))}, but only GPUs 0..{count - 1} are visible; use indices in that range")
 
 
 def _client(args: argparse.Namespace):

@@ -430,11 +430,10 @@ def attach_fleet(args) -> tuple[bool, str]:
 def _devices_wanted(args) -> str:
     """The devices a fleet started for this run gets, in the server's words."""
     from mgpu_backend.fleet.controller import DeviceSpec
-    from mgpu_backend.tools.cli import check_gpus_visible
 
     try:
         devices = DeviceSpec.parse(args.gpus, args.cpu_ranks)
-        check_gpus_visible(devices.gpus)  # else the fleet would start and every rank die on CUDA
+        devices.check_gpus_visible()  # else the fleet would start and every rank die on CUDA
     except ValueError as exc:
         raise refuse(str(exc)) from None
     return devices.describe()
