@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
-from mgpu_backend.fleet.client import FleetClient
+from mgpu_backend.fleet.client import FleetClient, FleetUnavailable
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -100,6 +102,35 @@ def module_fleet(tmp_path_factory, name: str, cpu_ranks: int = 2, *extra: str, e
     process = start_server(socket_path, cpu_ranks, "--idle-timeout", "0", *extra, env=env)
     try:
         yield socket_path
+    finally:
+        stop_server(process)
+
+
+@contextmanager
+def tcp_fleet(tmp_path: Path, monkeypatch) -> Iterator[tuple[str, int, Path]]:
+    """A one-rank fleet served on a free loopback TCP port, its token under a private runtime folder:
+    yields ``(address, port, runtime folder)`` once a client can connect, and stops it after."""
+    runtime = tmp_path / "runtime"
+    runtime.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    address = f"tcp://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "mgpu_backend", "serve", "--socket", address, "--cpu-ranks", "1", "--idle-timeout", "0"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_RUNTIME_DIR": str(runtime)}
+    process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                FleetClient.connect(address, autostart=False).close()
+                break
+            except FleetUnavailable:
+                assert time.monotonic() < deadline and process.poll() is None, "TCP server did not come up"
+                time.sleep(0.2)
+        yield address, port, runtime
     finally:
         stop_server(process)
 

@@ -306,35 +306,14 @@ def test_protocol_rejects_a_header_that_lies_about_tensor_sizes():
 
 
 def test_tcp_loopback_fallback_serves_with_the_token_and_refuses_without(tmp_path, monkeypatch):
-    runtime = tmp_path / "runtime"
-    runtime.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    address = f"tcp://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "mgpu_backend", "serve", "--socket", address, "--cpu-ranks", "1", "--idle-timeout", "0"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_RUNTIME_DIR": str(runtime)}
-    process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                client = FleetClient.connect(address, autostart=False)
-                break
-            except Exception:  # noqa: BLE001 - not up yet
-                assert time.monotonic() < deadline and process.poll() is None, "TCP server did not come up"
-                time.sleep(0.2)
-        with client:
+    with fleet_harness.tcp_fleet(tmp_path, monkeypatch) as (address, port, runtime):
+        with FleetClient.connect(address, autostart=False) as client:
             assert client.run("echo", {}, {"x": torch.arange(4)}).tensors["x"].tolist() == [0, 1, 2, 3]
         token_file = runtime / "comfyui-mgpu" / f"tcp-{port}.token"
         assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600
         sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         assert fleet_harness.raw_handshake(sock, "wrong").fields["message"] == "authentication failed: wrong token"
         sock.close()
-    finally:
-        stop_server(process)
 
 
 def test_gpu_indices_are_taken_within_an_inherited_cuda_visible_devices():

@@ -624,26 +624,7 @@ def test_serve_on_a_socket_path_it_cannot_use_says_so_without_a_traceback(tmp_pa
 
 
 def test_over_tcp_the_handshake_bounds_and_isolation_hold_too(tmp_path, monkeypatch):
-    runtime = tmp_path / "runtime"
-    runtime.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
-    address = f"tcp://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "mgpu_backend", "serve", "--socket", address, "--cpu-ranks", "1", "--idle-timeout", "0"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_RUNTIME_DIR": str(runtime)}
-    process = subprocess.Popen(command, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                FleetClient.connect(address, autostart=False).close()
-                break
-            except FleetUnavailable:
-                assert time.monotonic() < deadline and process.poll() is None, "TCP server did not come up"
-                time.sleep(0.2)
+    with fleet_harness.tcp_fleet(tmp_path, monkeypatch) as (address, port, _):
         token = Address.parse(address).token_path.read_text()
 
         def tcp(authenticate: bool = True) -> socket.socket:
@@ -667,5 +648,3 @@ def test_over_tcp_the_handshake_bounds_and_isolation_hold_too(tmp_path, monkeypa
             owner.close()  # its unread result is unlinked with it
             wait_until(lambda: not (shm.SHM_DIR / result.shm[0]["segment"]).exists(), what="the result unlinked")
             assert thief.run("count", {"steps": 2}).fields["total"] == 2
-    finally:
-        fleet_harness.stop_server(process)
