@@ -759,6 +759,13 @@ def _recipe_of(data: dict, op: str) -> tuple[ModelSpec, str, str, PipelineDefaul
     return spec, version, pipeline, defaults_for(version, pipeline)
 
 
+def _fill_unset(request, defaults: dict) -> None:
+    """Give each field of a frozen ``request`` that is None its value from ``defaults``."""
+    for name, default in defaults.items():
+        if getattr(request, name) is None:
+            object.__setattr__(request, name, default)
+
+
 @dataclass(frozen=True)
 class SampleRequest:
     """Stage 1: full-frame generation from noise at ``width`` x ``height`` (sequence/guidance parallel).
@@ -792,13 +799,10 @@ class SampleRequest:
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_version", request_model_version(self.spec, self.model_version))
         official = defaults_for(self.model_version, self.pipeline)
-        filled = {
+        _fill_unset(self, {
             "width": official.stage1_width, "height": official.stage1_height, "num_frames": official.num_frames,
             "frame_rate": official.frame_rate, "seed": official.seed, "steps": official.steps,
-        }  # fmt: skip
-        for name, default in filled.items():
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, default)
+        })  # fmt: skip
         object.__setattr__(self, "video_guidance", (self.video_guidance or Guidance()).over(official.video_guidance))
         object.__setattr__(self, "audio_guidance", (self.audio_guidance or Guidance()).over(official.audio_guidance))
 
@@ -876,12 +880,7 @@ class UpscaleRequest:
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_version", request_model_version(self.spec, self.model_version))
         official = defaults_for(self.model_version, self.pipeline)
-        if self.frame_rate is None:
-            object.__setattr__(self, "frame_rate", official.frame_rate)
-        if self.seed is None:
-            object.__setattr__(self, "seed", official.seed)
-        if self.sigmas is None:
-            object.__setattr__(self, "sigmas", stage2_default_sigmas(self.pipeline))
+        _fill_unset(self, {"frame_rate": official.frame_rate, "seed": official.seed, "sigmas": stage2_default_sigmas(self.pipeline)})
 
     def to_wire(self) -> dict:
         wire = {f.name: getattr(self, f.name) for f in fields(self)}
