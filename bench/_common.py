@@ -59,6 +59,16 @@ def resolve_device(name: str | None) -> torch.device:
     return device
 
 
+def bench_device(name: str | None, tiny: bool, what: str = "the full-size model (19B parameters)") -> tuple[torch.device, torch.dtype]:
+    """The device a bench runs on (made current on a GPU) and its dtype; full size refuses the CPU."""
+    device = resolve_device(name)
+    if device.type != "cuda" and not tiny:
+        raise SystemExit(f"{what} needs a GPU: use --device cuda, or --tiny on a CPU")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device, bench_dtype(device)
+
+
 def bench_dtype(device: torch.device) -> torch.dtype:
     """bf16 on GPUs, as the pipeline runs; fp32 on CPU, where bf16 kernels are slow and unrepresentative."""
     return torch.bfloat16 if device.type == "cuda" else torch.float32

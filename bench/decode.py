@@ -32,14 +32,13 @@ import torch
 from _common import (  # noqa: I001 - _common puts the repository on sys.path first
     bench_parser,
     run_bench,
-    bench_dtype,
+    bench_device,
     log,
     markdown_table,
     materialize_random_,
     median,
     peak_memory_text,
     reset_peak_memory,
-    resolve_device,
     synchronize,
     time_calls,
 )
@@ -95,12 +94,7 @@ def shm_free_bytes() -> int:
 
 
 def measure(args: argparse.Namespace) -> str:
-    device = resolve_device(args.device)
-    if device.type != "cuda" and not args.tiny:
-        raise SystemExit("the full-size decode needs a GPU: use --device cuda, or --tiny on a CPU")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dtype = bench_dtype(device)
+    device, dtype = bench_device(args.device, args.tiny, "the full-size decode")
     setup = tiny_setup() if args.tiny else FULL_SIZE
     tiling = setup.tiling
 

@@ -30,14 +30,13 @@ import torch
 
 from _common import (  # noqa: I001 - _common puts the repository on sys.path first
     REPO_ROOT,
-    bench_dtype,
+    bench_device,
     bench_parser,
     log,
     markdown_table,
     median,
     peak_memory_text,
     reset_peak_memory,
-    resolve_device,
     run_bench,
     synchronize,
     time_calls,
@@ -103,12 +102,7 @@ def relative_rms(difference: torch.Tensor, reference: torch.Tensor) -> float:
 
 
 def measure(args: argparse.Namespace) -> str:
-    device = resolve_device(args.device)
-    if device.type != "cuda" and not args.tiny:
-        raise SystemExit("the full-size model (19B parameters) needs a GPU: use --device cuda, or --tiny on a CPU")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dtype = bench_dtype(device)
+    device, dtype = bench_device(args.device, args.tiny)
     geometry, text_tokens = TINY if args.tiny else FULL_SIZE
     config = transformer_config(args.tiny, args.transformer_config)
     log(

@@ -32,13 +32,12 @@ import torch
 from _common import (  # noqa: I001 - _common puts the repository on sys.path first
     bench_parser,
     run_bench,
-    bench_dtype,
+    bench_device,
     log,
     markdown_table,
     median,
     peak_memory_text,
     reset_peak_memory,
-    resolve_device,
     synchronize,
     time_calls,
 )
@@ -70,12 +69,7 @@ def forward_inputs(video_geometry: StageGeometry, audio_geometry: StageGeometry,
 
 
 def measure(args: argparse.Namespace) -> str:
-    device = resolve_device(args.device)
-    if device.type != "cuda" and not args.tiny:
-        raise SystemExit("the full-size model (19B parameters) needs a GPU: use --device cuda, or --tiny on a CPU")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dtype = bench_dtype(device)
+    device, dtype = bench_device(args.device, args.tiny)
     setup = TINY if args.tiny else FULL_SIZE
     transformer_config = load_transformer_config(args.tiny, args.transformer_config)
     started = time.perf_counter()

@@ -34,14 +34,13 @@ from _common import (  # noqa: I001 - _common puts the repository on sys.path fi
     run_bench,
     REPO_ROOT,
     IntervalTimer,
-    bench_dtype,
+    bench_device,
     log,
     markdown_table,
     materialize_random_,
     median,
     peak_memory_text,
     reset_peak_memory,
-    resolve_device,
     synchronize,
     time_calls,
 )
@@ -163,12 +162,7 @@ def attention_milliseconds(model: X0Model, step, device: torch.device) -> tuple[
 
 
 def measure(args: argparse.Namespace) -> str:
-    device = resolve_device(args.device)
-    if device.type != "cuda" and not args.tiny:
-        raise SystemExit("the full-size model (19B parameters) needs a GPU: use --device cuda, or --tiny on a CPU")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dtype = bench_dtype(device)
+    device, dtype = bench_device(args.device, args.tiny)
     setup = TINY if args.tiny else FULL_SIZE
     geometry = setup.geometry
     video_grid = tuple(geometry.video_shape.to_torch_shape()[2:])
