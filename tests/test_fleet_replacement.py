@@ -12,7 +12,6 @@ import torch
 
 from mgpu_backend.bundles.tiny import make_tiny_bundle
 from mgpu_backend.fleet.client import FleetClient
-from mgpu_backend.ltx.loading import ModelSpec
 
 from .fleet_harness import module_fleet, wait_gone
 from .test_ltx_fleet import NEGATIVE, PROMPT, SINGLE_GPU_SIGMAS, context_tensors, sample_args
@@ -21,12 +20,7 @@ from .test_ltx_fleet import NEGATIVE, PROMPT, SINGLE_GPU_SIGMAS, context_tensors
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory) -> dict:
     bundle = make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-    return ModelSpec(
-        checkpoint_path=bundle.checkpoint_path,
-        gemma_root=bundle.gemma_root,
-        spatial_upsampler_path=bundle.spatial_upsampler_path,
-        distilled_lora=bundle.distilled_lora_path,
-    ).to_json()
+    return bundle.spec().to_json()
 
 
 @pytest.fixture(scope="module")

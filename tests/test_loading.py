@@ -22,12 +22,7 @@ def bundle(tmp_path_factory) -> tiny.TinyBundle:
 
 @pytest.fixture(scope="module")
 def spec(bundle) -> ModelSpec:
-    return ModelSpec(
-        checkpoint_path=bundle.checkpoint_path,
-        gemma_root=bundle.gemma_root,
-        spatial_upsampler_path=bundle.spatial_upsampler_path,
-        distilled_lora=bundle.distilled_lora_path,
-    )
+    return bundle.spec()
 
 
 @pytest.fixture

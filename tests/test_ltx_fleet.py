@@ -35,12 +35,7 @@ def bundle(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def spec(bundle) -> dict:
-    return ModelSpec(
-        checkpoint_path=bundle.checkpoint_path,
-        gemma_root=bundle.gemma_root,
-        spatial_upsampler_path=bundle.spatial_upsampler_path,
-        distilled_lora=bundle.distilled_lora_path,
-    ).to_json()
+    return bundle.spec().to_json()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import torch
 
 from mgpu_backend.bundles.tiny import make_tiny_bundle
 from mgpu_backend.fleet.jobs import JobContext
-from mgpu_backend.ltx.loading import ModelSpec
 from mgpu_backend.ltx.parallelize import (
     COMPILED_BLOCKS,
     CUDA_GRAPHS,
@@ -108,10 +107,7 @@ def stage_jobs_on_ranks(spec: dict) -> dict:
 @pytest.fixture(scope="module")
 def stage_jobs(tmp_path_factory):
     bundle = make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-    spec = ModelSpec(
-        checkpoint_path=bundle.checkpoint_path, gemma_root=bundle.gemma_root,
-        spatial_upsampler_path=bundle.spatial_upsampler_path, distilled_lora=bundle.distilled_lora_path,
-    ).to_json()  # fmt: skip
+    spec = bundle.spec().to_json()
     return run_ranks(2, stage_jobs_on_ranks, spec)
 
 

@@ -34,7 +34,7 @@ from mgpu_backend.ltx.latents import (
     video_latent_to_tokens,
     video_tokens_to_latent,
 )
-from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
+from mgpu_backend.ltx.loading import ModelLoader
 from mgpu_backend.ltx.passes import SequentialPassRunner
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import TextContext, contexts_from_gemma, encode_prompts
@@ -130,12 +130,7 @@ def run_ours(loader: ModelLoader, image: torch.Tensor | None) -> dict:
 
 @pytest.fixture(scope="module")
 def loader(bundle):
-    spec = ModelSpec(
-        checkpoint_path=bundle.checkpoint_path,
-        gemma_root=bundle.gemma_root,
-        spatial_upsampler_path=bundle.spatial_upsampler_path,
-        distilled_lora=bundle.distilled_lora_path,
-    )
+    spec = bundle.spec()
     return ModelLoader(spec, device="cpu", dtype=torch.bfloat16)
 
 

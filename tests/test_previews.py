@@ -144,10 +144,7 @@ def test_decode_reports_every_tile_across_ranks_in_step_on_every_rank(scenario, 
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory) -> dict:
     bundle = make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-    return ModelSpec(
-        checkpoint_path=bundle.checkpoint_path, gemma_root=bundle.gemma_root,
-        spatial_upsampler_path=bundle.spatial_upsampler_path, distilled_lora=bundle.distilled_lora_path,
-    ).to_json()  # fmt: skip
+    return bundle.spec().to_json()
 
 
 @pytest.fixture(scope="module")

@@ -142,7 +142,7 @@ def test_default_bundle_is_made_once_in_the_cache_even_by_concurrent_callers(tmp
     assert Path(bundles[0].root) == tmp_path / f"tiny-ltx2-v{tiny.BUNDLE_VERSION}"
     # Nothing left behind but the bundle itself (staging folders are removed).
     assert [p.name for p in tmp_path.iterdir()] == [f"tiny-ltx2-v{tiny.BUNDLE_VERSION}"]
-    assert tiny.tiny_spec().checkpoint_path == bundles[0].checkpoint_path
+    assert tiny.default_tiny_bundle().spec().checkpoint_path == bundles[0].checkpoint_path
 
 
 def test_checkpoint_carries_the_metadata_ltx_core_reads(bundle):

@@ -42,6 +42,7 @@ from mgpu_backend.bundles.configs import (
     VIDEO_VAE_CONFIG,
     tiny_config,
 )
+from mgpu_backend.ltx.schema import ModelSpec
 
 __all__ = [
     "BUNDLE_VERSION",
@@ -110,6 +111,15 @@ class TinyBundle:
     distilled_lora_path: str
     spatial_upsampler_path: str
     gemma_root: str
+
+    def spec(self) -> ModelSpec:
+        """The two-stage model spec of this bundle's files: dev checkpoint, Gemma, upsampler, distilled LoRA."""
+        return ModelSpec(
+            checkpoint_path=self.checkpoint_path,
+            gemma_root=self.gemma_root,
+            spatial_upsampler_path=self.spatial_upsampler_path,
+            distilled_lora=self.distilled_lora_path,
+        )
 
     def __str__(self) -> str:
         return "\n".join(
@@ -221,12 +231,3 @@ def default_tiny_bundle(version: str = "2.0") -> TinyBundle:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return _bundle_at(final, version)
-
-
-def tiny_spec(version: str = "2.0"):
-    """The ``ModelSpec`` of the embedded tiny LTX-``version`` bundle with its real paths, the bundle made
-    in the cache folder on first use (writes files: for the fleet's processes and tests; the ComfyUI
-    side names it ``ModelSpec.embedded_tiny`` and never writes)."""
-    from mgpu_backend.ltx.schema import ModelSpec
-
-    return ModelSpec.embedded_tiny(version=version).resolve_embedded(default_tiny_bundle(version))
