@@ -168,12 +168,9 @@ class _SequenceParallelState:
         self.active_shards: VideoTokenShards | None = None
 
 
-class _VideoSelfAttentionExchange:
-    """Replaces a video self-attention's ``attention_function``: token shards -> head shards -> back.
-
-    Receives Q, K, V of the local video tokens (projected, normed, RoPE applied) for all heads and
-    returns the attention output of the local tokens for all heads, like the function it wraps.
-    """
+class _AttentionExchange:
+    """An ``attention_function`` replacement: plain attention outside a sequence-parallel forward,
+    ``exchanged`` (the subclass's layout change around the wrapped function) inside one."""
 
     def __init__(self, inner, state: _SequenceParallelState) -> None:
         self.inner = inner
@@ -183,6 +180,29 @@ class _VideoSelfAttentionExchange:
         shards = self.state.active_shards
         if shards is None:  # called outside a sequence-parallel forward: plain attention
             return self.inner(q, k, v, heads, mask)
+        return self.exchanged(q, k, v, heads, mask, shards)
+
+    def exchanged(self, q, k, v, heads: int, mask, shards: VideoTokenShards) -> torch.Tensor:
+        raise NotImplementedError
+
+
+def _head_shards_to_tokens(out: torch.Tensor, shards: VideoTokenShards, comm: Comm, local_tokens: int) -> torch.Tensor:
+    """An attention output over every video token for this rank's heads, (B, tokens, local heads, D),
+    back to this rank's token shard for all heads, flattened: (B, local tokens, heads * D)."""
+    batch, _, local_heads, head_dim = out.shape
+    out = F.pad(out, (0, 0, 0, 0, 0, shards.padding))
+    out = comm.all_to_all(out, scatter_dim=1, gather_dim=2)  # (B, local tokens, heads, D)
+    return out.reshape(batch, local_tokens, local_heads * comm.world_size * head_dim)
+
+
+class _VideoSelfAttentionExchange(_AttentionExchange):
+    """Replaces a video self-attention's ``attention_function``: token shards -> head shards -> back.
+
+    Receives Q, K, V of the local video tokens (projected, normed, RoPE applied) for all heads and
+    returns the attention output of the local tokens for all heads, like the function it wraps.
+    """
+
+    def exchanged(self, q, k, v, heads: int, mask, shards: VideoTokenShards) -> torch.Tensor:
         comm = self.state.comm
         batch, local_tokens, inner_dim = q.shape
         head_dim = inner_dim // heads
@@ -195,14 +215,11 @@ class _VideoSelfAttentionExchange:
         qkv = qkv[:, :, : shards.video_tokens]
         q, k, v = (t.reshape(batch, shards.video_tokens, local_heads * head_dim) for t in qkv.unbind(0))
 
-        out = self.inner(q, k, v, local_heads, mask)
-        out = out.view(batch, shards.video_tokens, local_heads, head_dim)
-        out = F.pad(out, (0, 0, 0, 0, 0, shards.padding))
-        out = comm.all_to_all(out, scatter_dim=1, gather_dim=2)  # (B, local tokens, heads, D)
-        return out.reshape(batch, local_tokens, heads * head_dim)
+        out = self.inner(q, k, v, local_heads, mask).view(batch, shards.video_tokens, local_heads, head_dim)
+        return _head_shards_to_tokens(out, shards, comm, local_tokens)
 
 
-class _VideoContextExchange:
+class _VideoContextExchange(_AttentionExchange):
     """Replaces the audio-from-video cross-attention's ``attention_function``.
 
     The audio queries are replicated; the video keys/values arrive as local token shards. Each rank
@@ -210,14 +227,7 @@ class _VideoContextExchange:
     so every rank returns the same full audio result.
     """
 
-    def __init__(self, inner, state: _SequenceParallelState) -> None:
-        self.inner = inner
-        self.state = state
-
-    def __call__(self, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-        shards = self.state.active_shards
-        if shards is None:
-            return self.inner(q, k, v, heads, mask)
+    def exchanged(self, q, k, v, heads: int, mask, shards: VideoTokenShards) -> torch.Tensor:
         assert mask is None, "audio-from-video cross-attention under SP takes no mask"
         comm = self.state.comm
         batch, audio_tokens, inner_dim = q.shape
@@ -236,7 +246,7 @@ class _VideoContextExchange:
         return out.reshape(batch, audio_tokens, heads * head_dim)
 
 
-class _VideoQueryExchange:
+class _VideoQueryExchange(_AttentionExchange):
     """Replaces the ``attention_function`` of an attention whose queries are the local video tokens and
     whose keys/values are replicated (text cross-attention, video-from-audio cross-attention), where
     the call must see every video query (``video_query_exchange``, see the module docstring).
@@ -245,14 +255,7 @@ class _VideoQueryExchange:
     slice of the heads over the whole (replicated) context, and the output returns to token shards.
     """
 
-    def __init__(self, inner, state: _SequenceParallelState) -> None:
-        self.inner = inner
-        self.state = state
-
-    def __call__(self, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-        shards = self.state.active_shards
-        if shards is None:
-            return self.inner(q, k, v, heads, mask)
+    def exchanged(self, q, k, v, heads: int, mask, shards: VideoTokenShards) -> torch.Tensor:
         # A context mask broadcasts over the queries ((B, 1, 1, S)); one per query row would need its rows exchanged too.
         assert mask is None or mask.shape[-2] == 1, f"video-query attention under SP takes a query-broadcast mask, got {tuple(mask.shape)}"
         comm = self.state.comm
@@ -268,9 +271,7 @@ class _VideoQueryExchange:
             for t in (k, v)
         )
         out = self.inner(q, k, v, local_heads, mask).view(batch, shards.video_tokens, local_heads, head_dim)
-        out = F.pad(out, (0, 0, 0, 0, 0, shards.padding))
-        out = comm.all_to_all(out, scatter_dim=1, gather_dim=2)  # (B, local tokens, heads, D)
-        return out.reshape(batch, local_tokens, heads * head_dim)
+        return _head_shards_to_tokens(out, shards, comm, local_tokens)
 
 
 def _velocity_model(model: torch.nn.Module) -> LTXModel:
