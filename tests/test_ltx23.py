@@ -38,6 +38,7 @@ from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stag
 from mgpu_backend.ltx.text import encode_prompts
 
 from .fleet_harness import REPO, module_fleet, run_job
+from .test_ltx_fleet import sample_args as ltx_fleet_sample_args
 
 PROMPT = "a lighthouse beam sweeps over a stormy sea at night"
 NEGATIVE = "blurry, low quality"
@@ -172,14 +173,8 @@ SPEC = ModelSpec.embedded_tiny(version="2.3").to_wire()
 
 
 def sample_args(**overrides) -> dict:
-    # Every guidance pass active, STG on the last of the tiny model's two blocks.
-    args = {
-        "spec": SPEC, "width": 96, "height": 64, "num_frames": 9, "frame_rate": 24.0, "seed": 7, "steps": 3,
-        "video_guidance": {"cfg_scale": 3.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0, "stg_blocks": [1]},
-        "audio_guidance": {"cfg_scale": 7.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0, "stg_blocks": [1]},
-    }  # fmt: skip
-    args.update(overrides)
-    return args
+    # Every guidance pass active, STG on the last of the tiny model's two blocks (as the 2.0 fleet tests).
+    return ltx_fleet_sample_args(SPEC, **overrides)
 
 
 def assert_equal(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
