@@ -44,6 +44,19 @@ The whole two-stage graph through ComfyUI's nodes is not run: ComfyUI's LTX-2 te
 Gemma-3 12B with 49 hidden states and loads Gemma from one file, while the random bundles carry a
 Gemma folder of fewer layers; everything past the text encoder is the denoiser measured here.
 
+``--profile`` adds where each side's forward spends its device time, at the largest size: one
+forward of each under ``torch.profiler`` (ComfyUI's ``apply_model``; ltx-core's ``X0Model``, the
+module the fleet's rank runs, built in this process with random weights of the same configuration
+and given the same noise and contexts), its kernels summed into attention, matrix products,
+normalization and the rest (elementwise, copies, RoPE), with the kernel count (launches) and the
+largest kernels. On the CPU the same is done over the aten operators. The fleet replays stage 1 as
+CUDA graphs, so its measured forward pays no launch overhead that the eager profile shows.
+
+``--compile-blocks`` adds the fleet's forward and CFG step at the largest size with the transformer
+blocks compiled (the ``compile_blocks`` job option: Inductor fuses the element-wise work; off by
+default, since it is not bitwise equal to ltx-core), against ComfyUI and the default fleet; the first
+compiled job's step, compile and capture included, is noted. On CPU ranks the blocks run eagerly.
+
 ``--multi-gpu`` with 2+ GPUs visible also runs the template's CFG steps on the fleet over all of them
 (the planner's guidance plan: the two passes side by side) and sets them against ComfyUI on one GPU
 and against the fleet's world-1 latents. It says whether this ComfyUI has MultiGPU work-unit nodes (its
@@ -51,7 +64,7 @@ own CFG split; the January 2026 checkout has none, and this bench does not drive
 than 2 GPUs it says it needs them and skips.
 
     python bench/comfy_native.py --comfyui-dir ~/ComfyUI --tiny                     # CPU smoke run
-    python bench/comfy_native.py --comfyui-dir ~/ComfyUI --bundle-dir /data/b19 --out FILE   # one H200
+    python bench/comfy_native.py --comfyui-dir ~/ComfyUI --bundle-dir /data/b19 --profile --compile-blocks --out FILE   # one H200
 
 It prints one markdown table and notes (with ``--out``: appended under the command, machine and date).
 Before a full-size bundle is written (checked against the free disk: 56 GB for 2.0), ComfyUI loads the
@@ -363,7 +376,9 @@ class ComfyNative:
         self.comfy.model_management.soft_empty_cache()
 
 
-def run_comfy(comfy, checkpoint_path: str, inputs_per_size: list[Inputs], device: torch.device, warmup: int, repeats: int):
+def run_comfy(comfy, checkpoint_path: str, inputs_per_size: list[Inputs], device: torch.device, warmup: int, repeats: int,
+              profile: bool = False):  # fmt: skip
+    """ComfyUI's side at every size, and with ``profile`` the profile of one forward at the last size."""
     log("ComfyUI: loading the checkpoint with comfy.sd.load_checkpoint_guess_config ...")
     started = time.perf_counter()
     native = ComfyNative(comfy, checkpoint_path, device)
@@ -379,9 +394,22 @@ def run_comfy(comfy, checkpoint_path: str, inputs_per_size: list[Inputs], device
         per_step = len(batches) // max(1, len(result.step_ms))
         result.notes.append(f"ComfyUI ran {per_step} model call(s) per step, batch {'/'.join(str(b) for b in sorted(set(batches)))}")
         results.append(result)
+    forward_profile = None
+    if profile:
+        inputs = inputs_per_size[-1]
+        log(f"ComfyUI {inputs.size}: one forward under torch.profiler ...")
+        packed, shapes = native._packed(inputs.video_noise, inputs.audio_noise)
+        sigma = torch.full((1,), inputs.forward_sigma, device=device, dtype=torch.float32)
+        context = native._context(inputs.positive)
+
+        def call():
+            with torch.inference_mode():
+                return native.patcher.model.apply_model(packed, sigma, c_crossattn=context, frame_rate=FRAME_RATE, latent_shapes=shapes)
+
+        forward_profile = profile_forward(call, device)
     description = native.description
     native.free()
-    return results, description
+    return results, description, forward_profile
 
 
 # --------------------------------------------------------------------------------------------------
@@ -389,7 +417,7 @@ def run_comfy(comfy, checkpoint_path: str, inputs_per_size: list[Inputs], device
 # --------------------------------------------------------------------------------------------------
 
 
-def fleet_sample(spec: ModelSpec, inputs: Inputs, dtype: str, steps: int, guidance: Guidance):
+def fleet_sample(spec: ModelSpec, inputs: Inputs, dtype: str, steps: int, guidance: Guidance, compile_blocks: bool = False):
     """One ``sample`` job on the fleet with ``inputs``' contexts: (fields, video, audio, step ms)."""
     step_seconds: list[float] = []
 
@@ -401,6 +429,7 @@ def fleet_sample(spec: ModelSpec, inputs: Inputs, dtype: str, steps: int, guidan
     request = SampleRequest.from_wire({
         "spec": spec.to_wire(), "dtype": dtype, "pipeline": "two-stage", "width": width, "height": height, "num_frames": frames,
         "frame_rate": FRAME_RATE, "seed": SEED, "steps": steps, "video_guidance": guidance.to_wire(), "audio_guidance": guidance.to_wire(),
+        "compile_blocks": compile_blocks,
     })  # fmt: skip
     prompts = {"positive": api.PromptEncoding(*inputs.positive)}
     if guidance.cfg_scale != 1.0:
@@ -410,11 +439,13 @@ def fleet_sample(spec: ModelSpec, inputs: Inputs, dtype: str, steps: int, guidan
 
 
 def run_fleet(spec: ModelSpec, inputs_per_size: list[Inputs], dtype: str, repeats: int, socket_dir: str, gpus: str | None,
-              cpu_ranks: int | None = None, forwards: bool = True) -> list[SideResult]:  # fmt: skip
+              cpu_ranks: int | None = None, forwards: bool = True, compile_blocks: bool = False) -> list[SideResult]:  # fmt: skip
     """The fleet's side at every size, on ``gpus`` (or ``cpu_ranks`` gloo ranks): one forward and its
-    timing (``forwards``), then the template's CFG steps under the planner's choice for that world."""
+    timing (``forwards``), then the template's CFG steps under the planner's choice for that world;
+    with ``compile_blocks``, every job compiles the transformer blocks (the first one at each size
+    pays the compilation: ``SideResult.notes`` says how long that job's step took)."""
     # A socket of its own per fleet: the previous one may still be shutting down on the old address.
-    address = Path(socket_dir) / f"fleet-{(gpus or f'{cpu_ranks}cpu').replace(',', '-')}.sock"
+    address = Path(socket_dir) / f"fleet-{(gpus or f'{cpu_ranks}cpu').replace(',', '-')}{'-compiled' if compile_blocks else ''}.sock"
     api.configure(address=str(address), gpus=gpus, cpu_ranks=cpu_ranks)
     results = []
     try:
@@ -422,18 +453,21 @@ def run_fleet(spec: ModelSpec, inputs_per_size: list[Inputs], dtype: str, repeat
             result = SideResult()
             if forwards:
                 log(f"fleet {inputs.size}: one forward (one positive-only step, sigma {inputs.forward_sigma:g} -> 0) ...")
-                _fields, video, audio, _ = fleet_sample(spec, inputs, dtype, 1, POSITIVE_ONLY)
+                _fields, video, audio, first_ms = fleet_sample(spec, inputs, dtype, 1, POSITIVE_ONLY, compile_blocks)
                 result.denoised = (video.float(), audio.float())
+                if compile_blocks:
+                    result.notes.append(f"the first compiled forward at {inputs.video_tokens} video tokens (compile + capture): {first_ms[0] / 1e3:.1f} s")
                 log(f"fleet {inputs.size}: {repeats} timed forwards after one untimed ...")
-                _fields, _video, _audio, step_ms = fleet_sample(spec, inputs, dtype, 1 + repeats, POSITIVE_ONLY)
+                _fields, _video, _audio, step_ms = fleet_sample(spec, inputs, dtype, 1 + repeats, POSITIVE_ONLY, compile_blocks)
                 result.forward_ms = step_ms[1:]
             steps = len(inputs.sigmas) - 1
             log(f"fleet {inputs.size}: {steps} CFG steps ...")
-            fields, video, audio, result.step_ms = fleet_sample(spec, inputs, dtype, steps, TEMPLATE_GUIDANCE)
+            fields, video, audio, result.step_ms = fleet_sample(spec, inputs, dtype, steps, TEMPLATE_GUIDANCE, compile_blocks)
             result.stepped = (video.float(), audio.float())
-            result.notes.append(
+            result.notes.insert(0,
                 f"fleet plan: {fields.get('plan')}; passes batched: {fields.get('batch_passes')}; CUDA graphs: {fields.get('cuda_graphs', 'off')}"
-            )
+                + (f"; compiled blocks: {fields.get('compile_blocks')}" if compile_blocks else "")
+            )  # fmt: skip
             results.append(result)
         api.unload()
     finally:
@@ -442,6 +476,135 @@ def run_fleet(spec: ModelSpec, inputs_per_size: list[Inputs], dtype: str, repeat
         api.configure()
         time.sleep(2)  # the ranks give their GPU memory back
     return results
+
+
+# --------------------------------------------------------------------------------------------------
+# Where a forward spends its device time (--profile)
+# --------------------------------------------------------------------------------------------------
+
+KERNEL_GROUPS = (
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "softmax")),
+    ("matrix products", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_scaled_mm")),
+    ("normalization", ("norm",)),
+)
+"""Kernel (CUDA) or aten operator (CPU) names by the words that mark them; the rest is "other"."""
+
+
+@dataclass
+class ForwardProfile:
+    """One profiled forward: milliseconds per group, kernel count, the largest kernels, wall time, and
+    the "other" kernels' time by the aten operator that launched them (name -> (ms, calls))."""
+
+    group_ms: dict[str, float]
+    kernels: int
+    largest: list[tuple[str, float]]
+    wall_ms: float
+    other_by_operator: dict[str, tuple[float, int]]
+
+    @property
+    def total_ms(self) -> float:
+        return sum(self.group_ms.values())
+
+
+def kernel_group(name: str) -> str:
+    lowered = name.lower()
+    return next((group for group, words in KERNEL_GROUPS if any(word in lowered for word in words)), "other")
+
+
+def profile_forward(call, device: torch.device) -> ForwardProfile:
+    """``call`` once to warm up, then once under ``torch.profiler``: the device kernels it ran (on the
+    CPU: the aten operators' own time), grouped by ``kernel_group``."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    call()
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        started = time.perf_counter()
+        call()
+        synchronize(device)
+        wall_ms = (time.perf_counter() - started) * 1e3
+    if device.type == "cuda":
+        timed = [(event.name, event.time_range.elapsed_us() / 1e3) for event in profiler.events() if event.device_type == DeviceType.CUDA]
+    else:
+        timed = [(event.name, event.self_cpu_time_total / 1e3) for event in profiler.events() if event.name.startswith("aten::")]
+    group_ms = {group: 0.0 for group, _ in KERNEL_GROUPS} | {"other": 0.0}
+    by_name: dict[str, float] = {}
+    for name, ms in timed:
+        group_ms[kernel_group(name)] += ms
+        by_name[name] = by_name.get(name, 0.0) + ms
+    largest = sorted(by_name.items(), key=lambda item: -item[1])[:5]
+    # The operators' own device time (CPU: own time), for those whose kernels fall in "other".
+    own_ms = (lambda event: event.self_device_time_total) if device.type == "cuda" else (lambda event: event.self_cpu_time_total)
+    other_by_operator = {
+        event.key: (own_ms(event) / 1e3, event.count) for event in profiler.key_averages()
+        if event.key.startswith("aten::") and own_ms(event) > 0 and kernel_group(event.key) == "other"
+    }  # fmt: skip
+    return ForwardProfile(group_ms, len(timed), largest, wall_ms, other_by_operator)
+
+
+def ltx_core_forward(config: dict, inputs: Inputs, device: torch.device, dtype: torch.dtype):
+    """A call running ltx-core's X0Model (the fleet rank's module, random weights of ``config``) once
+    on ``inputs``' noise and positive contexts at the forward sigma, and the model (to free)."""
+    from mgpu_backend.ltx.diagnostics import random_transformer
+    from mgpu_backend.ltx.stages import modality_input
+
+    model = random_transformer(config, device, dtype, SEED)
+    width, height, frames = inputs.size
+    geometry = StageGeometry(height, width, frames, FRAME_RATE)
+    sigma = torch.full((1,), inputs.forward_sigma, device=device, dtype=torch.float32)
+    modalities = []
+    for tools, noise, context in zip((geometry.video_tools(), geometry.audio_tools()), (inputs.video_noise, inputs.audio_noise), inputs.positive):
+        state = tools.create_initial_state(device, dtype, noise.to(device, dtype))
+        modalities.append(modality_input(state, context.to(device, dtype), sigma))
+
+    def call():
+        with torch.inference_mode():
+            return model(video=modalities[0], audio=modalities[1], perturbations=None)
+
+    return call, model
+
+
+def profile_lines(inputs: Inputs, comfy_profile: ForwardProfile, core_profile: ForwardProfile, device: torch.device) -> list[str]:
+    """The ``--profile`` tables (ms per kind on both sides; the "other" kind by aten operator) and each
+    side's largest kernels."""
+    width, height, frames = inputs.size
+    unit = "kernels" if device.type == "cuda" else "aten operators"
+    where = "device" if device.type == "cuda" else "CPU"
+
+    def row(name: str, comfy: float, core: float, digits: str = ".1f") -> list[str]:
+        return [name, format(comfy, digits), format(core, digits), format(comfy - core, "+" + digits)]
+
+    rows = [row(group, comfy_profile.group_ms[group], core_profile.group_ms[group]) for group in comfy_profile.group_ms]
+    rows.append(row("**total**", comfy_profile.total_ms, core_profile.total_ms))
+    rows.append(row(f"{unit} run", comfy_profile.kernels, core_profile.kernels, "d"))
+    rows.append(row("profiled forward, wall ms", comfy_profile.wall_ms, core_profile.wall_ms))
+    lines = [
+        f"Where one forward spends its {where} time at {width}x{height}x{frames} (torch.profiler, eager, one forward after one warm-up):",
+        "",
+        markdown_table([unit, "ComfyUI ms", "ltx-core (fleet) ms", "ComfyUI - ltx-core"], rows),
+        "",
+    ]
+    for side, profile in (("ComfyUI", comfy_profile), ("ltx-core", core_profile)):
+        largest = "; ".join(f"{name[:90]} {ms:.1f} ms" for name, ms in profile.largest)
+        lines.append(f"- {side}'s largest {unit}: {largest}")
+
+    def own(profile: ForwardProfile, name: str) -> tuple[float, int]:
+        return profile.other_by_operator.get(name, (0.0, 0))
+
+    operators = sorted(
+        set(comfy_profile.other_by_operator) | set(core_profile.other_by_operator),
+        key=lambda name: -max(own(comfy_profile, name)[0], own(core_profile, name)[0]),
+    )[:10]
+    cells = [[name, *("{:.1f} ({})".format(*own(profile, name)) for profile in (comfy_profile, core_profile))] for name in operators]
+    lines += [
+        "",
+        f'The "other" time by aten operator (its own {where} time; calls in brackets), the largest ten:',
+        "",
+        markdown_table(["aten operator", "ComfyUI ms (calls)", "ltx-core ms (calls)"], cells),
+    ]
+    return lines
 
 
 # --------------------------------------------------------------------------------------------------
@@ -516,6 +679,31 @@ def multi_gpu_lines(found: list[str], gpus: int, inputs_per_size: list[Inputs], 
     return lines
 
 
+def compiled_lines(inputs: Inputs, native: SideResult, eager: SideResult, compiled: SideResult) -> list[str]:
+    """The ``--compile-blocks`` table: the fleet with compiled blocks against ComfyUI and the default fleet."""
+    width, height, frames = inputs.size
+    forward = (median(native.forward_ms), median(eager.forward_ms), median(compiled.forward_ms))
+    step = (timed_median(native.step_ms), timed_median(eager.step_ms), timed_median(compiled.step_ms))
+    video, audio = (difference(compiled.denoised[index], native.denoised[index]) for index in (0, 1))
+    row = [
+        f"{width}x{height}x{frames}", f"{forward[0]:.1f}", f"{forward[1]:.1f}", f"{forward[2]:.1f}", f"{forward[0] / forward[2]:.3f}",
+        f"{step[0]:.1f}", f"{step[1]:.1f}", f"{step[2]:.1f}", f"{step[0] / step[2]:.3f}",
+        f"{video[0]:.3g} ({video[1]:.2g}) / {audio[0]:.3g} ({audio[1]:.2g})",
+    ]  # fmt: skip
+    headers = [
+        "stage-1 size (WxHxF)", "forward ms ComfyUI", "forward ms fleet", "forward ms fleet compiled", "ComfyUI / compiled",
+        "CFG step ms ComfyUI", "CFG step ms fleet", "CFG step ms fleet compiled", "ComfyUI / compiled",
+        "forward max abs diff compiled vs ComfyUI video / audio (rel)",
+    ]  # fmt: skip
+    return [
+        "The fleet with compiled blocks (`compile_blocks`, off by default: not bitwise equal to ltx-core), same inputs:",
+        "",
+        markdown_table(headers, [row]),
+        "",
+        *(f"- {note}" for note in compiled.notes),
+    ]
+
+
 def check_imports(comfyui_dir: str) -> None:
     """Import the parts of ComfyUI this bench uses in a fresh interpreter (nothing of this project
     loaded) and print every third-party top-level module they loaded, torch included."""
@@ -552,6 +740,8 @@ def main() -> None:
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available; cpu with --tiny)")
     parser.add_argument("--tiny", action="store_true", help="the tiny bundle on the CPU, small sizes, fp32 (the smoke run)")
     parser.add_argument("--multi-gpu", action="store_true", help="also the fleet's guidance plan on every GPU (2+) against ComfyUI on one")
+    parser.add_argument("--compile-blocks", action="store_true", help="also the fleet with compiled blocks at the largest size (GPUs; compiles for minutes)")
+    parser.add_argument("--profile", action="store_true", help="also profile one forward of each side at the largest size (kernel time by kind)")
     parser.add_argument("--check-imports", action="store_true", help="only import ComfyUI's parts used here and list the packages they loaded")
     parser.add_argument("--out", help="append the table, with command, machine and date, to this file")
     args = parser.parse_args()
@@ -598,7 +788,9 @@ def main() -> None:
         log(f"bundle ready in {time.perf_counter() - started:.1f} s: {bundle.checkpoint_path}")
         transformer_config = checkpoint_transformer_config(bundle.checkpoint_path)
         inputs_per_size = [make_inputs(size, transformer_config, args.steps, device, dtype) for size in sizes]
-        comfy_results, comfy_description = run_comfy(comfy, bundle.checkpoint_path, inputs_per_size, device, args.warmup, args.repeats)
+        comfy_results, comfy_description, comfy_profile = run_comfy(
+            comfy, bundle.checkpoint_path, inputs_per_size, device, args.warmup, args.repeats, args.profile
+        )
         socket_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-comfy-native-fleet-"))
         os.chmod(socket_dir, 0o700)
         gpus = str(device.index or 0) if device.type == "cuda" else None
@@ -609,6 +801,16 @@ def main() -> None:
             log(f"--multi-gpu: the fleet on all {visible} GPUs ...")
             all_gpus = ",".join(str(index) for index in range(visible))
             multi_results = run_fleet(spec, inputs_per_size, dtype_name, args.repeats, socket_dir, all_gpus, forwards=False)
+        if args.profile:  # after the fleet has given its memory back
+            log(f"ltx-core {inputs_per_size[-1].size}: one forward under torch.profiler ...")
+            call, model = ltx_core_forward({"transformer": transformer_config}, inputs_per_size[-1], device, dtype)
+            core_profile = profile_forward(call, device)
+            del call, model
+            gc.collect()
+        compiled_results = None
+        if args.compile_blocks:
+            log(f"the fleet with compiled blocks at {inputs_per_size[-1].size} ...")
+            compiled_results = run_fleet(spec, inputs_per_size[-1:], dtype_name, args.repeats, socket_dir, gpus, None if gpus else 1, compile_blocks=True)
 
     table = markdown_table(HEADERS, report_rows(inputs_per_size, comfy_results, fleet_results))
     notes = [
@@ -620,6 +822,10 @@ def main() -> None:
     ]
     if args.multi_gpu:
         notes += multi_gpu_lines(multigpu_code(args.comfyui_dir), visible, inputs_per_size, comfy_results, fleet_results, multi_results)
+    if compiled_results:
+        notes += ["", *compiled_lines(inputs_per_size[-1], comfy_results[-1], fleet_results[-1], compiled_results[0])]
+    if args.profile:
+        notes += ["", *profile_lines(inputs_per_size[-1], comfy_profile, core_profile, device)]
     text = table + "\n\n" + "\n".join(notes)
     print(text, flush=True)
     if args.out:

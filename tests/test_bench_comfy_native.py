@@ -53,8 +53,18 @@ def run_bench(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
-def table_rows(stdout: str) -> list[list[str]]:
-    return [[cell.strip() for cell in line.split("|")[1:-1]] for line in stdout.splitlines() if line.startswith("| ") and "---" not in line]
+def table_rows(stdout: str, table: int = 0) -> list[list[str]]:
+    """The rows (header first) of the ``table``-th markdown table in ``stdout``."""
+    tables: list[list[list[str]]] = []
+    previous_in_table = False
+    for line in stdout.splitlines():
+        in_table = line.startswith("|")
+        if in_table and not previous_in_table:
+            tables.append([])
+        if in_table and "---" not in line:
+            tables[-1].append([cell.strip() for cell in line.split("|")[1:-1]])
+        previous_in_table = in_table
+    return tables[table]
 
 
 def numbers(cell: str) -> list[float]:
@@ -65,7 +75,7 @@ def numbers(cell: str) -> list[float]:
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("comfy-native") / "table.md"
     bundle = tmp_path_factory.mktemp("comfy-native-bundle")
-    completed = run_bench("--tiny", "--bundle-dir", str(bundle), "--repeats", "2", "--steps", "3", "--multi-gpu", "--out", str(out))
+    completed = run_bench("--tiny", "--bundle-dir", str(bundle), "--repeats", "2", "--steps", "3", "--multi-gpu", "--profile", "--compile-blocks", "--out", str(out))
     assert completed.returncode == 0, completed.stderr[-4000:]
     return completed, out
 
@@ -112,6 +122,76 @@ def test_the_notes_name_dtype_passes_and_what_multi_gpu_needs(tiny_run):
     written = out.read_text()
     assert written.startswith("\n`python ") and " on CPU " in written.splitlines()[1]
     assert completed.stdout.strip() in written
+
+
+@with_comfyui
+def test_the_profile_sums_each_sides_operators_by_kind_at_the_largest_size(tiny_run):
+    completed, _ = tiny_run
+    assert "Where one forward spends its CPU time at 192x128x17 (torch.profiler" in completed.stdout
+    header, *rows = table_rows(completed.stdout, 2)
+    assert header == ["aten operators", "ComfyUI ms", "ltx-core (fleet) ms", "ComfyUI - ltx-core"]
+    groups = {row[0]: [float(cell) for cell in row[1:]] for row in rows}
+    assert list(groups) == ["attention", "matrix products", "normalization", "other", "**total**", "aten operators run", "profiled forward, wall ms"]
+    for side in (0, 1):
+        kinds = [groups[kind][side] for kind in ("attention", "matrix products", "normalization", "other")]
+        assert groups["attention"][side] > 0 and groups["matrix products"][side] > 0, groups
+        assert groups["**total**"][side] == pytest.approx(sum(kinds), abs=0.25), groups
+        assert groups["aten operators run"][side] > 100, groups  # a forward of two blocks runs hundreds
+        # the operators' own time is part of the profiled forward's wall time
+        assert groups["**total**"][side] <= groups["profiled forward, wall ms"][side] + 0.1, groups
+    for kind, (comfy_ms, core_ms, difference) in groups.items():
+        assert difference == pytest.approx(comfy_ms - core_ms, abs=0.15), kind
+    assert "- ComfyUI's largest aten operators: aten::" in completed.stdout
+    assert "- ltx-core's largest aten operators: aten::" in completed.stdout
+    # "other" by the operator that ran it: every row an aten operator outside the named kinds, and the
+    # rows' own time no more than the "other" total of each side.
+    header, *operators = table_rows(completed.stdout, 3)
+    assert header == ["aten operator", "ComfyUI ms (calls)", "ltx-core ms (calls)"] and 0 < len(operators) <= 10
+    assert all(row[0].startswith("aten::") and comfy_native_group(row[0]) == "other" for row in operators), operators
+    for side in (0, 1):
+        assert sum(numbers(row[1 + side])[0] for row in operators) <= groups["other"][side] + 0.1 * len(operators), operators
+
+
+@with_comfyui
+def test_compiled_blocks_are_compared_at_the_largest_size_and_cpu_ranks_say_they_ran_eagerly(tiny_run):
+    completed, _ = tiny_run
+    main_rows = table_rows(completed.stdout, 0)
+    header, row = table_rows(completed.stdout, 1)
+    assert header[:5] == ["stage-1 size (WxHxF)", "forward ms ComfyUI", "forward ms fleet", "forward ms fleet compiled", "ComfyUI / compiled"]
+    assert row[0] == "192x128x17"
+    assert row[1:3] == main_rows[-1][2:4]  # the same ComfyUI and default-fleet medians as the main table
+    assert float(row[4]) == pytest.approx(float(row[1]) / float(row[3]), rel=0.03, abs=0.002)
+    # On a CPU rank the option runs the blocks eagerly: the compiled fleet gives the default fleet's outputs.
+    video, audio = row[9].split(" / ")
+    assert video == main_rows[-1][8] and audio == main_rows[-1][9]
+    assert "for 2 passes and 72 video tokens, 72 tokens per shard; estimated cheapest; passes batched: False; CUDA graphs: off; compiled blocks: False" in completed.stdout
+    assert re.search(r"- the first compiled forward at 72 video tokens \(compile \+ capture\): \d+\.\d s", completed.stdout)
+
+
+def comfy_native_group(name: str) -> str:
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import comfy_native
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    return comfy_native.kernel_group(name)
+
+
+def test_kernel_names_fall_into_the_kind_that_does_their_work():
+
+    names = {
+        "void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>, false>": "attention",
+        "cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<...>>>": "attention",
+        "fmha_cutlassF_bf16_aligned_64x128_rf_sm80": "attention",
+        "cudnn_generated_fort_native_sdpa_sm90_knob_7_64x128x128_4x1x1_kernel0_0": "attention",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64_warpgroupsize2x1x1": "matrix products",
+        "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTT": "matrix products",
+        "aten::addmm": "matrix products",
+        "void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>": "normalization",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>": "other",
+        "aten::copy_": "other",
+    }
+    assert {name: comfy_native_group(name) for name in names} == names
 
 
 @with_comfyui
