@@ -40,9 +40,9 @@ the same device), the text contexts are seeded random tensors of the shape the e
 returns (1024 tokens; ComfyUI takes the video and audio contexts concatenated, as its LTX-2 text
 encoder hands them over), the sigmas are the fleet's LTX2Scheduler schedule, frame rate 24.
 
-The whole two-stage graph through ComfyUI's nodes is not run: ComfyUI's LTX-2 text encoder hard-codes
-Gemma-3 12B with 49 hidden states and loads Gemma from one file, while the random bundles carry a
-Gemma folder of fewer layers; everything past the text encoder is the denoiser measured here.
+The whole two-stage graph through ComfyUI's nodes and HTTP API is ``bench/comfy_graph.py``: ComfyUI's
+LTX-2 text encoder takes the released 48-layer Gemma-3 12B from one file only, so that bench writes
+the bundle with it.
 
 ``--profile`` adds where each side's forward spends its device time, at the largest size: one
 forward of each under ``torch.profiler`` (ComfyUI's ``apply_model``; ltx-core's ``X0Model``, the

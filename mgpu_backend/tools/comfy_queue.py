@@ -285,8 +285,10 @@ def node_label(workflow: dict, node_id) -> str:
     return f"{node_id} {node.get('_meta', {}).get('title') or node.get('class_type', '?')}"
 
 
-def follow(websocket: WebSocket, workflow: dict, prompt_id: str, say: Callable[[str], None]) -> None:
-    """Print the run's events until it succeeds; raise QueueError on a node error or an interrupt."""
+def follow(websocket: WebSocket, workflow: dict, prompt_id: str, say: Callable[[str], None],
+           on_event: Callable[[str, dict], None] | None = None) -> None:  # fmt: skip
+    """Print the run's events until it succeeds; raise QueueError on a node error or an interrupt.
+    ``on_event`` is called with each of the prompt's JSON events (type, data) as it arrives."""
     for message in websocket.messages():
         if isinstance(message, bytes):
             text_event = parse_text_event(message)
@@ -297,6 +299,8 @@ def follow(websocket: WebSocket, workflow: dict, prompt_id: str, say: Callable[[
         kind, data = event.get("type"), event.get("data") or {}
         if data.get("prompt_id") not in (None, prompt_id):
             continue
+        if on_event is not None:
+            on_event(kind, data)
         if kind == "executing" and data.get("node") is not None:
             say(f"running node {node_label(workflow, data['node'])}")
         elif kind == "execution_cached" and data.get("nodes"):
@@ -350,8 +354,10 @@ def output_files(outputs: dict) -> list[tuple[str, dict]]:
     return found
 
 
-def queue_prompt(server: str, workflow: dict, say: Callable[[str], None] = print, timeout: float = 3600.0) -> Outcome:
-    """Queue ``workflow`` on ComfyUI at ``server``, follow it, and return its outputs."""
+def queue_prompt(server: str, workflow: dict, say: Callable[[str], None] = print, timeout: float = 3600.0,
+                 on_event: Callable[[str, dict], None] | None = None) -> Outcome:  # fmt: skip
+    """Queue ``workflow`` on ComfyUI at ``server``, follow it, and return its outputs (``on_event``:
+    see ``follow``)."""
     server = server.rstrip("/")
     client_id = uuid.uuid4().hex
     websocket_url = server.replace("https://", "wss://").replace("http://", "ws://") + f"/ws?clientId={client_id}"
@@ -369,7 +375,7 @@ def queue_prompt(server: str, workflow: dict, say: Callable[[str], None] = print
         prompt_id = body["prompt_id"]
         say(f"queued prompt {prompt_id} (position {body.get('number')})")
         try:
-            follow(websocket, workflow, prompt_id, say)
+            follow(websocket, workflow, prompt_id, say, on_event)
         except (ConnectionError, socket.timeout):
             say("lost the websocket; waiting for the result in the history")
     finally:
