@@ -366,13 +366,12 @@ def main() -> None:
         elif comfy_cold.failure:
             raise SystemExit(f"error: ComfyUI's graph failed: {comfy_cold.failure}\n{server.log_tail()}")
         else:
-            log(f"ComfyUI cold: {comfy_cold.total_seconds:.1f} s; warm (another seed and prompt) ...")
+            log_stages("cold", comfy_cold)
+            log("ComfyUI: warm (another seed and prompt) ...")
             comfy_warm = run_graph(server, graph(SEED + 1, " "), args.timeout)
             if comfy_warm.failure:
                 raise SystemExit(f"error: ComfyUI's warm graph failed: {comfy_warm.failure}\n{server.log_tail()}")
-            log(f"ComfyUI warm: {comfy_warm.total_seconds:.1f} s")
-            for name, run in (("cold", comfy_cold), ("warm", comfy_warm)):  # in the log too, should the fleet's part not finish
-                log(f"ComfyUI {name} per stage: " + ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in run.seconds.items()))
+            log_stages("warm", comfy_warm)
             server.stop()  # its GPU memory back before the fleet loads
             torch.cuda.empty_cache()
 
@@ -413,6 +412,13 @@ def main() -> None:
         date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         with open(args.out, "a") as file:
             file.write(f"\n`python {' '.join(shlex.quote(arg) for arg in sys.argv)}` on {machine_description(device)}, {date}\n\n{text}\n")
+
+
+def log_stages(name: str, run: GraphRun) -> None:
+    """One run's stages on stderr as soon as it ends, so a cut run still leaves its figures."""
+    stages = ", ".join(f"{stage} {seconds:.2f} s" for stage, seconds in run.seconds.items())
+    steps = "; ".join(f"{stage} steps {', '.join(f'{s:.2f}' for s in times)} s" for stage, times in run.step_seconds.items())
+    log(f"ComfyUI {name}: {run.total_seconds:.1f} s: {stages}; {steps}")
 
 
 def tiny_report(run: GraphRun, nodes: int) -> str:

@@ -104,7 +104,7 @@ def test_the_graph_is_the_templates_nodes_settings_and_links(comfy_graph):
     assert inputs("60") == {"text_encoder": "gemma.safetensors", "ckpt_name": "ckpt.safetensors"}
 
 
-def test_the_clock_sums_each_nodes_time_into_its_stage_and_times_the_sampler_steps(comfy_graph, monkeypatch):
+def test_the_clock_sums_each_nodes_time_into_its_stage_and_times_the_sampler_steps(comfy_graph, monkeypatch, capsys):
     now = iter(float(t) for t in range(100))
     monkeypatch.setattr(comfy_graph.time, "perf_counter", lambda: next(now))
     clock = comfy_graph.NodeClock()  # t = 0
@@ -131,6 +131,11 @@ def test_the_clock_sums_each_nodes_time_into_its_stage_and_times_the_sampler_ste
     assert run.seconds == {"load": 1.0, "text encode": 2.0, "stage 1": 5.0, "upsample": 1.0, "stage 2": 3.0, "decode": 7.0}
     assert run.step_seconds == {"stage 1": [1.0, 1.0, 1.0], "stage 2": [1.0]}
     assert run.total_seconds == 20.0 and run.failure is None
+    comfy_graph.log_stages("cold", run)  # what a run cut short still leaves on stderr
+    assert capsys.readouterr().err == (
+        "ComfyUI cold: 20.0 s: load 1.00 s, text encode 2.00 s, stage 1 5.00 s, upsample 1.00 s, stage 2 3.00 s, decode 7.00 s; "
+        "stage 1 steps 1.00, 1.00, 1.00 s; stage 2 steps 1.00 s\n"
+    )
 
 
 @pytest.mark.skipif(not COMFYUI_DIR, reason="set COMFYUI_DIR to a ComfyUI checkout to queue the graph in it")
