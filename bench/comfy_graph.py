@@ -42,6 +42,7 @@ from __future__ import annotations  # noqa: I001 - _common first: it puts the re
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -63,6 +64,7 @@ from ltx_core.components.guiders import MultiModalGuiderParams
 from mgpu_backend.bundles import full_size, tiny
 from mgpu_backend.ltx.gemma_file import gemma_folder_to_comfy_file
 from mgpu_backend.tools import comfy_queue
+from mgpu_backend.tools.processes import stop_process
 from mgpu_backend.tools.generate import DEFAULT_NEGATIVE_PROMPT, SINGLE_GPU_STAGE2_SIGMAS
 
 TEMPLATE_STEPS = 20  # the template's LTXVScheduler
@@ -89,7 +91,10 @@ def template_graph(files: dict[str, str], width: int, height: int, frames: int, 
     ``checkpoint``, ``gemma``, ``distilled_lora`` and ``upsampler`` in ComfyUI's model folders. The
     template sets the final size and scales it by 0.5 for stage 1; here that is done in numbers."""
     checkpoint = files["checkpoint"]
-    node = lambda class_type, **inputs: {"class_type": class_type, "inputs": inputs}  # noqa: E731
+
+    def node(class_type: str, **inputs) -> dict:
+        return {"class_type": class_type, "inputs": inputs}
+
     return {
         "1": node("CheckpointLoaderSimple", ckpt_name=checkpoint),
         "60": node("LTXAVTextEncoderLoader", text_encoder=files["gemma"], ckpt_name=checkpoint),
@@ -190,13 +195,8 @@ class ComfyServer:
         return (self.base / "comfyui.log").read_text(errors="replace")[-characters:]
 
     def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if self.process is not None:
+            stop_process(self.process)
 
 
 @dataclass
@@ -229,13 +229,13 @@ class NodeClock:
     def result(self, ended: float, failure: str | None) -> GraphRun:
         run = GraphRun(failure=failure, total_seconds=ended - self.started, ran=[node for node, _ in self.starts])
         marks = [*self.starts, ("", ended)]
-        for (node, start), (_, end) in zip(marks, marks[1:]):
+        for (node, start), (_, end) in itertools.pairwise(marks):
             stage = STAGES.get(node, "other")
             run.seconds[stage] = run.seconds.get(stage, 0.0) + end - start
         for node, times in self.progress.items():
             start = next(start for started_node, start in self.starts if started_node == node)
             edges = [start, *times]
-            run.step_seconds[SAMPLERS[node]] = [b - a for a, b in zip(edges, edges[1:])]
+            run.step_seconds[SAMPLERS[node]] = [b - a for a, b in itertools.pairwise(edges)]
         return run
 
 
@@ -269,7 +269,9 @@ def report_table(comfy_cold: GraphRun, comfy_warm: GraphRun, fleet_cold, fleet_w
             return run.seconds.get("decode", 0.0) + run.seconds.get("handoff", 0.0)
         return run.seconds.get(stage)
 
-    cell = lambda value: "-" if value is None else f"{value:.2f}"  # noqa: E731
+    def cell(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
     rows = []
     for stage in (*STAGE_ORDER, *(["other"] if "other" in comfy_cold.seconds else [])):
         rows.append([stage, cell(comfy_cold.seconds.get(stage)), cell(comfy_warm.seconds.get(stage)),
@@ -356,9 +358,11 @@ def main() -> None:
             stack.callback(lambda: shutil.copyfile(base / "comfyui.log", args.comfyui_log) if (base / "comfyui.log").exists() else None)
         stack.callback(server.stop)
         log(f"ComfyUI: up in {server.start():.1f} s at {server.url} ({' '.join(extra) or 'its default memory settings'})")
-        graph = lambda seed, suffix: template_graph(  # noqa: E731
-            files, args.width, args.height, args.num_frames, args.frame_rate, args.steps, seed, PROMPT + suffix, DEFAULT_NEGATIVE_PROMPT + suffix
-        )
+
+        def graph(seed: int, suffix: str) -> dict:
+            prompts = (PROMPT + suffix, DEFAULT_NEGATIVE_PROMPT + suffix)
+            return template_graph(files, args.width, args.height, args.num_frames, args.frame_rate, args.steps, seed, *prompts)
+
         log("ComfyUI: the template graph, cold ...")
         comfy_cold = run_graph(server, graph(SEED, ""), args.timeout)
         if args.tiny:
@@ -389,18 +393,25 @@ def main() -> None:
             raise SystemExit(1)
         return
     text = "\n".join([
-        f"**Whole graph: ComfyUI's LTX-2 t2v template cold {comfy_cold.total_seconds:.1f} s, warm {comfy_warm.total_seconds:.1f} s; "
-        f"the fleet at world 1 cold {fleet_cold.total_seconds:.1f} s, warm {fleet_warm.total_seconds:.1f} s.**",
+        (
+            f"**Whole graph: ComfyUI's LTX-2 t2v template cold {comfy_cold.total_seconds:.1f} s, warm {comfy_warm.total_seconds:.1f} s; "
+            f"the fleet at world 1 cold {fleet_cold.total_seconds:.1f} s, warm {fleet_warm.total_seconds:.1f} s.**"
+        ),
         "",
-        f"LTX-2.0 19B random bundle, the released 48-layer Gemma-3 12B as one file for both; {args.width}x{args.height}, {args.num_frames} frames, "
-        f"{args.frame_rate:g} fps; stage 1 at half size, {args.steps} steps, cfg {TEMPLATE_CFG:g} (two passes a step); stage 2 over "
-        f"{', '.join(f'{s:g}' for s in SINGLE_GPU_STAGE2_SIGMAS)} with the distilled LoRA; ComfyUI {' '.join(extra) or 'with its default memory settings'}.",
+        (
+            f"LTX-2.0 19B random bundle, the released 48-layer Gemma-3 12B as one file for both; {args.width}x{args.height}, "
+            f"{args.num_frames} frames, {args.frame_rate:g} fps; stage 1 at half size, {args.steps} steps, cfg {TEMPLATE_CFG:g} (two "
+            f"passes a step); stage 2 over {', '.join(f'{s:g}' for s in SINGLE_GPU_STAGE2_SIGMAS)} with the distilled LoRA; ComfyUI "
+            f"{' '.join(extra) or 'with its default memory settings'}."
+        ),
         "",
         report_table(comfy_cold, comfy_warm, fleet_cold, fleet_warm),
         "",
-        "- ComfyUI: each stage sums its nodes' times (a node runs from its start event to the next node's); its loaders only read "
-        "the files, the weights reach the GPU inside the first sampler and the text encoder, so its cold stage 1 and text encode include "
-        "that; warm: another seed and prompt, so every node but the loaders runs again",
+        (
+            "- ComfyUI: each stage sums its nodes' times (a node runs from its start event to the next node's); its loaders only read "
+            "the files, the weights reach the GPU inside the first sampler and the text encoder, so its cold stage 1 and text encode include "
+            "that; warm: another seed and prompt, so every node but the loaders runs again"
+        ),
         "- fleet: `bench/e2e.py`'s job (load includes the fleet's spawn, decode the frames' handoff); warm: the same job on the warm fleet",
         "- not compared for outputs: ComfyUI samples with euler_ancestral and its own noise, and its stage 2 also re-denoises the audio",
     ])

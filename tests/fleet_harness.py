@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mgpu_backend.fleet.client import FleetClient, FleetUnavailable
+from mgpu_backend.tools.processes import stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -40,13 +41,7 @@ def wait_for_server(socket_path: Path, process: subprocess.Popen | None = None, 
 
 
 def stop_server(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    stop_process(process, grace_seconds=15)
 
 
 def pid_alive(pid: int) -> bool:

@@ -153,3 +153,23 @@ def test_a_real_comfyui_accepts_the_graph_and_runs_it_up_to_its_text_encoder():
     # ComfyUI ran the nodes its text encoder does not feed, then the text encoder, where it stopped.
     assert started[-1] == "60" and {"48", "43", "56"} <= set(started) and not {"41", "70", "75"} & set(started), started
     assert stopped == "stopped at: node 60 LTXAVTextEncoderLoader failed: RuntimeError: Error(s) in loading state_dict for LTXAVTEModel_:"
+
+
+def test_the_table_sets_each_stage_beside_the_fleets_with_its_spawn_in_load_and_its_handoff_in_decode(comfy_graph):
+    from e2e import Run
+
+    comfy = comfy_graph.GraphRun(
+        seconds={"load": 1.5, "text encode": 2.0, "stage 1": 30.0, "upsample": 1.0, "stage 2": 6.0, "decode": 4.0},
+        step_seconds={"stage 1": [9.0, 1.0, 1.2, 1.1], "stage 2": [2.0, 2.0]}, total_seconds=44.5,
+    )  # fmt: skip
+    fleet = Run(seconds={"fleet spawn": 8.0, "load": 20.0, "text encode": 5.0, "stage 1": 25.0, "upsample": 0.5, "stage 2": 7.0,
+                         "decode": 4.5, "handoff": 0.25},
+                step_seconds={"stage 1": [3.0, 0.9, 0.8]}, total_seconds=70.25)  # fmt: skip
+    lines = comfy_graph.report_table(comfy, comfy, fleet, fleet).splitlines()
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in lines[2:])}
+    assert rows["load"] == ["1.50", "1.50", "28.00", "28.00"]
+    assert rows["decode"] == ["4.00", "4.00", "4.75", "4.75"]
+    assert rows["stage 1"] == ["30.00", "30.00", "25.00", "25.00"]
+    assert rows["stage 1 s/step (median, first left out)"] == ["1.10", "1.10", "0.85", "0.85"]
+    assert rows["stage 2 s/step (median, first left out)"] == ["2.00", "2.00", "-", "-"]
+    assert rows["**total**"] == ["**44.5**", "**44.5**", "**70.2**", "**70.2**"]

@@ -31,6 +31,7 @@ import pytest
 from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.gemma_file import gemma_folder_to_comfy_file
 from mgpu_backend.tools import comfy_queue
+from mgpu_backend.tools.processes import stop_process
 
 PACK_DIR = Path(__file__).resolve().parents[2]
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
@@ -98,13 +99,7 @@ class ComfyUI:
         return self.log_path.read_text(errors="replace")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         self.log.close()
 
 
