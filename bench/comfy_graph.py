@@ -250,6 +250,29 @@ def run_graph(server: ComfyServer, graph: dict, timeout: float) -> GraphRun:
 
 
 # --------------------------------------------------------------------------------------------------
+# The fleet with the template's settings
+# --------------------------------------------------------------------------------------------------
+
+
+def template_job(width: int, height: int, frames: int, fps: float, steps: int) -> Job:
+    """The fleet's whole job as the template sets it: cfg 4 on video and audio and no other guidance
+    (no STG, rescale or modality guidance), the template's stage-1 seed, its stage-2 sigmas (the
+    single-GPU ones) in one tile."""
+    guider = MultiModalGuiderParams(cfg_scale=TEMPLATE_CFG, stg_scale=0.0, stg_blocks=[], rescale_scale=0.0, modality_scale=1.0, skip_step=0)
+    return Job(height=height, width=width, num_frames=frames, frame_rate=fps, seed=SEED, steps=steps,
+               video_guider=guider, audio_guider=guider, official_steps=steps)  # fmt: skip
+
+
+def run_fleet_side(bundle, gemma_file: str, job: Job, device: torch.device, gpus: str | None, cpu_ranks: int | None):
+    """``bench/e2e.py``'s fleet job, cold and warm, on the bundle with ``gemma_file`` (the same single
+    Gemma file ComfyUI read) as its text encoder: (cold, warm) ``e2e.Run``s."""
+    spec = replace(bundle.spec(), gemma_root=gemma_file).to_json()
+    with tempfile.TemporaryDirectory(prefix="mgpu-comfy-graph-fleet-") as socket_dir:
+        os.chmod(socket_dir, 0o700)
+        return run_fleet(spec, job, device, gpus, cpu_ranks, socket_dir)
+
+
+# --------------------------------------------------------------------------------------------------
 # Report
 # --------------------------------------------------------------------------------------------------
 
@@ -379,13 +402,8 @@ def main() -> None:
             server.stop()  # its GPU memory back before the fleet loads
             torch.cuda.empty_cache()
 
-            guider = MultiModalGuiderParams(cfg_scale=TEMPLATE_CFG, stg_scale=0.0, stg_blocks=[], rescale_scale=0.0, modality_scale=1.0, skip_step=0)
-            job = Job(height=args.height, width=args.width, num_frames=args.num_frames, frame_rate=args.frame_rate, seed=SEED,
-                      steps=args.steps, video_guider=guider, audio_guider=guider, official_steps=args.steps)  # fmt: skip
-            socket_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-comfy-graph-fleet-"))
-            os.chmod(socket_dir, 0o700)
-            spec = replace(bundle.spec(), gemma_root=gemma_file).to_json()  # the same single Gemma file ComfyUI read
-            fleet_cold, fleet_warm = run_fleet(spec, job, device, "0", None, socket_dir)
+            job = template_job(args.width, args.height, args.num_frames, args.frame_rate, args.steps)
+            fleet_cold, fleet_warm = run_fleet_side(bundle, gemma_file, job, device, "0", None)
 
     if args.tiny:  # stopped where it should: at ComfyUI's text encoder, built for the released Gemma only
         print(tiny_text, flush=True)

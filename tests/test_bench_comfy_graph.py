@@ -4,7 +4,8 @@ The graph is checked against the template itself (the ``comfyui-workflow-templat
 installs: every node, setting and link of its "Text to Video (LTX 2.0)" subgraph), and queued in a
 real ComfyUI on the CPU (``COMFYUI_DIR`` and a Python with ComfyUI's requirements), which accepts
 it and runs it up to its text encoder (built for the released Gemma-3 12B only). The clock that
-turns ComfyUI's websocket events into stage times is checked on a scripted event sequence.
+turns ComfyUI's websocket events into stage times is checked on a scripted event sequence, and the
+fleet's side runs on the tiny bundle with one CPU rank.
 """
 
 from __future__ import annotations
@@ -173,3 +174,24 @@ def test_the_table_sets_each_stage_beside_the_fleets_with_its_spawn_in_load_and_
     assert rows["stage 1 s/step (median, first left out)"] == ["1.10", "1.10", "0.85", "0.85"]
     assert rows["stage 2 s/step (median, first left out)"] == ["2.00", "2.00", "-", "-"]
     assert rows["**total**"] == ["**44.5**", "**44.5**", "**70.2**", "**70.2**"]
+
+
+def test_the_fleet_runs_the_templates_job_on_the_single_gemma_file_and_warm_gives_the_cold_frames(comfy_graph, tmp_path):
+    """The fleet's side of the bench, on the tiny bundle with one CPU rank: the spec names the same
+    single Gemma file ComfyUI reads, and the job has the template's guidance (two passes a step)."""
+    import torch
+
+    from mgpu_backend.bundles import tiny
+    from mgpu_backend.ltx.gemma_file import gemma_folder_to_comfy_file
+
+    torch.set_num_threads(1)
+    bundle = tiny.default_tiny_bundle()
+    gemma_file = gemma_folder_to_comfy_file(bundle.gemma_root, str(tmp_path / "gemma_3_12B_it.safetensors"))
+    job = comfy_graph.template_job(192, 128, 9, 24.0, 2)
+    assert (job.video_guider.cfg_scale, job.video_guider.stg_scale, job.audio_guider.modality_scale) == (4.0, 0.0, 1.0)
+    cold, warm = comfy_graph.run_fleet_side(bundle, gemma_file, job, torch.device("cpu"), None, 1)
+    assert {"fleet spawn", "load", "text encode", "stage 1", "upsample", "stage 2", "decode", "handoff"} <= set(cold.seconds)
+    assert len(cold.step_seconds["stage 1"]) == 2 and len(warm.step_seconds["stage 2"]) == len(comfy_graph.SINGLE_GPU_STAGE2_SIGMAS) - 1
+    assert cold.frames_uint8.shape == (9, 128, 192, 3)
+    assert cold.frames_digest == warm.frames_digest
+    assert warm.bytes_read == 0  # the warm job reads no model file: the Gemma file too stays in the fleet
