@@ -166,16 +166,28 @@ def markdown_table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+def provenance(device: torch.device) -> str:
+    """The line a result in docs/ stands under: which command ran on which machine, and when."""
+    command = "python " + " ".join(shlex.quote(arg) for arg in sys.argv)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"`{command}` on {machine_description(device)}, {date}"
+
+
 def emit(table: str, device: torch.device, out: str | None) -> None:
     """Print the table on stdout; with ``out`` also write it under a command/machine/date line."""
     print(table, flush=True)
     if out:
-        command = "python " + " ".join(shlex.quote(arg) for arg in sys.argv)
-        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        header = f"`{command}` on {machine_description(device)}, {date}"
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(header + "\n\n" + table + "\n")
+        Path(out).write_text(provenance(device) + "\n\n" + table + "\n")
         log(f"table written to {out}")
+
+
+def append_out(text: str, device: torch.device, out: str) -> None:
+    """Append ``text`` to ``out`` under a command/machine/date line (a file that gathers several runs)."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "a") as file:
+        file.write(f"\n{provenance(device)}\n\n{text}\n")
+    log(f"results appended to {out}")
 
 
 def bench_parser(description: str, *, tiny_help: str, warmup: int, repeats: int, unit: str, seed_help: str = "seed of the random weights and inputs") -> argparse.ArgumentParser:

@@ -57,7 +57,7 @@ from pathlib import Path
 
 import torch
 
-from _common import log, machine_description, markdown_table, median, stdout_to_stderr
+from _common import append_out, log, markdown_table, median, stdout_to_stderr
 from e2e import PROMPT, Job, check_space, run_fleet
 from ltx_core.components.guiders import MultiModalGuiderParams
 
@@ -435,12 +435,7 @@ def main() -> None:
     ])
     print(text, flush=True)
     if args.out:
-        import datetime
-        import shlex
-
-        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        with open(args.out, "a") as file:
-            file.write(f"\n`python {' '.join(shlex.quote(arg) for arg in sys.argv)}` on {machine_description(device)}, {date}\n\n{text}\n")
+        append_out(text, device, args.out)
 
 
 def log_stages(name: str, run: GraphRun) -> None:

@@ -90,7 +90,7 @@ from pathlib import Path
 
 import torch
 
-from _common import log, machine_description, markdown_table, median, synchronize
+from _common import append_out, log, markdown_table, median, synchronize
 from e2e import check_space
 from mgpu_backend.bundles import full_size, tiny
 from mgpu_backend.bundles.configs import OFFICIAL_TRANSFORMER_METADATA, BundleConfig
@@ -829,14 +829,7 @@ def main() -> None:
     text = table + "\n\n" + "\n".join(notes)
     print(text, flush=True)
     if args.out:
-        import datetime
-        import shlex
-
-        command = "python " + " ".join(shlex.quote(arg) for arg in sys.argv)
-        date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        with open(args.out, "a") as file:
-            file.write(f"\n`{command}` on {machine_description(device)}, {date}\n\n{text}\n")
-        log(f"table appended to {args.out}")
+        append_out(text, device, args.out)
 
 
 if __name__ == "__main__":

@@ -55,15 +55,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import hashlib
 import json
 import os
-import shlex
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -72,7 +69,7 @@ from pathlib import Path
 
 import torch
 
-from _common import REPO_ROOT, log, machine_description, markdown_table, stdout_to_stderr  # noqa: I001 - puts the repository on sys.path first
+from _common import REPO_ROOT, append_out, log, markdown_table, stdout_to_stderr  # noqa: I001 - puts the repository on sys.path first
 from ltx_core.components.guiders import MultiModalGuiderParams
 
 from mgpu_backend.fleet.client import FleetError
@@ -667,15 +664,6 @@ def refusal_report(job: Job, config: random_bundle.BundleConfig, error: FleetErr
     where = f" on rank {error.rank}" if error.rank is not None else ""
     what = "refused the job" if error.kind == "input_error" else f"failed the job ({error.kind})"
     return f"**The fleet {world} {what}{where}:** {error}\n\n{setup_text(job, config, memory_cap)}"
-
-
-def append_out(text: str, device: torch.device, out: str) -> None:
-    command = "python " + " ".join(shlex.quote(arg) for arg in sys.argv)
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a") as file:
-        file.write(f"\n`{command}` on {machine_description(device)}, {date}\n\n{text}\n")
-    log(f"results appended to {out}")
 
 
 # --------------------------------------------------------------------------------------------------
