@@ -310,29 +310,35 @@ class ComfyNative:
         # ComfyUI's LTX-2 text encoder hands the diffusion model [video context | audio context] on the last axis.
         return torch.cat(pair, dim=-1).to(self.device)
 
-    def forward(self, inputs: Inputs, sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``apply_model`` once on the noise at ``sigma``, positive context: the denoised (video, audio)."""
+    def forward_call(self, inputs: Inputs, sigma: float):
+        """A call of ``apply_model`` on ``inputs``' noise at ``sigma`` with the positive context (its inputs
+        packed once), and the latent shapes to unpack its output with."""
         packed, shapes = self._packed(inputs.video_noise, inputs.audio_noise)
         sigma_tensor = torch.full((1,), sigma, device=self.device, dtype=torch.float32)
         context = self._context(inputs.positive)
-        with torch.inference_mode():
-            output = self.patcher.model.apply_model(packed, sigma_tensor, c_crossattn=context, frame_rate=FRAME_RATE, latent_shapes=shapes)
-        video, audio = self.comfy.utils.unpack_latents(output, shapes)
+
+        def call() -> torch.Tensor:
+            with torch.inference_mode():
+                return self.patcher.model.apply_model(packed, sigma_tensor, c_crossattn=context, frame_rate=FRAME_RATE, latent_shapes=shapes)
+
+        return call, shapes
+
+    def forward(self, inputs: Inputs, sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``apply_model`` once on the noise at ``sigma``, positive context: the denoised (video, audio)."""
+        call, shapes = self.forward_call(inputs, sigma)
+        video, audio = self.comfy.utils.unpack_latents(call(), shapes)
         return video.float().cpu(), audio.float().cpu()
 
     def time_forward(self, inputs: Inputs, warmup: int, repeats: int) -> list[float]:
-        packed, shapes = self._packed(inputs.video_noise, inputs.audio_noise)
-        sigma_tensor = torch.full((1,), inputs.forward_sigma, device=self.device, dtype=torch.float32)
-        context = self._context(inputs.positive)
+        call, _ = self.forward_call(inputs, inputs.forward_sigma)
         times = []
-        with torch.inference_mode():
-            for index in range(warmup + repeats):
-                synchronize(self.device)
-                started = time.perf_counter()
-                self.patcher.model.apply_model(packed, sigma_tensor, c_crossattn=context, frame_rate=FRAME_RATE, latent_shapes=shapes)
-                synchronize(self.device)
-                if index >= warmup:
-                    times.append((time.perf_counter() - started) * 1e3)
+        for index in range(warmup + repeats):
+            synchronize(self.device)
+            started = time.perf_counter()
+            call()
+            synchronize(self.device)
+            if index >= warmup:
+                times.append((time.perf_counter() - started) * 1e3)
         return times
 
     def cfg_steps(self, inputs: Inputs) -> tuple[list[float], tuple[torch.Tensor, torch.Tensor], list[int]]:
@@ -398,15 +404,7 @@ def run_comfy(comfy, checkpoint_path: str, inputs_per_size: list[Inputs], device
     if profile:
         inputs = inputs_per_size[-1]
         log(f"ComfyUI {inputs.size}: one forward under torch.profiler ...")
-        packed, shapes = native._packed(inputs.video_noise, inputs.audio_noise)
-        sigma = torch.full((1,), inputs.forward_sigma, device=device, dtype=torch.float32)
-        context = native._context(inputs.positive)
-
-        def call():
-            with torch.inference_mode():
-                return native.patcher.model.apply_model(packed, sigma, c_crossattn=context, frame_rate=FRAME_RATE, latent_shapes=shapes)
-
-        forward_profile = profile_forward(call, device)
+        forward_profile = profile_forward(native.forward_call(inputs, inputs.forward_sigma)[0], device)
     description = native.description
     native.free()
     return results, description, forward_profile
