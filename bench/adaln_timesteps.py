@@ -31,9 +31,8 @@ import torch
 
 from _common import bench_device, bench_parser, log, markdown_table, median, run_bench, synchronize, time_calls
 
-from mgpu_backend.ltx.diagnostics import MODEL_CONFIGS, bench_config, random_contexts, random_transformer
+from mgpu_backend.ltx.diagnostics import MODEL_CONFIGS, bench_config, context_widths, random_transformer, random_transformer_inputs
 from mgpu_backend.ltx.latents import StageGeometry
-from mgpu_backend.ltx.stages import modality_input
 
 SIGMA = 0.9  # an early stage-1 sigma; any sigma shared by every token would do
 FULL_SIZE = {"768x512x121": StageGeometry(512, 768, 121, 24.0), "1536x1024x121": StageGeometry(1024, 1536, 121, 24.0)}
@@ -42,15 +41,8 @@ TINY = {"384x256x17": StageGeometry(256, 384, 17, 24.0), "384x256x25": StageGeom
 
 def per_token_inputs(transformer_config: dict, geometry: StageGeometry, device: torch.device, dtype: torch.dtype, seed: int):
     """Video and audio ``Modality`` as the stage-1 loop builds them (a timestep per token, all at ``SIGMA``),
-    with seeded latents and text contexts of the widths this transformer takes."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    sigma = torch.full((1,), SIGMA, device=device, dtype=torch.float32)
-    positive, _ = random_contexts(transformer_config, device, dtype, seed)
-    modalities = []
-    for tools, context in ((geometry.video_tools(), positive.video_context), (geometry.audio_tools(), positive.audio_context)):
-        latent = torch.randn(tools.target_shape.to_torch_shape(), generator=generator, device=device, dtype=dtype)
-        modalities.append(modality_input(tools.create_initial_state(device, dtype, latent), context, sigma))
-    return modalities[0], modalities[1]
+    with seeded latents and 1024-token text contexts of the widths this transformer takes."""
+    return random_transformer_inputs(geometry, geometry, 1024, context_widths(transformer_config), SIGMA, device, dtype, seed)
 
 
 def per_sample(modality):

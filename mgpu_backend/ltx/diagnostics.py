@@ -322,22 +322,24 @@ def _sp_check_inputs(config: dict, device: torch.device, seed: int, text_tokens:
     return random_transformer_inputs(geometry, geometry, text_tokens, caption_channels, 0.7, device, torch.float32, seed, draw_on_cpu=True)
 
 
-def random_transformer_inputs(video_geometry, audio_geometry, text_tokens: int, caption_channels: int, sigma: float,
+def random_transformer_inputs(video_geometry, audio_geometry, text_tokens: int, caption_channels: int | tuple[int, int], sigma: float,
                               device: torch.device, dtype: torch.dtype, seed: int, draw_on_cpu: bool = False):  # fmt: skip
     """Video and audio ``Modality`` as the denoising loops build them (ltx-core's latent tools) at
-    ``sigma``, with seeded random latents and text contexts of ``text_tokens`` x ``caption_channels``.
+    ``sigma``, with seeded random latents and text contexts of ``text_tokens`` x ``caption_channels``
+    (one width for both, or (video, audio) as ``context_widths`` gives them for the 22B layout).
     Drawn in the order video latent, video context, audio latent, audio context, on ``device`` (or
     on the CPU with ``draw_on_cpu``, so every device gets the same numbers)."""
     from mgpu_backend.ltx.stages import modality_input
 
+    widths = caption_channels if isinstance(caption_channels, tuple) else (caption_channels, caption_channels)
     draw_device = torch.device("cpu") if draw_on_cpu else torch.device(device)
     generator = torch.Generator(device=draw_device).manual_seed(seed)
     sigma_tensor = torch.full((1,), sigma, device=device, dtype=torch.float32)
     inputs = []
-    for tools in (video_geometry.video_tools(), audio_geometry.audio_tools()):
+    for tools, width in zip((video_geometry.video_tools(), audio_geometry.audio_tools()), widths):
         latent = torch.randn(tools.target_shape.to_torch_shape(), generator=generator, device=draw_device, dtype=dtype)
         state = tools.create_initial_state(device, dtype, latent.to(device))
-        context = torch.randn((1, text_tokens, caption_channels), generator=generator, device=draw_device, dtype=dtype)
+        context = torch.randn((1, text_tokens, width), generator=generator, device=draw_device, dtype=dtype)
         inputs.append(modality_input(state, context.to(device), sigma_tensor))
     return inputs[0], inputs[1]
 
