@@ -40,7 +40,6 @@ from mgpu_backend.bundles.configs import (
     ltx_core_gemma_config,
     tiny_config,
 )
-from mgpu_backend.ltx.loading import ModelSpec
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -80,7 +79,7 @@ _STYLE = layout.Style(
 
 
 @dataclass(frozen=True)
-class RandomBundle:
+class RandomBundle(layout.TwoStageFiles):
     """Paths of one written bundle (absolute strings, as ltx-core's loaders take them)."""
 
     root: str
@@ -88,14 +87,6 @@ class RandomBundle:
     distilled_lora_path: str
     spatial_upsampler_path: str
     gemma_root: str
-
-    def spec(self) -> ModelSpec:
-        return ModelSpec(
-            checkpoint_path=self.checkpoint_path,
-            gemma_root=self.gemma_root,
-            spatial_upsampler_path=self.spatial_upsampler_path,
-            distilled_lora=self.distilled_lora_path,
-        )
 
 
 def _bundle_at(root: Path) -> RandomBundle:

@@ -45,9 +45,29 @@ import torch
 
 from mgpu_backend.bundles import gemma_folder, random_weights
 from mgpu_backend.bundles.configs import BundleConfig, model_version
+from mgpu_backend.ltx.schema import ModelSpec
 
 DTYPE = torch.bfloat16
 _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16"}
+
+
+class TwoStageFiles:
+    """The two-stage model spec of a written bundle's files; the bundles' path records (tiny and full
+    size) share it."""
+
+    checkpoint_path: str
+    gemma_root: str
+    spatial_upsampler_path: str
+    distilled_lora_path: str
+
+    def spec(self) -> ModelSpec:
+        """Dev checkpoint, Gemma, spatial upsampler and distilled LoRA, as the two-stage recipe loads them."""
+        return ModelSpec(
+            checkpoint_path=self.checkpoint_path,
+            gemma_root=self.gemma_root,
+            spatial_upsampler_path=self.spatial_upsampler_path,
+            distilled_lora=self.distilled_lora_path,
+        )
 
 
 @dataclass(frozen=True)

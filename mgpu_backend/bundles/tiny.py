@@ -42,7 +42,6 @@ from mgpu_backend.bundles.configs import (
     VIDEO_VAE_CONFIG,
     tiny_config,
 )
-from mgpu_backend.ltx.schema import ModelSpec
 
 __all__ = [
     "BUNDLE_VERSION",
@@ -101,7 +100,7 @@ SPATIAL_UPSAMPLER_NAME = file_names().spatial_upsampler
 
 
 @dataclass(frozen=True)
-class TinyBundle:
+class TinyBundle(layout.TwoStageFiles):
     """Paths of one tiny LTX-2 bundle (all absolute strings, as ltx-core's loaders take them)."""
 
     root: str
@@ -111,15 +110,6 @@ class TinyBundle:
     distilled_lora_path: str
     spatial_upsampler_path: str
     gemma_root: str
-
-    def spec(self) -> ModelSpec:
-        """The two-stage model spec of this bundle's files: dev checkpoint, Gemma, upsampler, distilled LoRA."""
-        return ModelSpec(
-            checkpoint_path=self.checkpoint_path,
-            gemma_root=self.gemma_root,
-            spatial_upsampler_path=self.spatial_upsampler_path,
-            distilled_lora=self.distilled_lora_path,
-        )
 
     def __str__(self) -> str:
         return "\n".join(
