@@ -54,6 +54,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -61,7 +62,7 @@ from _common import append_out, log, markdown_table, median, stdout_to_stderr
 from e2e import PROMPT, Job, check_space, run_fleet
 from ltx_core.components.guiders import MultiModalGuiderParams
 
-from mgpu_backend.bundles import full_size, tiny
+from mgpu_backend.bundles import full_size, layout, tiny
 from mgpu_backend.ltx.gemma_file import gemma_folder_to_comfy_file
 from mgpu_backend.tools import comfy_queue
 from mgpu_backend.tools.processes import stop_process
@@ -134,7 +135,7 @@ def template_graph(files: dict[str, str], width: int, height: int, frames: int, 
 # --------------------------------------------------------------------------------------------------
 
 
-def place_models(base: Path, bundle: full_size.RandomBundle, gemma_file: str) -> dict[str, str]:
+def place_models(base: Path, bundle: layout.TwoStageFiles, gemma_file: str) -> dict[str, str]:
     """Link the bundle's files into ComfyUI's model folders under ``base``; their names there."""
     placed = {}
     for key, folder, source in (
@@ -160,6 +161,7 @@ class ComfyServer:
     extra_args: list[str]
     port: int = 0
     process: subprocess.Popen | None = None
+    log_file: BinaryIO | None = None
 
     @property
     def url(self) -> str:
@@ -179,8 +181,8 @@ class ComfyServer:
             "--base-directory", str(self.base), "--disable-auto-launch", "--database-url", f"sqlite:///{self.base / 'comfyui.db'}",
             "--front-end-root", str(web_root), *self.extra_args,
         ]  # fmt: skip
-        log_file = open(self.base / "comfyui.log", "wb")  # noqa: SIM115 - the process holds it until stop()
-        self.process = subprocess.Popen(command, cwd=self.base, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        self.log_file = open(self.base / "comfyui.log", "wb")  # noqa: SIM115 - the process writes it until stop()
+        self.process = subprocess.Popen(command, cwd=self.base, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True)
         started = time.monotonic()
         while time.monotonic() - started < START_TIMEOUT_SECONDS:
             if self.process.poll() is not None:
@@ -197,6 +199,8 @@ class ComfyServer:
     def stop(self) -> None:
         if self.process is not None:
             stop_process(self.process)
+        if self.log_file is not None:
+            self.log_file.close()
 
 
 @dataclass
@@ -263,7 +267,7 @@ def template_job(width: int, height: int, frames: int, fps: float, steps: int) -
                video_guider=guider, audio_guider=guider, official_steps=steps)  # fmt: skip
 
 
-def run_fleet_side(bundle, gemma_file: str, job: Job, device: torch.device, gpus: str | None, cpu_ranks: int | None):
+def run_fleet_side(bundle: layout.TwoStageFiles, gemma_file: str, job: Job, device: torch.device, gpus: str | None, cpu_ranks: int | None):
     """``bench/e2e.py``'s fleet job, cold and warm, on the bundle with ``gemma_file`` (the same single
     Gemma file ComfyUI read) as its text encoder: (cold, warm) ``e2e.Run``s."""
     spec = replace(bundle.spec(), gemma_root=gemma_file).to_json()
@@ -313,7 +317,7 @@ def report_table(comfy_cold: GraphRun, comfy_warm: GraphRun, fleet_cold, fleet_w
 # --------------------------------------------------------------------------------------------------
 
 
-def write_files(args: argparse.Namespace, device: torch.device, stack: contextlib.ExitStack) -> tuple[full_size.RandomBundle, str]:
+def write_files(args: argparse.Namespace, device: torch.device, stack: contextlib.ExitStack) -> tuple[layout.TwoStageFiles, str]:
     """The random bundle and its Gemma as one ComfyUI-layout file: (bundle, Gemma file)."""
     if args.tiny:
         bundle = tiny.default_tiny_bundle()
@@ -329,8 +333,11 @@ def write_files(args: argparse.Namespace, device: torch.device, stack: contextli
     planned = full_size.planned_bytes(config)
     gemma_bytes = sum(size for name, size in planned.items() if name.startswith(full_size.GEMMA_DIR_NAME + "/"))
     remedy = "point --bundle-dir (or --gemma-dir) at a larger disk"
-    check_space(bundle_dir, sum(planned.values()) - (gemma_bytes if args.gemma_dir else 0) + (1 << 30), "the random bundle", remedy)
-    check_space(gemma_dir, 2 * gemma_bytes + (1 << 30), "the bundle's Gemma folder and its single-file copy", remedy)
+    if args.gemma_dir:
+        check_space(bundle_dir, sum(planned.values()) - gemma_bytes + (1 << 30), "the random bundle without Gemma", remedy)
+        check_space(gemma_dir, 2 * gemma_bytes + (1 << 30), "the bundle's Gemma folder and its single-file copy", remedy)
+    else:  # one disk holds the bundle and, for a while, Gemma twice
+        check_space(bundle_dir, sum(planned.values()) + gemma_bytes + (1 << 30), "the random bundle and its single-file Gemma", remedy)
     log(f"random bundle: {sum(planned.values()) / 1e9:.1f} GB in {bundle_dir}, Gemma in {gemma_dir}, drawn on {device} ...")
     started = time.perf_counter()
     bundle = full_size.write_bundle(bundle_dir, config, device, 0, log=log, gemma_dir=gemma_dir / full_size.GEMMA_DIR_NAME if args.gemma_dir else None)
