@@ -7,7 +7,9 @@ per sample when no token is conditioned, and its forward is 4-5% faster for that
 "Why ComfyUI is faster"). Where every token has the same sigma (text-to-video, no conditioning) the
 two are the same arithmetic up to the AdaLN projection's rounding: the projection then runs on one
 row instead of T. The fleet may take that speed only if the outputs stay bitwise equal, since stage 1
-must equal the official pipeline.
+must equal the official pipeline. On an H200 in bf16 they do not (a few ulps apart, both layouts, at
+4-8% speed-up; docs/BENCHMARKS.md, "The lever, and why the default stays"), so the fleet keeps one
+timestep per token.
 
 For each size this bench runs ltx-core's X0Model (random weights of the chosen configuration, built
 here; bf16 on a GPU, fp32 on the CPU) on one set of inputs twice: timesteps per token, and the same
