@@ -82,11 +82,6 @@ _CHECKPOINT_PARTS = {
 _UPSAMPLER_KEYS = ("initial_conv.weight", "final_conv.weight")
 
 
-# The one torch-free header reader, under the names the loader's callers import.
-_SafetensorsHeader = SafetensorsHeader
-_read_header = read_header
-
-
 def is_gemma_file(gemma_root: str) -> bool:
     """Whether ``gemma_root`` names ComfyUI's single Gemma file rather than a Hugging Face folder."""
     return Path(gemma_root).is_file()
@@ -146,9 +141,9 @@ def validate_model_files(spec: ModelSpec) -> None:
         _validate_lora(role, path, spec.checkpoint_path, checkpoint)
 
 
-def _validate_checkpoint(path: str) -> _SafetensorsHeader:
+def _validate_checkpoint(path: str) -> SafetensorsHeader:
     remedy = "Choose the LTX-2 audio+video checkpoint (e.g. ltx-2-19b-dev.safetensors)."
-    header = _read_header(path, "checkpoint", remedy)
+    header = read_header(path, "checkpoint", remedy)
     try:
         config = json.loads(header.metadata.get("config", ""))
     except ValueError:
@@ -169,7 +164,7 @@ def _validate_checkpoint(path: str) -> _SafetensorsHeader:
     return header
 
 
-def _validate_gemma(gemma_root: str, checkpoint_path: str, checkpoint: _SafetensorsHeader) -> None:
+def _validate_gemma(gemma_root: str, checkpoint_path: str, checkpoint: SafetensorsHeader) -> None:
     text_config = gemma_text_config(gemma_root)
     hidden, layers = text_config["hidden_size"], text_config["num_hidden_layers"]
     projection_inputs = {
@@ -185,9 +180,9 @@ def _validate_gemma(gemma_root: str, checkpoint_path: str, checkpoint: _Safetens
         )
 
 
-def _validate_upsampler(path: str, checkpoint: _SafetensorsHeader) -> None:
+def _validate_upsampler(path: str, checkpoint: SafetensorsHeader) -> None:
     remedy = "Choose the LTX-2 spatial upscaler (e.g. ltx-2-spatial-upscaler-x2-1.0.safetensors)."
-    header = _read_header(path, "spatial upsampler", remedy)
+    header = read_header(path, "spatial upsampler", remedy)
     try:
         config = json.loads(header.metadata.get("config", ""))
     except ValueError:
@@ -227,9 +222,9 @@ def _lora_model_version(role: str, pairs: dict, transformer: dict) -> tuple[str 
     return None, ""
 
 
-def _validate_lora(role: str, path: str, checkpoint_path: str, checkpoint: _SafetensorsHeader) -> None:
+def _validate_lora(role: str, path: str, checkpoint_path: str, checkpoint: SafetensorsHeader) -> None:
     remedy = "Use a LoRA trained for this LTX-2 checkpoint, or remove it."
-    header = _read_header(path, role, remedy)
+    header = read_header(path, role, remedy)
     transformer = {
         name.removeprefix("model.diffusion_model."): shape
         for name, (_, shape) in checkpoint.tensors.items()
