@@ -43,7 +43,6 @@ from __future__ import annotations  # noqa: I001 - _common first: it puts the re
 import argparse
 import contextlib
 import itertools
-import json
 import os
 import shutil
 import signal
@@ -63,6 +62,7 @@ from e2e import PROMPT, Job, check_space, run_fleet
 from ltx_core.components.guiders import MultiModalGuiderParams
 
 from mgpu_backend.bundles import full_size, layout, tiny
+from mgpu_backend.ltx.diagnostics import bench_config
 from mgpu_backend.ltx.gemma_file import gemma_folder_to_comfy_file
 from mgpu_backend.tools import comfy_queue
 from mgpu_backend.tools.processes import stop_process
@@ -323,8 +323,7 @@ def write_files(args: argparse.Namespace, device: torch.device, stack: contextli
         bundle = tiny.default_tiny_bundle()
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-comfy-graph-gemma-")))
         return bundle, gemma_folder_to_comfy_file(bundle.gemma_root, str(folder / GEMMA_FILE))
-    transformer = json.loads((Path(__file__).resolve().parent.parent / "configs" / "ltx2-19b-transformer.json").read_text())["transformer"]
-    config = full_size.full_size_config(transformer, 48)  # ComfyUI's text encoder is the released 48-layer Gemma only
+    config = full_size.full_size_config(bench_config("2.0")["transformer"], 48)  # ComfyUI's text encoder is the released 48-layer Gemma only
     bundle_dir = Path(args.bundle_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-comfy-graph-bundle-")))
     gemma_dir = Path(args.gemma_dir) if args.gemma_dir else bundle_dir
     bundle_dir.mkdir(parents=True, exist_ok=True)

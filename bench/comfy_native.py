@@ -95,7 +95,7 @@ from e2e import check_space
 from mgpu_backend.bundles import full_size, tiny
 from mgpu_backend.bundles.configs import OFFICIAL_TRANSFORMER_METADATA, BundleConfig
 from mgpu_backend.ltx import api
-from mgpu_backend.ltx.diagnostics import MODEL_CONFIGS, random_contexts
+from mgpu_backend.ltx.diagnostics import MODEL_CONFIGS, bench_config, random_contexts
 from mgpu_backend.ltx.latents import StageGeometry, initial_state, job_generator, state_to_comfy
 from mgpu_backend.ltx.schema import Guidance, ModelSpec, SampleRequest
 
@@ -166,7 +166,7 @@ def bundle_config(version: str, tiny_size: bool) -> BundleConfig:
     with the official transformer metadata ComfyUI reads added: the pinned tiny files predate it, and
     without it ComfyUI positions the video tokens otherwise than ltx-core does."""
     if not tiny_size:
-        return full_size.full_size_config(json.loads(MODEL_CONFIGS[version].read_text())["transformer"])
+        return full_size.full_size_config(bench_config(version)["transformer"])
     base = tiny.tiny_config(version)
     checkpoint = {**base.checkpoint, "transformer": {**base.checkpoint["transformer"], **OFFICIAL_TRANSFORMER_METADATA}}
     return replace(base, checkpoint=checkpoint)

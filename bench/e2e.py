@@ -69,12 +69,13 @@ from pathlib import Path
 
 import torch
 
-from _common import REPO_ROOT, append_out, log, markdown_table, stdout_to_stderr  # noqa: I001 - puts the repository on sys.path first
+from _common import append_out, log, markdown_table, stdout_to_stderr  # noqa: I001 - puts the repository on sys.path first
 from ltx_core.components.guiders import MultiModalGuiderParams
 
 from mgpu_backend.fleet.client import FleetError
 from mgpu_backend.fleet.rank import MEMORY_FRACTION_ENV
 from mgpu_backend.ltx import api
+from mgpu_backend.ltx.diagnostics import bench_config
 from mgpu_backend.ltx.residency import GIB, MEMORY_LIMIT_ENV
 from mgpu_backend.ltx.schema import MODEL_VERSIONS, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, LoadRequest, defaults_for
 from mgpu_backend.tools.generate import DEFAULT_NEGATIVE_PROMPT, MULTI_GPU_STAGE2_SIGMAS, SINGLE_GPU_STAGE2_SIGMAS, TINY_DEFAULTS
@@ -87,7 +88,6 @@ PROMPT = (
 )
 STAGES = ("fleet spawn", "load", "text encode", "stage 1", "upsample", "stage 2", "decode", "handoff")
 OTHER = "other"  # official time outside every timed function: its gc / memory clean-up between stages
-TRANSFORMER_CONFIGS = {"2.0": "ltx2-19b-transformer.json", "2.3": "ltx2.3-22b-transformer.json"}  # in configs/
 
 
 @dataclass(frozen=True)
@@ -742,7 +742,7 @@ def main() -> None:
         config = random_bundle.tiny_config(args.model)
         defaults = {"height": TINY_DEFAULTS["height"], "width": TINY_DEFAULTS["width"], "num_frames": TINY_DEFAULTS["num_frames"], "steps": TINY_DEFAULTS["num_inference_steps"]}
     else:
-        transformer = json.loads(Path(args.config or REPO_ROOT / "configs" / TRANSFORMER_CONFIGS[args.model]).read_text())["transformer"]
+        transformer = bench_config(args.model, args.config)["transformer"]
         config = random_bundle.full_size_config(transformer, args.gemma_layers, args.lora_rank)
         defaults = {"height": None, "width": None, "num_frames": None, "steps": None}  # the official defaults
     if not layout_version(config.checkpoint).startswith(args.model):
