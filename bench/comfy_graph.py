@@ -46,14 +46,11 @@ import itertools
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import BinaryIO
 
 import torch
 
@@ -65,14 +62,13 @@ from mgpu_backend.bundles import full_size, layout, tiny
 from mgpu_backend.ltx.diagnostics import bench_config
 from mgpu_backend.ltx.gemma_file import gemma_folder_to_comfy_file
 from mgpu_backend.tools import comfy_queue
-from mgpu_backend.tools.processes import stop_process
+from mgpu_backend.tools.comfy_server import ComfyUIServer, ComfyUIStartError
 from mgpu_backend.tools.generate import DEFAULT_NEGATIVE_PROMPT, SINGLE_GPU_STAGE2_SIGMAS
 
 TEMPLATE_STEPS = 20  # the template's LTXVScheduler
 TEMPLATE_CFG = 4.0  # its stage-1 CFGGuider (stage 2: 1)
 SEED = 10  # its stage-1 RandomNoise (stage 2: 0)
 GEMMA_FILE = "gemma_3_12B_it.safetensors"  # the name the template loads
-START_TIMEOUT_SECONDS = 300
 
 STAGES = {  # template node id -> the stage its time counts towards
     **dict.fromkeys(("1", "48", "68", "76"), "load"),
@@ -152,55 +148,19 @@ def place_models(base: Path, bundle: layout.TwoStageFiles, gemma_file: str) -> d
     return placed
 
 
-@dataclass
-class ComfyServer:
-    """ComfyUI's ``main.py`` on a free local port with ``base`` as its base directory."""
-
-    comfyui_dir: Path
-    base: Path
-    extra_args: list[str]
-    port: int = 0
-    process: subprocess.Popen | None = None
-    log_file: BinaryIO | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> float:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
-        (self.base / "custom_nodes").mkdir(parents=True, exist_ok=True)
-        # Only the API is used: a web root of one page, so ComfyUI needs no frontend package.
-        web_root = self.base / "web-root"
-        web_root.mkdir(exist_ok=True)
-        (web_root / "index.html").write_text("<!doctype html><title>ComfyUI for bench/comfy_graph.py</title>\n")
-        command = [
-            sys.executable, str(self.comfyui_dir / "main.py"), "--listen", "127.0.0.1", "--port", str(self.port),
-            "--base-directory", str(self.base), "--disable-auto-launch", "--database-url", f"sqlite:///{self.base / 'comfyui.db'}",
-            "--front-end-root", str(web_root), *self.extra_args,
-        ]  # fmt: skip
-        self.log_file = open(self.base / "comfyui.log", "wb")  # noqa: SIM115 - the process writes it until stop()
-        self.process = subprocess.Popen(command, cwd=self.base, stdout=self.log_file, stderr=subprocess.STDOUT, start_new_session=True)
-        started = time.monotonic()
-        while time.monotonic() - started < START_TIMEOUT_SECONDS:
-            if self.process.poll() is not None:
-                raise SystemExit(f"error: ComfyUI exited with {self.process.returncode} while starting:\n{self.log_tail()}")
-            with contextlib.suppress(comfy_queue.QueueError):  # not listening yet
-                if comfy_queue.http_json(f"{self.url}/system_stats", timeout=5)[0] == 200:
-                    return time.monotonic() - started
-            time.sleep(1.0)
-        raise SystemExit(f"error: ComfyUI did not answer within {START_TIMEOUT_SECONDS} s:\n{self.log_tail()}")
-
-    def log_tail(self, characters: int = 3000) -> str:
-        return (self.base / "comfyui.log").read_text(errors="replace")[-characters:]
-
-    def stop(self) -> None:
-        if self.process is not None:
-            stop_process(self.process)
-        if self.log_file is not None:
-            self.log_file.close()
+def start_comfyui(comfyui_dir: Path, base: Path, extra_args: list[str]) -> tuple[ComfyUIServer, float]:
+    """ComfyUI on a free local port with ``base`` as its base directory and a web root of one page
+    (only the API is used, so ComfyUI needs no frontend package): the server and its start-up seconds."""
+    (base / "custom_nodes").mkdir(parents=True, exist_ok=True)
+    web_root = base / "web-root"
+    web_root.mkdir(exist_ok=True)
+    (web_root / "index.html").write_text("<!doctype html><title>ComfyUI for bench/comfy_graph.py</title>\n")
+    server = ComfyUIServer(comfyui_dir, base, ["--front-end-root", str(web_root), *extra_args])
+    try:
+        return server, server.wait_ready()
+    except ComfyUIStartError as exc:
+        server.stop()
+        raise SystemExit(f"error: {exc}") from None
 
 
 @dataclass
@@ -243,7 +203,7 @@ class NodeClock:
         return run
 
 
-def run_graph(server: ComfyServer, graph: dict, timeout: float) -> GraphRun:
+def run_graph(server: ComfyUIServer, graph: dict, timeout: float) -> GraphRun:
     clock = NodeClock()
     failure = None
     try:
@@ -382,11 +342,11 @@ def main() -> None:
         bundle, gemma_file = write_files(args, device, stack)
         base = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-comfy-graph-base-")))
         files = place_models(base, bundle, gemma_file)
-        server = ComfyServer(comfyui_dir, base, extra)
         if args.comfyui_log:
             stack.callback(lambda: shutil.copyfile(base / "comfyui.log", args.comfyui_log) if (base / "comfyui.log").exists() else None)
+        server, seconds = start_comfyui(comfyui_dir, base, extra)
         stack.callback(server.stop)
-        log(f"ComfyUI: up in {server.start():.1f} s at {server.url} ({' '.join(extra) or 'its default memory settings'})")
+        log(f"ComfyUI: up in {seconds:.1f} s at {server.url} ({' '.join(extra) or 'its default memory settings'})")
 
         def graph(seed: int, suffix: str) -> dict:
             prompts = (PROMPT + suffix, DEFAULT_NEGATIVE_PROMPT + suffix)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mgpu_backend.fleet.client import FleetClient, FleetUnavailable
-from mgpu_backend.tools.processes import stop_process
+from mgpu_backend.tools.processes import free_loopback_port, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,10 +107,7 @@ def tcp_fleet(tmp_path: Path, monkeypatch) -> Iterator[tuple[str, int, Path]]:
     runtime = tmp_path / "runtime"
     runtime.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", 0))
-    port = probe.getsockname()[1]
-    probe.close()
+    port = free_loopback_port()
     address = f"tcp://127.0.0.1:{port}"
     command = [sys.executable, "-m", "mgpu_backend", "serve", "--socket", address, "--cpu-ranks", "1", "--idle-timeout", "0"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "XDG_RUNTIME_DIR": str(runtime)}

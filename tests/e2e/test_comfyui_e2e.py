@@ -16,9 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -31,7 +29,7 @@ import pytest
 from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.gemma_file import gemma_folder_to_comfy_file
 from mgpu_backend.tools import comfy_queue
-from mgpu_backend.tools.processes import stop_process
+from mgpu_backend.tools.comfy_server import ComfyUIServer
 
 PACK_DIR = Path(__file__).resolve().parents[2]
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
@@ -43,12 +41,6 @@ pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(not COMFYUI_DIR or not (Path(COMFYUI_DIR) / "main.py").is_file(), reason="set COMFYUI_DIR to a ComfyUI checkout"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def get_json(url: str):
@@ -63,11 +55,11 @@ def post_json(url: str, payload: dict):
         return json.loads(body) if body else None
 
 
-class ComfyUI:
+class ComfyUI(ComfyUIServer):
+    """ComfyUI --cpu with the pack symlinked into ``base``'s custom_nodes, the tiny model files in its
+    models/ folders (``model_files``: their names there), and a fleet of its own behind a private runtime folder."""
+
     def __init__(self, base: Path) -> None:
-        self.base, self.port = base, free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = base / "comfyui.log"
         (base / "custom_nodes").mkdir(parents=True)
         (base / "custom_nodes" / "comfyui-mgpu").symlink_to(PACK_DIR, target_is_directory=True)
         self.model_files = place_user_models(base / "models")
@@ -75,32 +67,7 @@ class ComfyUI:
         runtime.mkdir(mode=0o700)
         env = {**os.environ, "XDG_RUNTIME_DIR": str(runtime), "MGPU_CPU_RANKS": os.environ.get("MGPU_CPU_RANKS", "2"), "OMP_NUM_THREADS": "1"}
         env.pop("MGPU_SOCKET", None)  # ComfyUI must start its own fleet
-        command = [
-            os.environ.get("COMFYUI_PYTHON", sys.executable), str(Path(COMFYUI_DIR) / "main.py"),
-            "--cpu", "--listen", "127.0.0.1", "--port", str(self.port), "--base-directory", str(base),
-            "--disable-auto-launch", "--database-url", f"sqlite:///{base / 'comfyui.db'}",
-        ]  # fmt: skip
-        self.log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(command, cwd=base, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def wait_ready(self) -> float:
-        started = time.monotonic()
-        while time.monotonic() - started < START_TIMEOUT_SECONDS:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.log_text()[-4000:]}")
-            try:
-                get_json(f"{self.url}/object_info/MGPUSPSampler")
-                return time.monotonic() - started
-            except OSError:
-                time.sleep(1.0)
-        raise TimeoutError(f"ComfyUI did not serve the MGPU nodes within {START_TIMEOUT_SECONDS} s:\n{self.log_text()[-4000:]}")
-
-    def log_text(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> None:
-        stop_process(self.process)
-        self.log.close()
+        super().__init__(Path(COMFYUI_DIR), base, ["--cpu"], python=os.environ.get("COMFYUI_PYTHON", sys.executable), env=env)
 
 
 def place_user_models(models: Path) -> dict[str, str]:
@@ -124,7 +91,7 @@ def place_user_models(models: Path) -> dict[str, str]:
 def comfyui(tmp_path_factory):
     instance = ComfyUI(tmp_path_factory.mktemp("comfyui-base"))
     try:
-        seconds = instance.wait_ready()
+        seconds = instance.wait_ready("/object_info/MGPUSPSampler", timeout=START_TIMEOUT_SECONDS)
         print(f"\nComfyUI with the pack up in {seconds:.1f} s at {instance.url}")
         yield instance
     finally:
