@@ -1,0 +1,284 @@
+"""How a ComfyUI denoiser call and a model's weight patches travel to the fleet, without pickle.
+
+ComfyUI hands its diffusion model nested Python values: tensors, tuples of tensors (LTX-2's video
+and audio timesteps), lists of shapes (``latent_shapes``), floats (``frame_rate``), dicts of
+options. ``pack`` turns such a value into JSON plus a flat list of tensors, ``unpack`` turns it back;
+a tensor's place in the JSON is ``{"$tensor": index}``, a tuple's ``{"$tuple": [...]}``, and every
+other value must be JSON itself. Anything else (a function, a module, a custom object) is refused
+with the path at which it sits, so a caller can name what the fleet cannot honour.
+
+Weight patches (what ComfyUI's LoRA loaders add to a ``ModelPatcher``) hold thousands of tensors,
+more than one message carries (``protocol.MAX_TENSORS``), and the same LoRA is applied graph after
+graph. ``pack_tensor_blob`` lays many tensors into one byte buffer with a JSON index (name, dtype,
+shape, offset); ``unpack_tensor_blob`` reads them back as views, checking every entry against the
+buffer. Patch tensors are named by their content digest (``tensor_digest``), so the fleet keeps
+each one once and a graph re-sends only what it has not seen.
+
+This module imports neither ComfyUI nor the fleet: both sides of the call use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import weakref
+from typing import Any
+
+import torch
+
+TENSOR_KEY = "$tensor"
+TUPLE_KEY = "$tuple"
+DIGEST_KEY = "$digest"
+ADAPTER_KEY = "$adapter"
+MAX_PACK_DEPTH = 16
+MAX_PACKED_TENSORS = 64
+"""A denoiser call carries about ten tensors (latent, timesteps, context, masks, keyframe indices);
+more than this is not a call of an LTX model."""
+
+BLOB_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "bool": torch.bool,
+}
+BLOB_DTYPE_NAMES = {dtype: name for name, dtype in BLOB_DTYPES.items()}
+BLOB_ALIGN = 64
+
+
+class UnsupportedValue(TypeError):
+    """A value that cannot travel to the fleet; ``path`` says where it sits (e.g. ``patches.attn1_patch[0]``)."""
+
+    def __init__(self, path: str, value: Any) -> None:
+        self.path = path
+        self.value = value
+        what = getattr(value, "__qualname__", None) or type(value).__name__
+        module = getattr(value, "__module__", None) or type(value).__module__
+        super().__init__(f"{path or 'the value'} is a {what} from {module}, which cannot be sent to the fleet")
+
+
+def pack(value: Any, path: str = "") -> tuple[Any, list[torch.Tensor]]:
+    """``value`` as (JSON, tensors). Tensors are sent as they are (device and all): the caller moves them."""
+    tensors: list[torch.Tensor] = []
+
+    def by_index(tensor: torch.Tensor, where: str) -> dict:
+        if len(tensors) >= MAX_PACKED_TENSORS:
+            raise ValueError(f"{where}: more than {MAX_PACKED_TENSORS} tensors in one call")
+        tensors.append(tensor)
+        return {TENSOR_KEY: len(tensors) - 1}
+
+    return _pack(value, path, by_index, 0), tensors
+
+
+def _pack(value: Any, path: str, tensor_ref, depth: int) -> Any:
+    if depth > MAX_PACK_DEPTH:
+        raise UnsupportedValue(path, value)
+    if isinstance(value, torch.Tensor):
+        return tensor_ref(value, path)
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise UnsupportedValue(path, value)
+        return float(value)
+    if isinstance(value, torch.Size):
+        return {TUPLE_KEY: [int(size) for size in value]}
+    if isinstance(value, tuple):
+        return {TUPLE_KEY: [_pack(item, f"{path}[{index}]", tensor_ref, depth + 1) for index, item in enumerate(value)]}
+    if isinstance(value, list):
+        return [_pack(item, f"{path}[{index}]", tensor_ref, depth + 1) for index, item in enumerate(value)]
+    if isinstance(value, dict):
+        packed = {}
+        for key, item in value.items():
+            if not isinstance(key, str) or key in (TENSOR_KEY, TUPLE_KEY):
+                raise UnsupportedValue(f"{path}[{key!r}]", key)
+            packed[key] = _pack(item, f"{path}.{key}" if path else key, tensor_ref, depth + 1)
+        return packed
+    if _is_weight_adapter(value):
+        return {
+            ADAPTER_KEY: type(value).__name__,
+            "loaded_keys": sorted(str(key) for key in value.loaded_keys),
+            "weights": _pack(value.weights, f"{path}.weights", tensor_ref, depth + 1),
+        }
+    raise UnsupportedValue(path, value)
+
+
+def _is_weight_adapter(value: Any) -> bool:
+    """One of ComfyUI's weight adapters (comfy.weight_adapter: LoRA, LoHa, LoKr, ...), told by its
+    module, so that this module needs no ComfyUI to pack one."""
+    return type(value).__module__.startswith("comfy.weight_adapter") and hasattr(value, "weights") and hasattr(value, "loaded_keys")
+
+
+def unpack(packed: Any, tensors: list[torch.Tensor] | dict[str, torch.Tensor], depth: int = 0, make_adapter=None) -> Any:
+    """The value ``pack`` (``tensors``: a list) or ``pack_patches`` (``tensors``: by digest) was given,
+    from its JSON and tensors, checked: a bad reference is a ValueError. ``make_adapter(class name,
+    loaded_keys, weights)`` rebuilds a weight adapter; without it an adapter is refused."""
+    if depth > MAX_PACK_DEPTH:
+        raise ValueError("packed value nested too deeply")
+    if isinstance(packed, list):
+        return [unpack(item, tensors, depth + 1, make_adapter) for item in packed]
+    if isinstance(packed, dict):
+        if set(packed) == {DIGEST_KEY}:
+            digest = packed[DIGEST_KEY]
+            if not isinstance(tensors, dict) or not isinstance(digest, str) or digest not in tensors:
+                raise ValueError(f"packed value names tensor digest {digest!r}, which the fleet does not hold")
+            return tensors[digest]
+        if set(packed) == {ADAPTER_KEY, "loaded_keys", "weights"}:
+            if make_adapter is None:
+                raise ValueError("a weight adapter came where none is expected")
+            keys = packed["loaded_keys"]
+            if not isinstance(keys, list) or not all(isinstance(key, str) for key in keys):
+                raise ValueError("a weight adapter's loaded_keys must be a list of names")
+            return make_adapter(packed[ADAPTER_KEY], set(keys), unpack(packed["weights"], tensors, depth + 1, make_adapter))
+        if set(packed) == {TENSOR_KEY}:
+            index = packed[TENSOR_KEY]
+            if not isinstance(tensors, list) or not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(tensors):
+                raise ValueError(f"packed value names tensor {index!r}, but {len(tensors)} came")
+            return tensors[index]
+        if set(packed) == {TUPLE_KEY}:
+            items = packed[TUPLE_KEY]
+            if not isinstance(items, list):
+                raise ValueError("a packed tuple must hold a list")
+            return tuple(unpack(item, tensors, depth + 1, make_adapter) for item in items)
+        return {key: unpack(item, tensors, depth + 1, make_adapter) for key, item in packed.items()}
+    if packed is None or isinstance(packed, (bool, int, float, str)):
+        return packed
+    raise ValueError(f"packed value holds a {type(packed).__name__}")
+
+
+def tensors_by_name(tensors: list[torch.Tensor], prefix: str = "t") -> dict[str, torch.Tensor]:
+    """The flat tensor list as a message's named tensors (``t0``, ``t1`` ...)."""
+    return {f"{prefix}{index}": tensor for index, tensor in enumerate(tensors)}
+
+
+def tensors_in_order(named: dict[str, torch.Tensor], count: int, prefix: str = "t") -> list[torch.Tensor]:
+    """The inverse of ``tensors_by_name`` for ``count`` tensors; a missing one is a ValueError."""
+    missing = [f"{prefix}{index}" for index in range(count) if f"{prefix}{index}" not in named]
+    if missing:
+        raise ValueError(f"the call names tensors {missing} that did not come")
+    return [named[f"{prefix}{index}"] for index in range(count)]
+
+
+# -- weight patches -------------------------------------------------------------------------------
+
+def pack_patches(patches: dict[str, list[tuple]]) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """A ``ModelPatcher.patches`` dict (weight name -> [(strength_patch, patch, strength_model,
+    offset, function)]) as (JSON entries, tensors by content digest). A patch function (a Python
+    callable) or a patch of an unknown kind raises ``UnsupportedValue`` naming the weight."""
+    by_digest: dict[str, torch.Tensor] = {}
+
+    def by_content(tensor: torch.Tensor, where: str) -> dict:
+        digest = tensor_digest(tensor)
+        by_digest[digest] = tensor
+        return {DIGEST_KEY: digest}
+
+    entries = []
+    for key in sorted(patches):
+        for strength_patch, patch, strength_model, offset, function in patches[key]:
+            if function is not None:
+                raise UnsupportedValue(f"patch function of {key}", function)
+            entries.append({
+                "key": key,
+                "strength_patch": float(strength_patch),
+                "strength_model": float(strength_model),
+                "offset": _pack(offset, f"offset of {key}", by_content, 0),
+                "patch": _pack(patch, key, by_content, 0),
+            })
+    return entries, by_digest
+
+
+def unpack_patches(entries: Any, tensors: dict[str, torch.Tensor], make_adapter) -> dict[str, list[tuple]]:
+    """The ``ModelPatcher.patches`` dict ``pack_patches`` was given, in its order."""
+    if not isinstance(entries, list):
+        raise ValueError("weight patches come as a list")
+    patches: dict[str, list[tuple]] = {}
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("key"), str):
+            raise ValueError("a weight patch entry names its weight")
+        strengths = entry.get("strength_patch"), entry.get("strength_model")
+        if not all(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) for value in strengths):
+            raise ValueError(f"weight patch of {entry['key']}: strengths must be numbers")
+        offset = unpack(entry.get("offset"), tensors, make_adapter=make_adapter)
+        patch = unpack(entry.get("patch"), tensors, make_adapter=make_adapter)
+        patches.setdefault(entry["key"], []).append((float(strengths[0]), patch, float(strengths[1]), offset, None))
+    return patches
+
+
+def patch_set_digest(entries: list[dict]) -> str:
+    """One name for a whole patch set (its JSON, which names every tensor by digest)."""
+    import json
+
+    return hashlib.blake2b(json.dumps(entries, sort_keys=True).encode(), digest_size=20).hexdigest()
+
+
+# -- content digests -------------------------------------------------------------------------------
+
+_digests: "weakref.WeakKeyDictionary[torch.Tensor, tuple[int, str]]" = weakref.WeakKeyDictionary()
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """A digest of the tensor's dtype, shape and bytes. Remembered per tensor object (and its
+    version counter), so a LoRA that stays loaded in ComfyUI is hashed once, not every graph."""
+    known = _digests.get(tensor)
+    if known is not None and known[0] == tensor._version:
+        return known[1]
+    hasher = hashlib.blake2b(digest_size=20)
+    hasher.update(f"{BLOB_DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))}{tuple(tensor.shape)}".encode())
+    flat = tensor.detach().contiguous().cpu().reshape(-1)
+    hasher.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
+    digest = hasher.hexdigest()
+    _digests[tensor] = (tensor._version, digest)
+    return digest
+
+
+# -- many tensors in one buffer --------------------------------------------------------------------
+
+def pack_tensor_blob(named: dict[str, torch.Tensor]) -> tuple[list[dict], torch.Tensor]:
+    """(index, uint8 buffer) holding every tensor of ``named`` at an aligned offset."""
+    index: list[dict] = []
+    offset = 0
+    for name, tensor in named.items():
+        if tensor.dtype not in BLOB_DTYPE_NAMES:
+            raise UnsupportedValue(name, tensor.dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        index.append({"name": name, "dtype": BLOB_DTYPE_NAMES[tensor.dtype], "shape": list(tensor.shape), "offset": offset})
+        offset += -(-nbytes // BLOB_ALIGN) * BLOB_ALIGN
+    blob = torch.empty(offset, dtype=torch.uint8)
+    for entry, tensor in zip(index, named.values()):
+        flat = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+        blob[entry["offset"] : entry["offset"] + flat.numel()] = flat
+    return index, blob
+
+
+def unpack_tensor_blob(index: Any, blob: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The tensors of ``pack_tensor_blob``, checked entry by entry against the buffer (views into it)."""
+    if blob.dtype != torch.uint8 or blob.ndim != 1:
+        raise ValueError(f"a tensor blob is a flat uint8 tensor, got {blob.dtype} {list(blob.shape)}")
+    if not isinstance(index, list):
+        raise ValueError("a tensor blob's index is a list")
+    out: dict[str, torch.Tensor] = {}
+    for entry in index:
+        if not isinstance(entry, dict):
+            raise ValueError("a tensor blob's index holds dicts")
+        name, dtype_name, shape, offset = entry.get("name"), entry.get("dtype"), entry.get("shape"), entry.get("offset")
+        if not isinstance(name, str) or dtype_name not in BLOB_DTYPES:
+            raise ValueError(f"tensor blob entry {name!r}: unknown dtype {dtype_name!r}")
+        if not isinstance(shape, list) or len(shape) > 8 or not all(isinstance(size, int) and 0 <= size < 1 << 32 for size in shape):
+            raise ValueError(f"tensor blob entry {name!r}: bad shape {shape!r}")
+        if not isinstance(offset, int) or offset < 0 or offset % BLOB_ALIGN:
+            raise ValueError(f"tensor blob entry {name!r}: bad offset {offset!r}")
+        dtype = BLOB_DTYPES[dtype_name]
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if offset + nbytes > blob.numel():
+            raise ValueError(f"tensor blob entry {name!r} runs past the end of its buffer")
+        out[name] = blob[offset : offset + nbytes].view(dtype).reshape(shape)
+    return out
