@@ -6,6 +6,7 @@ module of its own, so this package must never be importable as ``nodes``). Comfy
 imported lazily inside functions, so every node class also loads, and is tested, without ComfyUI.
 """
 
+from .comfy_model_nodes import MGPUCheckpointLoader, MGPUDiffusionModelLoader
 from .decode_nodes import DistributedVAEDecode
 from .model_nodes import LoadCheckpointMGPU, MGPUFleetControl
 from .sampling_nodes import SPSampler, TDPUpscale
@@ -18,6 +19,8 @@ NODE_CLASS_MAPPINGS = {
     "MGPUTDPUpscale": TDPUpscale,
     "MGPUDistributedVAEDecode": DistributedVAEDecode,
     "MGPUFleetControl": MGPUFleetControl,
+    "MGPUCheckpointLoader": MGPUCheckpointLoader,
+    "MGPUDiffusionModelLoader": MGPUDiffusionModelLoader,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -27,4 +30,6 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "MGPUTDPUpscale": "TDP Upscale",
     "MGPUDistributedVAEDecode": "Distributed VAE Decode",
     "MGPUFleetControl": "MGPU Fleet Control",
+    "MGPUCheckpointLoader": "Load Checkpoint (MGPU fleet)",
+    "MGPUDiffusionModelLoader": "Load Diffusion Model (MGPU fleet)",
 }

@@ -1,0 +1,124 @@
+"""Drop-in loaders: ComfyUI's own LTX graphs on the MGPU fleet, with only the model loader swapped.
+
+``Load Checkpoint (MGPU fleet)`` takes the place of ComfyUI's *Load Checkpoint* and gives the same
+three outputs: a stock ``MODEL`` whose denoiser calls run on every GPU of the fleet (ComfyUI's own
+LTX model code in each rank, sequence parallel over the GPUs, a batched call split over GPU groups),
+ComfyUI's CLIP output as the stock loader gives it for an LTX checkpoint (none: LTX's text encoder is
+Gemma, loaded by *LTXV Audio Text Encoder Loader*), and the checkpoint's video VAE, loaded here by
+ComfyUI. ``Load Diffusion Model (MGPU fleet)`` does the same for *Load Diffusion Model*'s files and
+weight-dtype choices. Samplers, guiders, LoRA loaders and LTX conditioning nodes take the MODEL
+unchanged (``mgpu_backend.comfy_model.remote`` says how).
+
+Thin: the nodes resolve file names in ComfyUI's folders and call ``remote.load_fleet_model``.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mgpu_backend.comfy_model.remote import WEIGHT_DTYPES, FleetModelSpec
+
+CATEGORY = "MGPU/LTX-2"
+SEARCH_ALIASES = ["ltx", "ltx-2", "ltx-2.3", "ltxv", "load checkpoint", "multi gpu", "multi-gpu", "sequence parallel", "mgpu"]
+
+
+def _comfy_dir() -> str:
+    import folder_paths
+
+    return os.path.dirname(os.path.abspath(folder_paths.__file__))
+
+
+def _file_list(folder: str) -> list[str]:
+    try:
+        import folder_paths
+    except ImportError:
+        return []
+    return folder_paths.get_filename_list(folder)
+
+
+def _full_path(folder: str, name: str) -> str:
+    import folder_paths
+
+    return folder_paths.get_full_path_or_raise(folder, name)
+
+
+def checkpoint_vae(path: str):
+    """The checkpoint's video VAE, as ComfyUI's checkpoint loader builds it, reading only its weights."""
+    import comfy.sd
+    from safetensors import safe_open
+
+    from mgpu_backend.comfy_model.remote import meta_model
+
+    _, model_config, header = meta_model(path)
+    prefixes = tuple(model_config.vae_key_prefix)
+    with safe_open(path, framework="pt", device="cpu") as f:
+        vae_sd = {name[len(prefix):]: f.get_tensor(name) for name in f.keys() for prefix in prefixes if name.startswith(prefix)}
+    if not vae_sd:
+        return None
+    vae_sd = model_config.process_vae_state_dict(vae_sd)
+    return comfy.sd.VAE(sd=vae_sd, metadata=header.metadata)
+
+
+class MGPUCheckpointLoader:
+    """Load Checkpoint (MGPU fleet): ComfyUI's Load Checkpoint with the denoiser on the fleet."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL", "CLIP", "VAE")
+    RETURN_NAMES = ("MODEL", "CLIP", "VAE")
+    OUTPUT_TOOLTIPS = (
+        "The LTX model for ComfyUI's samplers and guiders; each denoiser call runs on every GPU of the MGPU fleet.",
+        "None for LTX checkpoints, as with ComfyUI's Load Checkpoint: load Gemma with LTXV Audio Text Encoder Loader.",
+        "The checkpoint's video VAE, loaded in ComfyUI as its own loader does.",
+    )
+    FUNCTION = "load"
+    DESCRIPTION = (
+        "Drop-in for Load Checkpoint in ComfyUI's LTX-2 graphs: the same outputs, with the diffusion model spread over all GPUs "
+        "of the MGPU fleet (sequence parallel; a batched cond+uncond call split over GPU groups). LoRA loaders, guiders, samplers "
+        "and LTX conditioning nodes work on it unchanged."
+    )
+    SEARCH_ALIASES = SEARCH_ALIASES
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "ckpt_name": (_file_list("checkpoints"), {"tooltip": "An LTX-2 checkpoint in ComfyUI's checkpoints folder (e.g. ltx-2.3-22b-dev.safetensors)."}),
+            },
+            "optional": {
+                "weight_dtype": (list(WEIGHT_DTYPES), {"default": "default", "advanced": True,
+                                                       "tooltip": "The transformer's weight dtype in the fleet, as Load Diffusion Model offers it (default: the file's)."}),
+            },
+        }
+
+    def load(self, ckpt_name, weight_dtype="default"):
+        from mgpu_backend.comfy_model.remote import load_fleet_model
+
+        path = _full_path("checkpoints", ckpt_name)
+        model = load_fleet_model(FleetModelSpec(_comfy_dir(), path, "checkpoint", weight_dtype))
+        return model, None, checkpoint_vae(path)
+
+
+class MGPUDiffusionModelLoader:
+    """Load Diffusion Model (MGPU fleet): ComfyUI's Load Diffusion Model with the denoiser on the fleet."""
+
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("The LTX model for ComfyUI's samplers and guiders; each denoiser call runs on every GPU of the MGPU fleet.",)
+    FUNCTION = "load"
+    DESCRIPTION = "Drop-in for Load Diffusion Model in ComfyUI's LTX-2 graphs: the diffusion model spread over all GPUs of the MGPU fleet."
+    SEARCH_ALIASES = SEARCH_ALIASES + ["load diffusion model", "unet"]
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "unet_name": (_file_list("diffusion_models"), {"tooltip": "An LTX-2 diffusion model in ComfyUI's diffusion_models folder."}),
+                "weight_dtype": (list(WEIGHT_DTYPES), {"default": "default", "tooltip": "The transformer's weight dtype in the fleet, as Load Diffusion Model offers it."}),
+            }
+        }
+
+    def load(self, unet_name, weight_dtype):
+        from mgpu_backend.comfy_model.remote import load_fleet_model
+
+        path = _full_path("diffusion_models", unet_name)
+        return (load_fleet_model(FleetModelSpec(_comfy_dir(), path, "diffusion_model", weight_dtype)),)
