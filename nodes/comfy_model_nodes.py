@@ -18,6 +18,8 @@ import os
 
 from mgpu_backend.comfy_model.remote import WEIGHT_DTYPES, FleetModelSpec
 
+from .fleet_job import FleetJob, comfy_module
+
 CATEGORY = "MGPU/LTX-2"
 SEARCH_ALIASES = ["ltx", "ltx-2", "ltx-2.3", "ltxv", "load checkpoint", "multi gpu", "multi-gpu", "sequence parallel", "mgpu"]
 
@@ -40,6 +42,25 @@ def _full_path(folder: str, name: str) -> str:
     import folder_paths
 
     return folder_paths.get_full_path_or_raise(folder, name)
+
+
+_reporters: dict[str, FleetJob] = {}
+
+
+def executing_node_id() -> str | None:
+    """The id of the node ComfyUI is executing now (the sampler that calls the denoiser), if it says."""
+    utils = comfy_module("comfy_execution.utils")
+    context = utils.get_executing_context() if utils is not None and hasattr(utils, "get_executing_context") else None
+    return getattr(context, "node_id", None)
+
+
+def report_denoiser_call(event: dict) -> None:
+    """Per-rank step time of one fleet denoiser call, on the sampler node and in the MGPU panel."""
+    node_id = executing_node_id()
+    reporter = _reporters.get(node_id)
+    if reporter is None:
+        reporter = _reporters[node_id] = FleetJob(node_id, "denoise on the MGPU fleet")
+    reporter.report(event)
 
 
 def checkpoint_vae(path: str):
@@ -94,7 +115,7 @@ class MGPUCheckpointLoader:
         from mgpu_backend.comfy_model.remote import load_fleet_model
 
         path = _full_path("checkpoints", ckpt_name)
-        model = load_fleet_model(FleetModelSpec(_comfy_dir(), path, "checkpoint", weight_dtype))
+        model = load_fleet_model(FleetModelSpec(_comfy_dir(), path, "checkpoint", weight_dtype), on_forward=report_denoiser_call)
         return model, None, checkpoint_vae(path)
 
 
@@ -121,4 +142,4 @@ class MGPUDiffusionModelLoader:
         from mgpu_backend.comfy_model.remote import load_fleet_model
 
         path = _full_path("diffusion_models", unet_name)
-        return (load_fleet_model(FleetModelSpec(_comfy_dir(), path, "diffusion_model", weight_dtype)),)
+        return (load_fleet_model(FleetModelSpec(_comfy_dir(), path, "diffusion_model", weight_dtype), on_forward=report_denoiser_call),)

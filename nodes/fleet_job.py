@@ -145,6 +145,11 @@ class FleetJob:
 
     def progress(self, event: dict) -> None:
         self._advance_bar(event)
+        self.report(event)
+
+    def report(self, event: dict) -> None:
+        """The event to the web panel (``mgpu.status``) and, throttled, as text on the node: both only
+        to the browser that queued the prompt. No progress bar: for a node whose bar ComfyUI moves."""
         server = prompt_server()
         if server is None:
             return

@@ -153,6 +153,7 @@ class FleetLink:
         self.fleet_pid: int | None = None
         self.node_id: str | None = None
         self.last_rank_seconds: list[float] = []
+        self.on_forward = None  # on_forward(event): each denoiser call's step and per-rank seconds, for the UI
         self._lock = threading.RLock()
 
     # The fleet connection of the process (nodes and CLI share it); imported here so that this
@@ -264,6 +265,15 @@ def _should_cancel() -> bool:
     return comfy.model_management.processing_interrupted()
 
 
+def denoise_step(transformer_options: dict) -> tuple[int, int]:
+    """(step, steps) of the sampler's schedule that this call belongs to (1-based; (0, 0) when unknown)."""
+    schedule, current = transformer_options.get("sample_sigmas"), transformer_options.get("sigmas")
+    if not isinstance(schedule, torch.Tensor) or not isinstance(current, torch.Tensor) or schedule.numel() < 2 or current.numel() == 0:
+        return 0, 0
+    matches = (schedule[:-1] == current.flatten()[0].to(schedule)).nonzero()
+    return (int(matches[0]) + 1 if len(matches) else 0), schedule.numel() - 1
+
+
 def _remote_forward(link: FleetLink):
     def forward(x, timestep, context=None, control=None, transformer_options=None, **kwargs):
         if control is not None:
@@ -277,12 +287,18 @@ def _remote_forward(link: FleetLink):
         }
         from mgpu_backend.fleet.client import FleetCancelled
 
+        start = time.perf_counter()
         try:
-            return link.forward(call, should_cancel=_should_cancel)
+            out = link.forward(call, should_cancel=_should_cancel)
         except FleetCancelled:
             import comfy.model_management
 
             raise comfy.model_management.InterruptProcessingException() from None
+        if link.on_forward is not None:
+            step, steps = denoise_step(transformer_options or {})
+            link.on_forward({"stage": "denoise", "step": step, "total": steps, "seconds": time.perf_counter() - start,
+                             "rank_seconds": list(link.last_rank_seconds)})
+        return out
 
     return forward
 
@@ -411,15 +427,17 @@ def meta_model(path: str, weight_dtype: str = "default", loader: str = "checkpoi
     return model, model_config, header
 
 
-def load_fleet_model(spec: FleetModelSpec):
+def load_fleet_model(spec: FleetModelSpec, on_forward=None):
     """A ComfyUI MODEL (``FleetModelPatcher``) for ``spec`` whose denoiser runs on the fleet.
 
-    Loads the file into the fleet right away, so that a wrong file fails in the loader node."""
+    Loads the file into the fleet right away, so that a wrong file fails in the loader node.
+    ``on_forward(event)`` hears of every denoiser call (step, total, seconds, per-rank seconds)."""
     import comfy.model_management
 
     model, _, _ = meta_model(spec.path, spec.weight_dtype, spec.loader)
     diffusion_model = model.diffusion_model
     link = FleetLink(spec)
+    link.on_forward = on_forward
     info = link.ensure_loaded()
     expected = str(model.get_dtype_inference()).replace("torch.", "")
     if info.get("dtype") and info["dtype"] != expected:
@@ -434,9 +452,3 @@ def load_fleet_model(spec: FleetModelSpec):
     return patcher_class(model, load_device=comfy.model_management.get_torch_device(),
                          offload_device=comfy.model_management.unet_offload_device())
 
-
-def timed(fn):
-    """(result, seconds) of ``fn()``; for the per-step figure shown on the node."""
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
