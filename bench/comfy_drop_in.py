@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--comfyui-dir", required=True, help="a ComfyUI checkout with LTX-2.3 (v0.20.1 or later); both sides import it")
     parser.add_argument("--model", choices=("2.0", "2.3"), default="2.3", help="the random bundle's layout: 2.3 (22B, default) or 2.0 (19B)")
     parser.add_argument("--bundle-dir", help="the random bundle both sides load (written if missing; default: a temporary folder)")
+    parser.add_argument("--gemma-dir", help="write the bundle's random Gemma folder here instead (e.g. /dev/shm: neither side reads it)")
     parser.add_argument("--sizes", default=TEMPLATE_SIZES, help=f"WxHxF sizes (default {TEMPLATE_SIZES}: the template's two stages)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed calls per side and size (default 2)")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per side and size; the median is reported (default 7)")
@@ -118,12 +119,12 @@ def main() -> None:
         stack.enter_context(contextlib.redirect_stdout(sys.stderr))
         bundle_dir = args.bundle_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-drop-in-"))
         config = bundle_config(args.model, args.tiny)
-        planned = sum(full_size.planned_bytes(config).values())
+        planned = sum(size for name, size in full_size.planned_bytes(config).items() if not (args.gemma_dir and name.startswith("gemma")))
         Path(bundle_dir).mkdir(parents=True, exist_ok=True)
         if not full_size.is_complete(bundle_dir, config, device, 0):
             check_space(Path(bundle_dir), planned + (1 << 30), "the random bundle", "point --bundle-dir at a larger disk")
         log(f"random bundle: {planned / 1e9:.2f} GB in {bundle_dir} ...")
-        bundle = full_size.write_bundle(bundle_dir, config, device, 0, log=log)
+        bundle = full_size.write_bundle(bundle_dir, config, device, 0, log=log, gemma_dir=args.gemma_dir)
         gc.collect()
         transformer_config = checkpoint_transformer_config(bundle.checkpoint_path)
         inputs_per_size = [make_inputs(size, transformer_config, 2, device, dtype) for size in parse_sizes(args.sizes)]
