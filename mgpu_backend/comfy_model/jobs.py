@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from mgpu_backend.comfy_model import plan, runtime, wire
+from mgpu_backend.comfy_model.captured_blocks import capture_blocks
 from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.sequence_parallel import valid_sp_degrees
@@ -48,6 +49,7 @@ GROUPS = "comfy_groups"
 HONOURED_OPTIONS = frozenset({"run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn", "cond_or_uncond", "sigmas", "sample_sigmas", "prefetch_dynamic_vbars"})
 """transformer_options the rank passes to ComfyUI's model. ``prefetch_dynamic_vbars`` is recomputed
 from the rank's own patcher (as ``BaseModel._apply_model`` does); the others go through as sent."""
+CUDA_GRAPHS_VARIABLE = "MGPU_COMFY_CUDA_GRAPHS"
 CALL_KEYS = frozenset({"x", "timestep", "context", "transformer_options", "kwargs"})
 
 
@@ -168,6 +170,8 @@ def patch_model(ctx: JobContext, args: dict, tensors: dict):
             raise runtime.ComfyInputError(f"the weight patches are malformed: {exc}") from exc
         if set_digest != loaded.set_digest:
             loaded.set_digest = ""  # half-patched weights match no set until this one is on
+            # ComfyUI's patching puts new weight tensors in place: graphs recorded on the old ones must go
+            release_parallelism(loaded)
             runtime.apply_patches(comfy, loaded, rebuilt, ctx.device)
             loaded.set_digest = set_digest
     ctx.step("comfy.patch_model", 1, 1)
@@ -264,6 +268,21 @@ def _batch_size(x: Any) -> int:
     return (x[0] if isinstance(x, list) else x).shape[0]
 
 
+def cuda_graphs_on() -> bool:
+    """CUDA-graph replay of the blocks on GPU ranks: on unless MGPU_COMFY_CUDA_GRAPHS=0."""
+    return os.environ.get(CUDA_GRAPHS_VARIABLE, "1").strip() != "0"
+
+
+def release_parallelism(loaded: runtime.LoadedModel) -> None:
+    """Take the captured blocks and the SP plan off the model instance, outermost first."""
+    if loaded.captured is not None:
+        loaded.captured.remove()
+        loaded.captured = None
+    if loaded.plan is not None:
+        loaded.plan.remove()
+        loaded.plan = None
+
+
 @job("comfy.forward")
 def forward(ctx: JobContext, args: dict, tensors: dict):
     """One call of ComfyUI's diffusion model, sequence-parallel over the fleet (split by batch over groups)."""
@@ -276,9 +295,10 @@ def forward(ctx: JobContext, args: dict, tensors: dict):
     groups = batch_groups(batch, ctx.world_size, valid_sp_degrees(video_heads, audio_heads))
     sp_comm, across_comm = _group_comms(ctx, groups)
     if loaded.plan is None or loaded.plan.comm is not sp_comm:
-        if loaded.plan is not None:
-            loaded.plan.remove()
+        release_parallelism(loaded)
         loaded.plan = plan.apply_plan(model, sp_comm, video_query_exchange=ctx.device.type == "cpu")
+        if ctx.device.type == "cuda" and cuda_graphs_on():
+            loaded.captured = capture_blocks(model, sp_comm)
 
     group = ctx.rank // (ctx.world_size // groups)
     share = batch // groups
@@ -328,8 +348,7 @@ def unload(ctx: JobContext, args: dict, tensors: dict):
     """Drop the ComfyUI model and the weight-patch tensors; the fleet stays up."""
     models = ctx.state.pop(MODELS, {})
     for loaded in models.values():
-        if loaded.plan is not None:
-            loaded.plan.remove()
+        release_parallelism(loaded)
     held = ctx.state.pop(PATCH_TENSORS, {})
     ctx.step("comfy.unload", 1, 1)
     return {"unloaded": len(models), "patch_tensors_dropped": len(held)}, {}

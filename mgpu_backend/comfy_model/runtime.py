@@ -126,6 +126,7 @@ class LoadedModel:
     patcher: Any  # comfy.model_patcher.ModelPatcher
     set_digest: str = ""  # "" = no patches
     plan: Any = None  # plan.AppliedPlan, made on first forward
+    captured: Any = None  # captured_blocks.CapturedBlocks around the plan's blocks, on CUDA ranks
     groups: dict = field(default_factory=dict)  # (batch groups) -> (SP comm, cross-group comm)
 
     @property
