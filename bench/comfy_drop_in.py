@@ -159,6 +159,7 @@ def main() -> None:
             log(f"{inputs.size}: timing ComfyUI in-process and the fleet ...")
             native_ms = median(time_call(native_call, device, args.warmup, args.repeats))
             fleet_ms = median(time_call(fleet_call, device, args.warmup, args.repeats))
+            notes.append(f"- fleet at {inputs.video_tokens} tokens: the rank ran its blocks as {remote.fleet_link.last_blocks or 'unknown'}")
             row = [f"{inputs.size[0]}x{inputs.size[1]}x{inputs.size[2]}", str(inputs.video_tokens), "whole", f"{native_ms:.1f}", f"{fleet_ms:.1f}",
                    f"{(fleet_ms / native_ms - 1) * 100:+.1f}%", f"{diff:.3g}"]
             rows.append(row + captured_columns(comfy, native, diffusion_model, inputs, device, args) if args.capture else row + ["-", "-"])

@@ -74,11 +74,11 @@ def test_replayed_blocks_equal_eager_blocks_bitwise_on_the_gpu():
     import comfy.model_management
 
     _, patcher = cases.load_tiny(comfy)
+    calls = {case: on_cuda(cases.make_call(comfy, patcher, case, seed=5)) for case in ("plain", "keyframes")}  # on the CPU weights
     comfy.model_management.load_models_gpu([patcher], force_full_load=True)
     diffusion_model = patcher.model.diffusion_model
     outputs = {}
-    for case in ("plain", "keyframes"):
-        call = on_cuda(cases.make_call(comfy, patcher, case, seed=5))
+    for case, call in calls.items():
         eager = cases.in_process(patcher, call, torch.get_num_threads())
         wrapper = captured_blocks.capture_blocks(diffusion_model, None)
         try:

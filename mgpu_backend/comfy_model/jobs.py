@@ -305,6 +305,7 @@ def forward(ctx: JobContext, args: dict, tensors: dict):
     call = _to_device(_batch_slice(call, batch, group * share, (group + 1) * share), ctx.device)
     options = {**call["transformer_options"], "prefetch_dynamic_vbars": loaded.patcher.is_dynamic()}
     loaded.plan.cancel_point = lambda step, total: ctx.step("comfy.forward", step, total)
+    replays = loaded.captured.replays if loaded.captured is not None else 0
     started = time.perf_counter()
     try:
         out = model(call["x"], call["timestep"], context=call["context"], control=None, transformer_options=options, **call["kwargs"])
@@ -322,6 +323,7 @@ def forward(ctx: JobContext, args: dict, tensors: dict):
         "rank_seconds": [round(value, 6) for value in rank_seconds.tolist()],
         "batch_groups": groups,
         "sp_degree": sp_comm.world_size,
+        "blocks": "cuda graph" if loaded.captured is not None and loaded.captured.replays > replays else "eager",
     }, wire.tensors_by_name(out_tensors)
 
 

@@ -153,6 +153,7 @@ class FleetLink:
         self.fleet_pid: int | None = None
         self.node_id: str | None = None
         self.last_rank_seconds: list[float] = []
+        self.last_blocks = ""  # how the ranks ran the transformer blocks in the last call: "cuda graph" or "eager"
         self.on_forward = None  # on_forward(event): each denoiser call's step and per-rank seconds, for the UI
         self._lock = threading.RLock()
 
@@ -231,6 +232,7 @@ class FleetLink:
             args = {"model_key": self.model_key, "set_digest": self.set_digest, "call": packed, "count": len(tensors)}
             result = self._run("comfy.forward", args, wire.tensors_by_name([t.detach().cpu() for t in tensors]), should_cancel)
         self.last_rank_seconds = [float(seconds) for seconds in result.fields.get("rank_seconds", [])]
+        self.last_blocks = str(result.fields.get("blocks", ""))
         return _to_device(wire.unpack(result.fields["out"], wire.tensors_in_order(result.tensors, int(result.fields["count"]))), device)
 
     def text_embeds(self, context: torch.Tensor, unprocessed: bool) -> torch.Tensor:
