@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import OrderedDict
 import time
 from typing import Any
 
@@ -50,6 +51,9 @@ HONOURED_OPTIONS = frozenset({"run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_a
 """transformer_options the rank passes to ComfyUI's model. ``prefetch_dynamic_vbars`` is recomputed
 from the rank's own patcher (as ``BaseModel._apply_model`` does); the others go through as sent."""
 CUDA_GRAPHS_VARIABLE = "MGPU_COMFY_CUDA_GRAPHS"
+KEPT = "comfy_kept_tensors"
+KEPT_TENSORS = 32
+KEPT_BYTES = 2 << 30
 CALL_KEYS = frozenset({"x", "timestep", "context", "transformer_options", "kwargs"})
 
 
@@ -237,12 +241,40 @@ def _gathered_batch(value: Any, comm: Comm) -> Any:
     raise TypeError(f"ComfyUI's model returned a {type(value).__name__}")
 
 
-def _call(args: dict, tensors: dict) -> dict:
+class KeptOnDevice(OrderedDict):
+    """The tensors a ComfyUI process asked the ranks to keep between denoiser calls (its text context,
+    masks, guide indices: the same every step), on the rank's device, the least recently used dropped
+    beyond ``KEPT_TENSORS`` entries or ``KEPT_BYTES``. Stored as copies: never views of an input segment."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __setitem__(self, token: str, tensor: torch.Tensor) -> None:
+        super().__setitem__(token, tensor.to(self.device, copy=True))
+        while len(self) > KEPT_TENSORS or (len(self) > 1 and sum(kept.numel() * kept.element_size() for kept in self.values()) > KEPT_BYTES):
+            self.popitem(last=False)
+
+    def __getitem__(self, token: str) -> torch.Tensor:
+        self.move_to_end(token)
+        return super().__getitem__(token)
+
+
+def _kept(ctx: JobContext) -> KeptOnDevice:
+    kept = ctx.state.get(KEPT)
+    if kept is None:
+        kept = ctx.state[KEPT] = KeptOnDevice(ctx.device)
+    return kept
+
+
+def _call(args: dict, tensors: dict, kept: KeptOnDevice) -> dict:
     count = args.get("count")
-    if not isinstance(count, int) or isinstance(count, bool) or not 0 < count <= wire.MAX_PACKED_TENSORS:
-        raise JobInputError(f"count must be the number of call tensors (1 to {wire.MAX_PACKED_TENSORS}), got {count!r}")
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= wire.MAX_PACKED_TENSORS:
+        raise JobInputError(f"count must be the number of call tensors (0 to {wire.MAX_PACKED_TENSORS}), got {count!r}")
     try:
-        call = wire.unpack(args.get("call"), wire.tensors_in_order(tensors, count))
+        call = wire.unpack(args.get("call"), wire.tensors_in_order(tensors, count), kept=kept)
+    except wire.MissingKeptTensor:
+        raise JobInputError(f"{wire.KEPT_MISSING}: the call names a tensor the fleet no longer keeps; send it again") from None
     except ValueError as exc:
         raise JobInputError(f"the denoiser call is malformed: {exc}") from exc
     if not isinstance(call, dict) or set(call) != CALL_KEYS:
@@ -288,7 +320,7 @@ def forward(ctx: JobContext, args: dict, tensors: dict):
     """One call of ComfyUI's diffusion model, sequence-parallel over the fleet (split by batch over groups)."""
     loaded = _resident(ctx, args)
     _check_set(loaded, args)
-    call = _call(args, tensors)
+    call = _call(args, tensors, _kept(ctx))
     model = loaded.diffusion_model
     video_heads, audio_heads = plan.head_counts(model)
     batch = _batch_size(call["x"])
@@ -352,5 +384,6 @@ def unload(ctx: JobContext, args: dict, tensors: dict):
     for loaded in models.values():
         release_parallelism(loaded)
     held = ctx.state.pop(PATCH_TENSORS, {})
+    ctx.state.pop(KEPT, None)
     ctx.step("comfy.unload", 1, 1)
     return {"unloaded": len(models), "patch_tensors_dropped": len(held)}, {}
