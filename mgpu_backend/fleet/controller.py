@@ -215,9 +215,12 @@ class Fleet:
         owner_pid: int | None = None,
         heartbeat_timeout: float | None = None,
         private_dir: str | os.PathLike | None = None,
+        held_segments: Callable[[], set[str]] = set,
     ):
         self.devices = devices
         self.private_dir = private_dir  # the server's private folder; the ranks' self-test jobs read files only there
+        # Segments named after owner_pid that the caller holds (jobs' inputs): never a failed job's to unlink.
+        self.held_segments = held_segments
         self.rank_timeout = rank_timeout
         # A rank silent this long is stopped (SIGSTOP) or frozen, whatever the other ranks do.
         self.heartbeat_timeout = heartbeat_timeout or max(10.0, min(rank_timeout, 60.0))
@@ -493,7 +496,7 @@ class Fleet:
             return self._run_job(job_id, op, args, tensors, input_segments, on_event)
         except JobFailed:
             # A result that never reached the client, or frames a dead rank left behind.
-            for segment in shm.segments_of(self.owner_pid) - before:
+            for segment in shm.segments_of(self.owner_pid) - before - self.held_segments():
                 shm.unlink_segment(segment)
             raise
 

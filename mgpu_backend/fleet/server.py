@@ -195,8 +195,9 @@ class Server:
     ) -> None:
         self.address, self.devices = address, devices
         self.idle_timeout, self.parent_pid = idle_timeout, parent_pid
-        self.fleet = Fleet(devices, rank_timeout=rank_timeout, private_dir=address.directory)
+        self.fleet = Fleet(devices, rank_timeout=rank_timeout, private_dir=address.directory, held_segments=self._input_copies)
         self.queued: list[Job] = []  # waiting, first in first out; the job loop takes the first
+        self.copying: list[Job] = []  # submits whose input segments are being copied
         self.queued_inline_bytes = 0
         self.current: Job | None = None
         self.no_job_running = threading.Event()
@@ -507,14 +508,24 @@ class Server:
                 problem, kind = self._queue_refusal(job)
         if problem:
             return refuse(problem, kind)
-        try:  # the server's own copies: what the ranks map can no longer change under them
+        # The server's own copies (what the ranks map can no longer change under them), each held
+        # under its name before it exists, so that no cleanup can take it half-made.
+        with self.lock:
+            self.copying.append(job)
+        try:
             for descriptor in message.shm:
-                job.input_segments.append(shm.take_segment(descriptor))
+                copy = {**descriptor, "segment": shm.new_segment_name()}
+                with self.lock:
+                    job.input_segments.append(copy)
+                shm.take_segment(descriptor, copy["segment"])
         except (OSError, protocol.ProtocolError) as exc:
+            with self.lock:
+                self.copying.remove(job)
             self._discard_inputs(job)
             return refuse(f"cannot read input segment {descriptor['segment']}: {exc}", "input_error")
         self._release_inputs(client, message.shm)
         with self.lock:
+            self.copying.remove(job)
             problem, kind = self._queue_refusal(job)  # the queue may have filled during the copy
             if not problem:
                 self.queued.append(job)
@@ -622,6 +633,12 @@ class Server:
             for job in taken:
                 job.tensors = {}
         return taken
+
+    def _input_copies(self) -> set[str]:
+        """The server's copies of the inputs of every job not yet finished, copies in progress included."""
+        with self.lock:
+            jobs = [*self.queued, *self.copying, *([self.current] if self.current else [])]
+            return {descriptor["segment"] for job in jobs for descriptor in job.input_segments}
 
     def _discard_inputs(self, job: Job, keep: set[str] = frozenset()) -> None:
         """Unlink the server's copies of ``job``'s input segments, except those in ``keep``."""

@@ -91,7 +91,7 @@ def _reserve(fd: int, path: Path, nbytes: int) -> None:
         ) from None
 
 
-def _new_segment_name(owner_pid: int | None) -> str:
+def new_segment_name(owner_pid: int | None = None) -> str:
     pid = os.getpid() if owner_pid is None else owner_pid
     return f"mgpu-{os.getuid()}-{pid}-{secrets.token_hex(8)}"
 
@@ -115,7 +115,7 @@ def split_for_transfer(tensors: dict[str, torch.Tensor], owner_pid: int | None =
 
 def write_tensor(name: str, tensor: torch.Tensor, owner_pid: int | None = None) -> dict:
     """Copy ``tensor`` into a new segment; return its descriptor (with the segment name)."""
-    segment = _new_segment_name(owner_pid)
+    segment = new_segment_name(owner_pid)
     path = SHM_DIR / segment
     data = protocol.tensor_bytes(tensor)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -134,7 +134,7 @@ def write_tensor(name: str, tensor: torch.Tensor, owner_pid: int | None = None) 
 def create_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, owner_pid: int | None = None) -> tuple[torch.Tensor, dict]:
     """A new tensor that lives in a segment, so a result can be built in place and handed over
     without any copy. Returns the tensor and its descriptor."""
-    segment = _new_segment_name(owner_pid)
+    segment = new_segment_name(owner_pid)
     path = SHM_DIR / segment
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     descriptor = {"name": name, "dtype": DTYPE_NAMES[dtype], "shape": list(shape), "nbytes": nbytes, "segment": segment}
@@ -196,14 +196,13 @@ def _copy_bytes(source_fd: int, target_fd: int, nbytes: int, source_name: str) -
         copied += count
 
 
-def take_segment(descriptor: dict, owner_pid: int | None = None) -> dict:
-    """Copy the (client's) segment a descriptor names into a new segment named after ``owner_pid``
-    (the server) and return the copy's descriptor. The original is left in place."""
+def take_segment(descriptor: dict, target: str) -> None:
+    """Copy the (client's) segment a descriptor names into a new segment named ``target`` (from
+    ``new_segment_name``: the server's); the original is left in place."""
     _, _, _, nbytes = protocol.validate_descriptor(descriptor)
     source = segment_path(descriptor["segment"])
     source_fd = _open_segment(source, os.O_RDONLY, nbytes)
-    segment = _new_segment_name(owner_pid)
-    path = SHM_DIR / segment
+    path = segment_path(target)
     try:
         target_fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -216,7 +215,6 @@ def take_segment(descriptor: dict, owner_pid: int | None = None) -> dict:
             os.close(target_fd)
     finally:
         os.close(source_fd)
-    return {**descriptor, "segment": segment}
 
 
 def read_tensor(descriptor: dict, unlink: bool = True, shared: bool = False) -> torch.Tensor:
