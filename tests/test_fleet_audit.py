@@ -262,6 +262,7 @@ def test_one_process_holding_many_connections_leaves_room_for_another(fleet):
         hog.wait(30)
 
 
+@pytest.mark.slow  # a server of its own: over 20 s on a loaded 2-core machine
 def test_connections_that_never_authenticate_do_not_keep_a_tcp_client_out(tmp_path, monkeypatch):
     with fleet_harness.tcp_fleet(tmp_path, monkeypatch) as (address, port, _):
         squatters = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(server.MAX_CONNECTIONS + 6)]
@@ -404,6 +405,7 @@ def test_a_fleet_whose_launcher_dies_finishes_another_clients_job_then_exits(tmp
         stop_server(process)
 
 
+@pytest.mark.slow  # a server of its own: over 20 s on a loaded 2-core machine
 def test_a_stopped_rank_dies_with_a_killed_server(tmp_path):
     tmp_path.chmod(0o700)
     socket_path = tmp_path / "fleet.sock"
@@ -454,6 +456,7 @@ def test_sigterm_while_the_ranks_start_removes_the_socket_token_and_rendezvous_f
             os.killpg(process.pid, signal.SIGKILL)
 
 
+@pytest.mark.slow  # a server of its own: over 20 s on a loaded 2-core machine
 def test_a_job_stopped_by_a_shutdown_tells_its_client_the_server_is_shutting_down(tmp_path):
     tmp_path.chmod(0o700)
     socket_path = tmp_path / "fleet.sock"
