@@ -15,12 +15,16 @@ with it ``state`` (the resident model), survives all of this; when ranks were re
 keeps only the entries the job modules declared safe to keep (``jobs.keep_across_replacement``).
 
 A rank exits when the server's end of its socket closes (from the first moment, before it joins any
-group), so a rank never outlives its server. Its log records reach the server and the submitting
-client as ``log`` events. This loop stays short and boring: jobs live in ``jobs`` modules.
+group), and the kernel kills it when the server dies (``PR_SET_PDEATHSIG``, which also reaches a
+stopped rank that could not read its socket), so a rank never outlives its server. A job's input
+segments are unmapped before the rank reports the job done. Its log records reach the server and
+the submitting client as ``log`` events. This loop stays short and boring: jobs live in ``jobs``
+modules.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import os
@@ -37,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from mgpu_backend.fleet import protocol, shm
+from mgpu_backend.fleet.controller import SERVER_PID_ENV
 from mgpu_backend.fleet.jobs import JOBS, KEPT_ACROSS_REPLACEMENT, JobCancelled, JobContext, JobInputError, load_job_modules
 from mgpu_backend.fleet.protocol import Message
 from mgpu_backend.parallel.comm import Comm
@@ -344,6 +349,7 @@ class Rank:
             owner_pid=self.owner_pid,
         )
         started = time.perf_counter()
+        fields = tensors = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # the peak reported at 'done' is this job's
         try:
@@ -366,6 +372,9 @@ class Rank:
         except Exception as exc:  # noqa: BLE001 - every failure is reported with its traceback
             status = {"status": "error", "message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         ctx.discard_shared_outputs()
+        # Unmap this job's inputs now, not when the next job replaces them: the tensors are their
+        # mappings' last references (a job keeps what it needs in ``state``).
+        message.tensors, self.input_segments, fields, tensors = {}, {}, None, None
         status["seconds"] = round(time.perf_counter() - started, 6)
         status["memory"] = device_memory(self.device)
         self.emit("done", status)
@@ -410,7 +419,24 @@ def memory_fraction(environ) -> float | None:
     return value
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_server(environ) -> None:
+    """Have the kernel SIGKILL this rank when the thread of the server that started it ends, and
+    exit now if the server is already gone (it may have died before this line ran)."""
+    server_pid = environ.get(SERVER_PID_ENV)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the socket to the server still ends the rank
+        return
+    if server_pid and os.getppid() != int(server_pid):
+        os._exit(0)
+
+
 def main(rank: int, world_size: int, fd: int, device: str, store_path: str, owner_pid: int) -> None:
+    die_with_server(os.environ)
     # Ctrl-C on a foreground server reaches the whole process group; the server alone decides how
     # its ranks end (a rank that died of it would be taken for a fault and replaced).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
