@@ -187,7 +187,9 @@ def test_a_newer_comfyui_whose_ltx_code_the_plan_covers_runs(tmp_path_factory, t
     """A release after the tested ones is not refused by its number: the plan's structural checks decide
     (here ComfyUI v0.20.1's own code under a newer version file)."""
     newer = tmp_path_factory.mktemp("comfyui-newer")
-    (newer / "comfy").symlink_to(Path(cases.COMFYUI_DIR).resolve() / "comfy")
+    for entry in Path(cases.COMFYUI_DIR).resolve().iterdir():
+        if entry.name != "comfyui_version.py":
+            (newer / entry.name).symlink_to(entry)
     (newer / "comfyui_version.py").write_text('__version__ = "0.44.0"\n')
     for fleet in module_fleet(tmp_path_factory, "comfy-engine-newer", 1):
         fields = run_job(fleet, "comfy.load", {"comfy_dir": str(newer), "path": tiny[0], "loader": "checkpoint", "weight_dtype": "default"}).fields
