@@ -6,7 +6,6 @@ traceback. The command list is the same whether the sub-commands are built lazil
 from __future__ import annotations
 
 import subprocess
-import sys
 import venv
 from pathlib import Path
 

@@ -105,9 +105,11 @@ class FleetClient:
             return cls._attach(addr)
         except (FileNotFoundError, ConnectionRefusedError):
             if not autostart or os.environ.get(addresses.ENV_SOCKET):
-                raise FleetUnavailable(
-                    f"no fleet server answers at {addr}; start one with 'python -m mgpu_backend serve'"
-                ) from None
+                if addr.unix_path == addresses.process_socket() and not os.environ.get(addresses.ENV_SOCKET):
+                    start = "this process's own fleet socket: its first fleet job (in ComfyUI: the first MGPU node) starts one there"
+                else:
+                    start = "start one with 'python -m mgpu_backend serve'"
+                raise FleetUnavailable(f"no fleet server answers at {addr}; {start}") from None
         try:
             ensure_private_dir(addr.directory)
         except (addresses.AddressError, OSError) as exc:
