@@ -82,10 +82,12 @@ CLIENT = textwrap.dedent(
     result = client.run("count", {"steps": steps, "seconds_per_step": 0.1},
                         on_progress=lambda event: event["step"] == 1 and print("running", flush=True))
     print(json.dumps(result.fields), flush=True)
+    time.sleep(600)  # alive, and its fleet with it, until the test ends it
     """
 )
 
 
+@pytest.mark.slow  # two fleets, two clients and an 8 s job; the default suite checks the sockets themselves above
 def test_two_processes_start_two_fleets_and_killing_one_leaves_the_others_job_running(runtime):
     started = []
     try:

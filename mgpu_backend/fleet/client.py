@@ -39,6 +39,7 @@ POLL_SECONDS = 0.1
 HANDSHAKE_SECONDS = 30.0  # the server allows 10 s; a client on a loaded machine waits a little longer
 DRAIN_SECONDS = 10.0  # after an abandoned job: how long to wait for its cancel before closing instead
 TOKEN_WAIT_SECONDS = 2.0  # a server writes its token just after it starts listening
+DEATH_WAIT_SECONDS = 1.0  # a dying process closes its sockets a moment before it is gone
 SHUTDOWN_KIND = "shutdown"  # the error kind a stopping server ends its clients' jobs with
 
 
@@ -258,7 +259,7 @@ class FleetClient:
         self.close()
         if not self.address.token_path.exists():
             return self._shutting_down()
-        if not process_alive(self.server_pid):
+        if _exits_within(self.server_pid, DEATH_WAIT_SECONDS):
             return FleetUnavailable(
                 f"the fleet server at {self.address} (pid {self.server_pid}) died ({_reason(exc)}); "
                 f"its log: {self.address.log_path}. {RUN_AGAIN}"
@@ -466,6 +467,16 @@ def process_alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def _exits_within(pid: int, seconds: float) -> bool:
+    """Whether ``pid`` is gone now or within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while process_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _reason(exc: BaseException) -> str:
