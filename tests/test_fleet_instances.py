@@ -142,9 +142,9 @@ def test_a_removed_token_file_says_so_and_which_server_to_stop_instead_of_starti
     try:
         (tmp_path / "fleet.sock.token").unlink()
         expected = (
-            f"a fleet server (pid {server.pid}) listens at {socket_path}, but its token file {socket_path}.token is missing "
-            f"(removed while the server ran), so no client can attach to it. Stop it with 'kill {server.pid}' (it stops its "
-            "ranks and removes its socket); a fresh fleet can then start there"
+            f"a fleet server (pid {server.pid}) listens at {socket_path}, but the fleet's token file {socket_path}.token is "
+            f"missing (removed while the server ran), so no client can attach to it. Stop it with 'kill {server.pid}' (it stops "
+            "its ranks and removes its socket); a fresh fleet can then start there"
         )
         for autostart in (False, True):
             with pytest.raises(FleetUnavailable) as caught:
@@ -155,6 +155,22 @@ def test_a_removed_token_file_says_so_and_which_server_to_stop_instead_of_starti
         assert server.wait(timeout=60) == 0 and not socket_path.exists()
     finally:
         stop_server(server)
+
+
+def test_a_tcp_listener_without_the_fleets_token_is_named_by_its_port_and_no_server_is_started(runtime):
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        with pytest.raises(FleetUnavailable) as caught:
+            FleetClient.connect(f"tcp://127.0.0.1:{port}", cpu_ranks=1)
+    token = runtime / "comfyui-mgpu" / f"tcp-{port}.token"
+    assert str(caught.value) == (
+        f"a process listens at tcp://127.0.0.1:{port}, but the fleet's token file {token} is missing (removed while the "
+        f"server ran), so no client can attach to it. Stop the process listening on port {port} (find it with "
+        f"'ss -ltnp sport = :{port}'); a fresh fleet can then start there"
+    )
+    assert not (runtime / "comfyui-mgpu" / "server.log").exists(), "a server was started on a taken port"
 
 
 def run_in_thread(client: FleetClient, fields: dict) -> tuple[threading.Thread, threading.Event, list]:

@@ -9,7 +9,8 @@ job runs (ComfyUI's interrupt) and turns into a cancel that stops every rank at 
 The handshake is mutual: the server proves it holds the token before the client does, so a program
 squatting on the address never receives a job. Socket failures reach callers as one readable
 ``FleetUnavailable`` that says what happened when the client can tell: the server is shutting down
-(it says so, or it removed its token before closing), it died, or its token file was removed under it. Nothing here imports ComfyUI or unpickles anything.
+(it says so, or it removed its token before closing), it died, or its token file was removed under
+it. Nothing here imports ComfyUI or unpickles anything.
 """
 
 from __future__ import annotations
@@ -204,12 +205,12 @@ class FleetClient:
         pid = _listener_pid(sock)
         if pid is not None:
             listener, stop = f"a fleet server (pid {pid})", f"Stop it with 'kill {pid}' (it stops its ranks and removes its socket)"
-        else:
-            listener = "a fleet server"
+        else:  # a TCP port: the pid is not known, nor that the listener is a fleet server at all
+            listener = "a process"
             stop = f"Stop the process listening on port {addr.tcp_port} (find it with 'ss -ltnp sport = :{addr.tcp_port}')"
         raise FleetUnavailable(
-            f"{listener} listens at {addr}, but its token file {addr.token_path} is missing (removed while the server ran), "
-            f"so no client can attach to it. {stop}; a fresh fleet can then start there"
+            f"{listener} listens at {addr}, but the fleet's token file {addr.token_path} is missing (removed while the server "
+            f"ran), so no client can attach to it. {stop}; a fresh fleet can then start there"
         )
 
     @staticmethod
