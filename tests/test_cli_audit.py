@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mgpu_backend.fleet.addresses import Address, private_dir
+from mgpu_backend.fleet.addresses import Address, private_dir, user_socket_by_default
 from mgpu_backend.fleet.client import FleetClient
 from mgpu_backend.ltx.decode import fit_audio_to_video
 from mgpu_backend.ltx.schema import EMBEDDED_TINY, audio_sample_count
@@ -251,12 +251,14 @@ def test_queue_with_a_missing_workflow_file_says_so(tmp_path, capsys):
     assert "Traceback" not in err
 
 
-def test_the_readme_socket_example_is_the_default_socket_on_any_linux(monkeypatch):
+def test_the_readme_socket_example_is_the_command_lines_default_socket_on_any_linux(monkeypatch):
     lines = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("export MGPU_SOCKET=")]
     assert len(lines) == 1
     path = lines[0].split("=", 1)[1].split()[0].replace("$UID", str(os.getuid()))
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
-    assert Address.parse(path) == Address.parse(None) and Path(path).parent == private_dir()
+    monkeypatch.delenv("MGPU_SOCKET", raising=False)
+    with user_socket_by_default():
+        assert Address.parse(path) == Address.parse(None) and Path(path).parent == private_dir()
     assert Path(path).parent.parent == Path(tempfile.gettempdir())
 
 
