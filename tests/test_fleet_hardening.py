@@ -105,7 +105,7 @@ def ranks_of(server_pid: int) -> list[int]:
                 text = cmdline.read()
         except OSError:
             continue
-        if all(part in text for part in marker) and fleet_harness.pid_alive(int(entry)):
+        if all(part in text for part in marker) and fleet_harness.process_alive(int(entry)):
             pids.append(int(entry))
     return pids
 

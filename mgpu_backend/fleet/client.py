@@ -21,7 +21,6 @@ import os
 import secrets
 import select
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from mgpu_backend import PACKAGE_ROOT
 from mgpu_backend.fleet import addresses, protocol, shm
 from mgpu_backend.fleet.addresses import Address, ensure_private_dir, read_token
 from mgpu_backend.fleet.protocol import Message
+from mgpu_backend.tools.processes import peer_pid, process_alive
 
 START_TIMEOUT_SECONDS = float(os.environ.get("MGPU_START_TIMEOUT", "300"))
 POLL_SECONDS = 0.1
@@ -202,7 +202,7 @@ class FleetClient:
                 if time.monotonic() >= deadline:
                     break
                 time.sleep(0.05)
-        pid = _listener_pid(sock)
+        pid = peer_pid(sock)
         if pid is not None:
             listener, stop = f"a fleet server (pid {pid})", f"Stop it with 'kill {pid}' (it stops its ranks and removes its socket)"
         else:  # a TCP port: the pid is not known, nor that the listener is a fleet server at all
@@ -444,30 +444,8 @@ class FleetClient:
 RUN_AGAIN = "Run again: a fleet this process started is started anew (one started by hand: start it again with 'python -m mgpu_backend serve')"
 
 
-def _listener_pid(sock: socket.socket) -> int | None:
-    """The pid of the process that listens on the Unix socket ``sock`` is connected to (Linux), else None."""
-    if sock.family != socket.AF_UNIX or not hasattr(socket, "SO_PEERCRED"):
-        return None
-    try:
-        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    except OSError:
-        return None
-    return pid or None
 
 
-def process_alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def _exits_within(pid: int, seconds: float) -> bool:

@@ -39,7 +39,6 @@ import secrets
 import signal
 import socket
 import stat
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +47,7 @@ from mgpu_backend.fleet import protocol, shm
 from mgpu_backend.fleet.addresses import Address, AddressError, ensure_private_dir, write_token
 from mgpu_backend.fleet.controller import DeviceSpec, Fleet, JobFailed
 from mgpu_backend.fleet.protocol import Message
+from mgpu_backend.tools.processes import peer_pid, process_alive
 
 log = logging.getLogger("mgpu.server")
 
@@ -110,7 +110,7 @@ class ClientConnection:
         self.pending_bytes: dict[str, int] = {}  # job id -> bytes of those segments
         self.authenticated = False
         self.opened = time.monotonic()
-        self.peer_pid = _peer_pid(sock)
+        self.peer_pid = peer_pid(sock)
         self.writer = threading.Thread(target=self._write_loop, daemon=True, name="client-writer")
         self.writer.start()
 
@@ -232,7 +232,10 @@ class Server:
                 probe = socket.socket(socket.AF_UNIX)
                 try:
                     probe.connect(str(path))
-                    raise RuntimeError(f"a fleet server already listens on {path}; stop it with 'python -m mgpu_backend stop'")
+                    owner = peer_pid(probe)
+                    remedy = (f"stop it with 'python -m mgpu_backend stop --socket {path}'" if self.address.token_path.exists()
+                              else f"its token file is gone, so only 'kill {owner}' stops it" if owner else "its token file is gone: stop that process")
+                    raise RuntimeError(f"a fleet server{f' (pid {owner})' if owner else ''} already listens on {path}; {remedy}")
                 except (ConnectionRefusedError, FileNotFoundError):
                     path.unlink()
                 finally:
@@ -343,7 +346,7 @@ class Server:
 
     def _watchdog(self) -> None:
         while not self.stopping.wait(1.0):
-            if self.parent_pid is not None and not self.parent_gone and not _process_alive(self.parent_pid):
+            if self.parent_pid is not None and not self.parent_gone and not process_alive(self.parent_pid):
                 self.parent_gone = True
                 log.info("launching process %d is gone; exiting once no client and no job is left", self.parent_pid)
             if self.parent_gone:
@@ -758,27 +761,5 @@ class Server:
             }
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
-
-def _peer_pid(sock: socket.socket) -> int | None:
-    """The pid of the process at the other end of a Unix socket (Linux), else None."""
-    if sock.family != socket.AF_UNIX or not hasattr(socket, "SO_PEERCRED"):
-        return None
-    try:
-        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    except OSError:
-        return None
-    return pid or None

@@ -20,7 +20,9 @@ import pytest
 from mgpu_backend.tools import comfy_queue
 from mgpu_backend.tools.comfy_server import ComfyUIServer
 
-from .test_comfyui_e2e import COMFYUI_DIR, PACK_DIR, START_TIMEOUT_SECONDS, get_json, process_alive, queue, saved_video
+from mgpu_backend.tools.processes import process_alive
+
+from .test_comfyui_e2e import COMFYUI_DIR, PACK_DIR, START_TIMEOUT_SECONDS, get_json, queue, saved_video
 
 pytestmark = [
     pytest.mark.e2e,
