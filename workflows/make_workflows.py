@@ -83,9 +83,12 @@ LOADER_FILE_INPUTS = ("ckpt_name", "distilled_lora", "spatial_upsampler", "gemma
 
 LTX_2_FILES = "https://huggingface.co/Lightricks/LTX-2/resolve/main/"
 LTX_2_3_FILES = "https://huggingface.co/Lightricks/LTX-2.3/resolve/main/"
+LTX_2_3_FP8_FILES = "https://huggingface.co/Lightricks/LTX-2.3-fp8/resolve/main/"
 COMFY_TEXT_ENCODERS = "https://huggingface.co/Comfy-Org/ltx-2/resolve/main/split_files/text_encoders/"
-# ComfyUI's single-file Gemma (bf16), as its own LTX-2 templates name it; LTX-2.0 and LTX-2.3 share it.
+# ComfyUI's single-file Gemma, as its own templates name it: bf16 in its LTX-2 templates, fp4_mixed
+# (dequantized to bf16 on load) in its LTX-2.3 ones.
 GEMMA = "gemma_3_12B_it.safetensors"
+GEMMA_FP4_MIXED = "gemma_3_12B_it_fp4_mixed.safetensors"
 
 MODEL_FILES = {
     ("2.0", "two-stage"): {
@@ -96,15 +99,16 @@ MODEL_FILES = {
         "ckpt_name": "ltx-2-19b-distilled.safetensors", "distilled_lora": NO_FILE,
         "spatial_upsampler": "ltx-2-spatial-upscaler-x2-1.0.safetensors", "gemma": GEMMA,
     },
-    # The 1.1 release of LTX-2.3 (Lightricks/LTX-2.3), as docs/techniques.md and the loader's
-    # messages name it; the 1.0 files (no "-1.1" in the name) fill the same roles.
+    # The files of ComfyUI's own LTX-2.3 templates, so one download serves both: Lightricks' fp8
+    # checkpoints (Lightricks/LTX-2.3-fp8), the 1.0 distilled LoRA and the 1.1 upsampler. The bf16
+    # checkpoints and the 1.1 LoRA of Lightricks/LTX-2.3 fill the same roles (docs/model-files.md).
     ("2.3", "two-stage"): {
-        "ckpt_name": "ltx-2.3-22b-dev.safetensors", "distilled_lora": "ltx-2.3-22b-distilled-lora-384-1.1.safetensors",
-        "spatial_upsampler": "ltx-2.3-spatial-upscaler-x2-1.1.safetensors", "gemma": GEMMA,
+        "ckpt_name": "ltx-2.3-22b-dev-fp8.safetensors", "distilled_lora": "ltx-2.3-22b-distilled-lora-384.safetensors",
+        "spatial_upsampler": "ltx-2.3-spatial-upscaler-x2-1.1.safetensors", "gemma": GEMMA_FP4_MIXED,
     },
     ("2.3", "distilled"): {
-        "ckpt_name": "ltx-2.3-22b-distilled-1.1.safetensors", "distilled_lora": NO_FILE,
-        "spatial_upsampler": "ltx-2.3-spatial-upscaler-x2-1.1.safetensors", "gemma": GEMMA,
+        "ckpt_name": "ltx-2.3-22b-distilled-fp8.safetensors", "distilled_lora": NO_FILE,
+        "spatial_upsampler": "ltx-2.3-spatial-upscaler-x2-1.1.safetensors", "gemma": GEMMA_FP4_MIXED,
     },
 }  # fmt: skip
 """The official files each model version's pipeline loads, per loader input."""
@@ -113,8 +117,19 @@ MODEL_FILES = {
 # loader node's ``properties.models``, as in ComfyUI's own LTX-2 templates (comfyui-workflow-templates).
 MODEL_FOLDERS = {"ckpt_name": "checkpoints", "distilled_lora": "loras", "spatial_upsampler": "latent_upscale_models", "gemma": "text_encoders"}
 FILE_BASES = {"2.0": LTX_2_FILES, "2.3": LTX_2_3_FILES}
+
+
+def file_source(version: str, input_name: str, name: str) -> str:
+    """The Hugging Face address of one official file: Gemma from Comfy-Org, fp8 checkpoints from their own repository."""
+    if input_name == "gemma":
+        return COMFY_TEXT_ENCODERS + name
+    if name.endswith("-fp8.safetensors"):
+        return LTX_2_3_FP8_FILES + name
+    return FILE_BASES[version] + name
+
+
 MODEL_SOURCES = {
-    name: (COMFY_TEXT_ENCODERS + name if input_name == "gemma" else FILE_BASES[version] + name, MODEL_FOLDERS[input_name])
+    name: (file_source(version, input_name, name), MODEL_FOLDERS[input_name])
     for (version, _pipeline), files in MODEL_FILES.items() for input_name, name in files.items() if name != NO_FILE
 }  # fmt: skip
 NODE_TITLE_HEIGHT = 30  # the frontend draws a node's title bar above its ``pos``
@@ -432,42 +447,80 @@ def default_prompts() -> tuple[str, str]:
     return text_nodes.DEFAULT_PROMPT, text_nodes.DEFAULT_NEGATIVE_PROMPT
 
 
-EXAMPLES = {
-    "ltx2_t2v_two_stage": Example("2.0", "two-stage"),
-    "ltx2_i2v_two_stage": Example("2.0", "two-stage", image=True),
-    "ltx2_t2v_distilled": Example("2.0", "distilled"),
-    "ltx2_i2v_distilled": Example("2.0", "distilled", image=True),
+@dataclass(frozen=True)
+class Template:
+    """One entry of ComfyUI's template browser: the example it shows and the words users search for.
+
+    ComfyUI v0.20.1 lists a pack's templates by file name only (``GET /workflow_templates``) and its
+    frontend (1.43.18) uses that name as the card's title, as its description (``-`` and ``_`` read
+    as spaces) and as the only text its template search matches: so the UI file is named by
+    ``title``, short enough for the card's one-line title (about 33 characters at 1600 px) and led by
+    the words users search for (LTX-2.3, image to video). ``slug`` names the API twin
+    (``workflows/api/SLUG.json``), short for command lines.
+    ``description`` is the graph's ``extra.description`` (shown by frontends that read it)."""
+
+    slug: str
+    example: Example
+    title: str
+    description: str
+
+    @property
+    def file_stem(self) -> str:
+        unsafe = sorted(set(self.title) & set(TITLE_UNSAFE_CHARACTERS))
+        assert not unsafe, f"template title {self.title!r} has {unsafe}: not allowed in file names or template URLs"
+        return self.title
+
+
+# Not allowed in a Windows file name, or changing the meaning of the template's URL (# ? %).
+TITLE_UNSAFE_CHARACTERS = '<>:"/\\|?*#%'
+
+# In the order the template browser lists them (web/mgpu_panel.js orders the pack's templates by
+# web/template_order.json): the no-download ones first, then LTX-2.3, then LTX-2.0.
+TEMPLATES = [
     # The embedded random-weight bundles at a tiny size: try the whole graph with no download; the
     # e2e test queues the 2.0 one.
-    "ltx2_t2v_tiny": Example("2.0", "two-stage", tiny=True),
-    "ltx23_t2v_two_stage": Example("2.3", "two-stage"),
-    "ltx23_i2v_two_stage": Example("2.3", "two-stage", image=True),
-    "ltx23_t2v_distilled": Example("2.3", "distilled"),
-    "ltx23_i2v_distilled": Example("2.3", "distilled", image=True),
-    "ltx23_t2v_tiny": Example("2.3", "two-stage", tiny=True),
-}
+    Template("ltx23_t2v_tiny", Example("2.3", "two-stage", tiny=True), "LTX-2.3 Tiny Test — no download",
+             "Try the whole LTX-2.3 two-stage graph with no download: the embedded tiny random-weight bundle (the output is noise)."),
+    Template("ltx2_t2v_tiny", Example("2.0", "two-stage", tiny=True), "LTX-2.0 Tiny Test — no download",
+             "Try the whole LTX-2.0 two-stage graph with no download: the embedded tiny random-weight bundle (the output is noise)."),
+    Template("ltx23_t2v_two_stage", Example("2.3", "two-stage"), "LTX-2.3 Text to Video (two-stage)",
+             "LTX-2.3 text to video on all GPUs, two-stage recipe (30 steps, STG block 28): 1536x1024, 121 frames with audio."),
+    Template("ltx23_i2v_two_stage", Example("2.3", "two-stage", image=True), "LTX-2.3 Image to Video (two-stage)",
+             "LTX-2.3 image to video on all GPUs, two-stage recipe: the image is the first frame; 1536x1024, 121 frames with audio."),
+    Template("ltx23_t2v_distilled", Example("2.3", "distilled"), "LTX-2.3 Text to Video (distilled)",
+             "LTX-2.3 text to video on all GPUs, distilled recipe: 8 + 3 unguided steps; 1536x1024, 121 frames with audio."),
+    Template("ltx23_i2v_distilled", Example("2.3", "distilled", image=True), "LTX-2.3 Image to Video (distilled)",
+             "LTX-2.3 image to video on all GPUs, distilled recipe: the image is the first frame; 8 + 3 unguided steps."),
+    Template("ltx2_t2v_two_stage", Example("2.0", "two-stage"), "LTX-2.0 Text to Video (two-stage)",
+             "LTX-2.0 text to video on all GPUs, two-stage recipe: 768x512 sampled, 1536x1024 out, 121 frames with audio."),
+    Template("ltx2_i2v_two_stage", Example("2.0", "two-stage", image=True), "LTX-2.0 Image to Video (two-stage)",
+             "LTX-2.0 image to video on all GPUs, two-stage recipe: the image is the first frame; 1536x1024, 121 frames with audio."),
+    Template("ltx2_t2v_distilled", Example("2.0", "distilled"), "LTX-2.0 Text to Video (distilled)",
+             "LTX-2.0 text to video on all GPUs, distilled recipe: 8 + 3 unguided steps; 1536x1024, 121 frames with audio."),
+    Template("ltx2_i2v_distilled", Example("2.0", "distilled", image=True), "LTX-2.0 Image to Video (distilled)",
+             "LTX-2.0 image to video on all GPUs, distilled recipe: the image is the first frame; 8 + 3 unguided steps."),
+]  # fmt: skip
+TEMPLATE_BY_SLUG = {template.slug: template for template in TEMPLATES}
+EXAMPLES = {template.slug: template.example for template in TEMPLATES}
+assert len(TEMPLATE_BY_SLUG) == len(TEMPLATES) and len({template.title for template in TEMPLATES}) == len(TEMPLATES)
 assert {(example.version, example.pipeline) for example in EXAMPLES.values()} == set(DEFAULTS) and set(MODEL_FILES) == set(DEFAULTS)
 assert sorted({example.version for example in EXAMPLES.values()}) == sorted(MODEL_VERSIONS)
 WORKFLOWS = {name: (lambda name=name: two_stage_graph(EXAMPLES[name], f"video/{name}_mgpu")) for name in EXAMPLES}
+TEMPLATE_ORDER_FILE = PACK_DIR / "web" / "template_order.json"
 
 
-DESCRIPTIONS = {
-    "ltx2_t2v_two_stage": "LTX-2.0 text to video on all GPUs, two-stage recipe: 768x512 sampled, 1536x1024 out, 121 frames with audio.",
-    "ltx2_i2v_two_stage": "LTX-2.0 image to video on all GPUs, two-stage recipe: the image is the first frame; 1536x1024, 121 frames with audio.",
-    "ltx2_t2v_distilled": "LTX-2.0 text to video on all GPUs, distilled recipe: 8 + 3 unguided steps; 1536x1024, 121 frames with audio.",
-    "ltx2_i2v_distilled": "LTX-2.0 image to video on all GPUs, distilled recipe: the image is the first frame; 8 + 3 unguided steps.",
-    "ltx2_t2v_tiny": "The whole LTX-2.0 two-stage graph on the embedded tiny random-weight bundle (no download; the output is noise).",
-    "ltx23_t2v_two_stage": "LTX-2.3 text to video on all GPUs, two-stage recipe (30 steps, STG block 28): 1536x1024, 121 frames with audio.",
-    "ltx23_i2v_two_stage": "LTX-2.3 image to video on all GPUs, two-stage recipe: the image is the first frame; 1536x1024, 121 frames with audio.",
-    "ltx23_t2v_distilled": "LTX-2.3 text to video on all GPUs, distilled recipe: 8 + 3 unguided steps; 1536x1024, 121 frames with audio.",
-    "ltx23_i2v_distilled": "LTX-2.3 image to video on all GPUs, distilled recipe: the image is the first frame; 8 + 3 unguided steps.",
-    "ltx23_t2v_tiny": "The whole LTX-2.3 two-stage graph on the embedded tiny random-weight bundle (no download; the output is noise).",
-}
+def ui_path(slug: str) -> Path:
+    """The UI file of one example, as the template browser lists it (its thumbnail: the same stem, .jpg)."""
+    return HERE / f"{TEMPLATE_BY_SLUG[slug].file_stem}.json"
+
+
+def api_path(slug: str) -> Path:
+    return HERE / "api" / f"{slug}.json"
 
 
 def build(name: str, schemas: dict) -> tuple[dict, dict]:
     nodes = WORKFLOWS[name]()
-    return to_ui(nodes, schemas, DESCRIPTIONS[name], name), to_api(nodes, schemas)
+    return to_ui(nodes, schemas, TEMPLATE_BY_SLUG[name].description, name), to_api(nodes, schemas)
 
 
 # --- thumbnails -------------------------------------------------------------------------------------
@@ -531,15 +584,23 @@ def render_thumbnail(ui_graph: dict, example: Example) -> bytes:
     return out.getvalue()
 
 
+def template_order() -> list[str]:
+    """The template browser's order of the pack's templates (their file names), for web/mgpu_panel.js:
+    ComfyUI lists them in the order its server's directory listing happens to give."""
+    return [template.file_stem for template in TEMPLATES]
+
+
 def main() -> None:
     schemas = node_schemas()
     (HERE / "api").mkdir(exist_ok=True)
     for name in WORKFLOWS:
         ui, api = build(name, schemas)
-        (HERE / f"{name}.json").write_text(json.dumps(ui, indent=2) + "\n")
-        (HERE / "api" / f"{name}.json").write_text(json.dumps(api, indent=2) + "\n")
-        (HERE / f"{name}.jpg").write_bytes(render_thumbnail(ui, EXAMPLES[name]))
-        print(f"wrote workflows/{name}.json, workflows/{name}.jpg and workflows/api/{name}.json")
+        ui_path(name).write_text(json.dumps(ui, indent=2, ensure_ascii=False) + "\n")
+        api_path(name).write_text(json.dumps(api, indent=2) + "\n")
+        ui_path(name).with_suffix(".jpg").write_bytes(render_thumbnail(ui, EXAMPLES[name]))
+        print(f"wrote workflows/{ui_path(name).name}, its .jpg and workflows/api/{name}.json")
+    TEMPLATE_ORDER_FILE.write_text(json.dumps(template_order(), indent=2, ensure_ascii=False) + "\n")
+    print(f"wrote {TEMPLATE_ORDER_FILE.relative_to(PACK_DIR)}")
 
 
 if __name__ == "__main__":
