@@ -9,7 +9,7 @@ import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 
 const SAMPLERS = new Set(["MGPUSPSampler", "MGPUTDPUpscale"]);
-const HINT = "previews off: Settings › Live preview method";
+const HINT = "previews off · Settings › Live preview";
 const CHECK_MS = 2000;
 
 let serverMethod = "none";
@@ -27,16 +27,22 @@ export function previewsOff() {
   return (chosen === "default" ? serverMethod : chosen) === "none";
 }
 
-function hintBadge(node) {
-  // The frontend's badge class, from a badge it gave the node (it exports no name for it).
-  const existing = (node.badges ?? []).map((badge) => (typeof badge === "function" ? badge() : badge)).find((badge) => badge?.constructor);
-  const Badge = existing?.constructor;
-  if (!Badge || Badge === Object) return null;
-  return new Badge({ text: HINT, fgColor: "#1d1d1d", bgColor: "#e0b050" });
+let Badge = null;
+
+function badgeClass() {
+  // The frontend's badge class, from the badge it gives every node of a pack (it exports no name
+  // for it): taken from a node made for the purpose and never added to the graph.
+  const probe = globalThis.LiteGraph?.createNode?.("MGPUFleetControl");
+  const badge = (probe?.badges ?? []).map((entry) => (typeof entry === "function" ? entry() : entry)).find(Boolean);
+  return badge && badge.constructor !== Object ? badge.constructor : null;
+}
+
+function hintBadge() {
+  return Badge ? new Badge({ text: HINT, fgColor: "#1d1d1d", bgColor: "#e0b050" }) : null;
 }
 
 function showHint(node, show) {
-  node.mgpuPreviewHint ??= hintBadge(node);
+  node.mgpuPreviewHint ??= hintBadge();
   const badge = node.mgpuPreviewHint;
   if (!badge || !Array.isArray(node.badges)) return false;
   const shown = node.badges.includes(badge);
@@ -63,10 +69,12 @@ app.registerExtension({
     } catch {
       serverMethod = "none";
     }
+    Badge = badgeClass();
     refreshHints();
     setInterval(refreshHints, CHECK_MS);
   },
   nodeCreated(node) {
-    if (SAMPLERS.has(node.comfyClass ?? node.type)) setTimeout(refreshHints, 0);
+    // At once, before "Nodes 2.0" draws the node: it reads the badges when it first renders it.
+    if (SAMPLERS.has(node.comfyClass ?? node.type)) showHint(node, previewsOff());
   },
 });

@@ -255,6 +255,20 @@ def execution_order(nodes: list[Node]) -> list[int]:
     return placed
 
 
+# Where the graph first shows: all of it, inside a 1600x1000 window below ComfyUI's top bars and
+# right of its sidebar (screen = (canvas position + offset) * scale).
+VIEW_ORIGIN, VIEW_SIZE = (80, 110), (1480, 840)
+
+
+def initial_view(ui_nodes: list[dict]) -> dict:
+    left = min(node["pos"][0] for node in ui_nodes)
+    top = min(node["pos"][1] for node in ui_nodes) - NODE_TITLE_HEIGHT
+    right = max(node["pos"][0] + node["size"][0] for node in ui_nodes)
+    bottom = max(node["pos"][1] + node["size"][1] for node in ui_nodes)
+    scale = round(min(1.0, VIEW_SIZE[0] / (right - left), VIEW_SIZE[1] / (bottom - top)), 2)
+    return {"scale": scale, "offset": [round(VIEW_ORIGIN[0] / scale - left), round(VIEW_ORIGIN[1] / scale - top)]}
+
+
 def to_ui(nodes: list[Node], schemas: dict, description: str = "", workflow_name: str = "") -> dict:
     links, link_ids = [], {}
     for node in nodes:
@@ -321,7 +335,7 @@ def to_ui(nodes: list[Node], schemas: dict, description: str = "", workflow_name
         "links": links,
         "groups": [],
         "config": {},
-        "extra": {"ds": {"scale": 0.75, "offset": [40, 40]}, "description": description},
+        "extra": {"ds": initial_view(ui_nodes), "description": description},
         "version": 0.4,
     }
 
@@ -395,12 +409,56 @@ def sampler_widgets(example: Example) -> dict:
     return widgets
 
 
+@dataclass(frozen=True)
+class Box:
+    """A node's place on the canvas: ``pos`` is below the title bar (NODE_TITLE_HEIGHT above it)."""
+
+    x: int
+    y: int
+    width: int
+    height: int
+
+    @property
+    def pos(self) -> tuple[int, int]:
+        return (self.x, self.y)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return (self.width, self.height)
+
+    def below(self, height: int, width: int | None = None, gap: int = 60) -> Box:
+        """The box under this one, clear of its bottom edge and of the next title bar."""
+        return Box(self.x, self.y + self.height + gap, width or self.width, height)
+
+    def right(self, width: int, height: int, gap: int = 40) -> Box:
+        return Box(self.x + self.width + gap, self.y, width, height)
+
+
+# Sizes hold each node as ComfyUI's frontend 1.43 draws it in both modes: classic (LiteGraph) and
+# "Nodes 2.0" (Vue), which draws widgets taller (e.g. the loader's 13 widgets need 515 px there). The
+# loader is wide enough for its combo labels and file names to show whole; TDP Upscale leaves room
+# under its widgets for the stage-2 plan it prints there; MGPU Text Encode for several prompt lines.
+# The output column stacks decode, Create Video and Save Video, so the whole graph shows at a zoom
+# (initial_view) where the classic canvas still draws text. tests/e2e/test_browser_ui.py loads every
+# workflow in both modes and fails on any overlap.
+_LOADER = Box(40, 60, 500, 540)
+_TEXT = _LOADER.right(440, 520)
+_SAMPLER = _TEXT.right(360, 640)
+_UPSCALE = _SAMPLER.right(400, 560)
+_DECODE = _UPSCALE.right(480, 240)
+_CREATE = _DECODE.below(120)
+_FRAME_RATE = _LOADER.below(90, width=300)
+LAYOUT = {
+    "loader": _LOADER, "text": _TEXT, "sampler": _SAMPLER, "upscale": _UPSCALE, "decode": _DECODE, "create": _CREATE,
+    "save": _CREATE.below(560), "frame_rate": _FRAME_RATE, "image": _TEXT.below(420), "note": _FRAME_RATE.below(420, width=_LOADER.width),
+}  # fmt: skip
+
+
 def two_stage_graph(example: Example, prefix: str) -> list[Node]:
     recipe, files = example.recipe, example.files
     default_positive, negative = default_prompts()
     sampler = sampler_widgets(example)
     width, height = sampler["width"], sampler["height"]
-    x = 40
     listed = ", ".join(f"{MODEL_SOURCES[name][1]}/{name}" for name in files.values() if name in MODEL_SOURCES)
     note = NOTE_TWO_STAGE.format(version=example.version, stage1=f"{width}x{height}", final=f"{2 * width}x{2 * height}", recipe=recipe_text(recipe, example.tiny),
                                  files=listed or "none (the embedded bundle)", embedded=embedded_entry(example.version))  # fmt: skip
@@ -408,27 +466,27 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
     sigmas = ", ".join(map(str, stage2_default_sigmas(example.pipeline))) if example.pipeline == "two-stage" else ""
     overlap = TINY_SIZE["overlap"] if example.tiny else TDP_OVERLAP
     nodes = [
-        Node(1, "MGPULoadCheckpoint", (x, 60), {**files, "distilled_lora_strength": DISTILLED_LORA_STRENGTH, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto",
-                                                "dtype": "bfloat16", "quantization": "none", "residency": "auto", "pipeline": example.pipeline},
-             size=(380, 380), models=model_metadata(files)),
-        Node(2, "MGPUTextEncode", (x + 420, 60), {"positive": IMAGE_PROMPT if example.image else default_positive, "negative": negative, "free_gemma": False},
-             {"model": (1, 0)}, size=(420, 360)),
-        Node(3, "PrimitiveFloat", (x, 490), {"value": recipe.frame_rate}, size=(260, 60), title="Frame rate"),
-        Node(4, "MGPUSPSampler", (x + 880, 60), sampler, {"model": (1, 0), "positive": (2, 0), "negative": (2, 1), "frame_rate": (3, 0)}, size=(340, 480)),
+        Node(1, "MGPULoadCheckpoint", LAYOUT["loader"].pos, {**files, "distilled_lora_strength": DISTILLED_LORA_STRENGTH, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto",
+                                                  "dtype": "bfloat16", "quantization": "none", "residency": "auto", "pipeline": example.pipeline},
+             size=LAYOUT["loader"].size, models=model_metadata(files)),
+        Node(2, "MGPUTextEncode", LAYOUT["text"].pos, {"positive": IMAGE_PROMPT if example.image else default_positive, "negative": negative, "free_gemma": False},
+             {"model": (1, 0)}, size=LAYOUT["text"].size),
+        Node(3, "PrimitiveFloat", LAYOUT["frame_rate"].pos, {"value": recipe.frame_rate}, size=LAYOUT["frame_rate"].size, title="Frame rate"),
+        Node(4, "MGPUSPSampler", LAYOUT["sampler"].pos, sampler, {"model": (1, 0), "positive": (2, 0), "negative": (2, 1), "frame_rate": (3, 0)}, size=LAYOUT["sampler"].size),
         Node(
-            5, "MGPUTDPUpscale", (x + 1260, 60),
+            5, "MGPUTDPUpscale", LAYOUT["upscale"].pos,
             {"seed": recipe.seed, "sigmas": sigmas, "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False, "stage2_parallel": "auto"},
-            {"model": (1, 0), "av_latent": (4, 0), "positive": (2, 0)}, size=(340, 330),
+            {"model": (1, 0), "av_latent": (4, 0), "positive": (2, 0)}, size=LAYOUT["upscale"].size,
         ),
-        Node(6, "MGPUDistributedVAEDecode", (x + 1640, 60), {"seed": recipe.seed, "spatial_tile_pixels": DECODE_SPATIAL_TILE_PIXELS,
-                                                                   "temporal_tile_frames": DECODE_TEMPORAL_TILE_FRAMES},
-             {"model": (1, 0), "av_latent": (5, 0)}, size=(340, 200)),
-        Node(7, "CreateVideo", (x + 1640, 320), {"fps": recipe.frame_rate}, {"images": (6, 0), "audio": (6, 1), "fps": (3, 0)}, size=(300, 100)),
-        Node(8, "SaveVideo", (x + 2020, 60), {"filename_prefix": prefix, "format": "mp4", "codec": "h264"}, {"video": (7, 0)}, size=(480, 520)),
-        Node(9, "MarkdownNote", (x, 880), {"text": note}, size=(800, 320)),
+        Node(6, "MGPUDistributedVAEDecode", LAYOUT["decode"].pos, {"seed": recipe.seed, "spatial_tile_pixels": DECODE_SPATIAL_TILE_PIXELS,
+                                                        "temporal_tile_frames": DECODE_TEMPORAL_TILE_FRAMES},
+             {"model": (1, 0), "av_latent": (5, 0)}, size=LAYOUT["decode"].size),
+        Node(7, "CreateVideo", LAYOUT["create"].pos, {"fps": recipe.frame_rate}, {"images": (6, 0), "audio": (6, 1), "fps": (3, 0)}, size=LAYOUT["create"].size),
+        Node(8, "SaveVideo", LAYOUT["save"].pos, {"filename_prefix": prefix, "format": "mp4", "codec": "h264"}, {"video": (7, 0)}, size=LAYOUT["save"].size),
+        Node(9, "MarkdownNote", LAYOUT["note"].pos, {"text": note}, size=LAYOUT["note"].size),
     ]  # fmt: skip
     if example.image:
-        nodes.append(Node(10, "LoadImage", (x + 420, 460), {"image": "example.png", "upload": "image"}, size=(320, 360)))
+        nodes.append(Node(10, "LoadImage", LAYOUT["image"].pos, {"image": "example.png", "upload": "image"}, size=LAYOUT["image"].size))
         nodes[3].links["image"] = (10, 0)
         nodes[4].links["image"] = (10, 0)
     return nodes
