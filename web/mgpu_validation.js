@@ -3,8 +3,8 @@
 // ComfyUI v0.20.1 files a refusal of a node's VALIDATE_INPUTS under every input the method takes, so
 // one bad frame count on SP Sampler came back as seven errors and circled seven inputs, linked ones
 // too. The pack's refusals start with the name of the input at fault ("length: frames must be
-// 8k+1 ..."; nodes/validation.py); this keeps that input's copy, without the name prefix, and drops
-// the copies under the other inputs. Errors of any other form are left exactly as they are.
+// 8k+1 ..."; nodes/validation.py); this keeps that input's copy, its details the refusal itself,
+// and drops the copies under the other inputs. Errors of any other form are left exactly as they are.
 
 import { api } from "../../scripts/api.js";
 
@@ -17,7 +17,7 @@ function refusal(error) {
   const prefix = `${input} - `;
   const returned = typeof error.details === "string" && error.details.startsWith(prefix) ? error.details.slice(prefix.length) : null;
   const match = returned?.match(FAULT);
-  return match ? { input, fault: match[1], text: match[2] } : null;
+  return match ? { input, fault: match[1], returned } : null;
 }
 
 export function oneErrorPerFault(nodeErrors) {
@@ -28,7 +28,7 @@ export function oneErrorPerFault(nodeErrors) {
     entry.errors = entry.errors.flatMap((error) => {
       const parsed = refusal(error);
       if (!parsed || !inputs.has(parsed.fault)) return [error];
-      return parsed.input === parsed.fault ? [{ ...error, details: parsed.text }] : [];
+      return parsed.input === parsed.fault ? [{ ...error, details: parsed.returned }] : [];
     });
   }
   return nodeErrors;
