@@ -466,3 +466,38 @@ def test_samplers_say_previews_are_off_until_the_preview_setting_turns_them_on(p
     finally:
         set_setting(page, "Comfy.Execution.PreviewMethod", "default")
     page.wait_for(f"{HINT_TEXTS}.every(([, hints]) => hints.length === 1)", timeout=10)
+
+
+# --- a run: the notes the nodes print keep the layout clear --------------------------------------------------
+
+
+@pytest.mark.parametrize("nodes_2", [False, True], ids=["classic", "nodes-2.0"])
+def test_a_tiny_run_prints_the_stage_2_plan_on_tdp_upscale_without_overlapping_nodes(page, nodes_2):
+    """The tiny workflow on the fleet this ComfyUI starts (one CPU rank): each node's progress note
+    (TDP Upscale's is the stage-2 plan, three lines) fits in the node, no node grows into another."""
+    set_setting(page, "Comfy.VueNodes.Enabled", nodes_2)
+    load_workflow(page, tiny_workflow())
+    page.evaluate(
+        "(() => { window.mgpuRun = null; const events = window.comfyAPI.api.api;"
+        "events.addEventListener('execution_success', () => (window.mgpuRun = 'success'));"
+        "events.addEventListener('execution_error', (event) => (window.mgpuRun = 'error: ' + JSON.stringify(event.detail).slice(0, 2000))); return true; })()"
+    )
+    seed = 12 if nodes_2 else 11  # another prompt than the other mode's, so ComfyUI runs it again
+    for node_type in ("MGPUSPSampler", "MGPUTDPUpscale"):
+        page.evaluate(f"app.graph.nodes.find((node) => node.type === '{node_type}').widgets.find((widget) => widget.name === 'seed').value = {seed}; true")
+    page.evaluate("app.queuePrompt(0, 1).then(() => true)")
+    assert page.wait_for("window.mgpuRun", timeout=600) == "success"
+    time.sleep(1.5)
+    notes = dict(page.evaluate("app.graph.nodes.map((node) => [node.type, node.widgets?.find((widget) => widget.name === '$$node-text-preview')?.value ?? null])"))
+    assert notes["MGPUTDPUpscale"].startswith("stage-2 plan (auto, two-stage): tiled data parallel on 1 rank"), notes
+    assert overlaps(page.evaluate(NODE_BOXES)) == []
+    if nodes_2:
+        shown = page.evaluate(
+            """(() => {
+              const note = [...document.querySelectorAll('[data-node-id] *')].find((element) => element.children.length === 0 && element.textContent.trim().startsWith('stage-2 plan'));
+              if (!note) return 'no element shows the plan';
+              const [box, node] = [note.getBoundingClientRect(), note.closest('[data-node-id]').getBoundingClientRect()];
+              return {whole: note.scrollHeight <= note.clientHeight + 1, inside: box.bottom <= node.bottom + 1};
+            })()"""
+        )
+        assert shown == {"whole": True, "inside": True}, shown
