@@ -4,8 +4,8 @@
 // ComfyUI v0.20.1 answers GET /workflow_templates with each pack's file names in the order its
 // directory listing happens to give; frontend 1.43.18 shows them so, and takes each file name as
 // the template's title. This wraps the one call that fetches that list and sorts this pack's
-// names; other packs' lists and every other call are left as they are. Written by
-// workflows/make_workflows.py's table, which is the one place the order is set.
+// names; other packs' lists and every other call are left as they are. template_order.json is
+// written by workflows/make_workflows.py from its TEMPLATES table, the one place the order is set.
 
 import { api } from "../../scripts/api.js";
 

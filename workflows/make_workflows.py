@@ -1,21 +1,27 @@
 """Writes the shipped example workflows: each graph once, as a UI file (drag-and-drop, also listed in
-ComfyUI's template browser under this pack) with its thumbnail ``NAME.jpg`` next to it, and as its
-API twin in ``api/`` (headless queueing: ``python -m mgpu_backend queue workflows/api/NAME.json``).
+ComfyUI's template browser under this pack) with its thumbnail next to it, and as its API twin in
+``api/`` (headless queueing: ``python -m mgpu_backend queue workflows/api/SLUG.json``).
+
+``TEMPLATES`` is the one table of them: short name (the API twin's file), example, the title users
+see and search for in the template browser (the UI file's and thumbnail's name, see ``Template``),
+and a one-line description; its order is the browser's (web/template_order.json, written here).
 
 Every example is one model version (LTX-2.0 or LTX-2.3) and one pipeline (two-stage or distilled):
 its widget values are ``DEFAULTS[(version, pipeline)]`` of ``mgpu_backend.ltx.schema`` (the tiny
 examples shrink only size, frames and steps), and its loader names that version's official files
 (``MODEL_FILES``) with ComfyUI's model metadata (``properties.models``: name, Hugging Face url,
-models folder), so ComfyUI offers to download what is missing.
+models folder), so ComfyUI offers to download what is missing. Node places and sizes come from
+``LAYOUT``, which holds in the classic canvas and with "Nodes 2.0" on.
 
 ComfyUI serves a pack's template folder as it is (app/custom_node_manager.py: ``workflows/`` is one
-of the folder names it reads) and its frontend shows ``NAME.jpg`` as the template's thumbnail; the
+of the folder names it reads) and its frontend shows ``TITLE.jpg`` as the template's thumbnail; the
 thumbnails are drawn here from the graph itself (``render_thumbnail``), so they are reproducible.
 
 Run ``python workflows/make_workflows.py`` after changing a node's inputs; tests/test_workflows.py
-checks the written files against the node definitions and each UI graph against its API twin.
-``NATIVE_NODES`` lists the ComfyUI core nodes the graphs use, as /work/comfyui (January 2026)
-defines them; the e2e test checks it against a running ComfyUI's /object_info.
+checks the written files against the node definitions and each UI graph against its API twin, and
+tests/e2e/test_browser_ui.py loads each UI graph in ComfyUI's frontend. ``NATIVE_NODES`` lists the
+ComfyUI core nodes the graphs use, as /work/comfyui (January 2026) defines them; the e2e test checks
+it against a running ComfyUI's /object_info.
 
 This script only writes JSON and JPEG files; it never runs a workflow.
 """

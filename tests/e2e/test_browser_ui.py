@@ -2,7 +2,7 @@
 template browser (titles, order, search), the node search, a validation error, every shipped UI
 workflow laid out in classic mode and with "Nodes 2.0" on, the MGPU panel and the previews hint.
 
-The page is driven over the Chrome DevTools protocol (a websocket client of a few lines below):
+The page is driven over the Chrome DevTools protocol (through the queue tool's websocket client):
 ``Runtime.evaluate`` reads ComfyUI's own state (``app.graph``, its stores, the DOM) after the frontend
 has laid things out. With MGPU_SCREENSHOTS=<folder> set, each test also writes the screenshot
 README.md and docs/ show (docs/images is the folder they use).
@@ -18,8 +18,6 @@ import base64
 import json
 import os
 import shutil
-import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -29,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from mgpu_backend.tools.comfy_queue import WebSocket
 from mgpu_backend.tools.comfy_server import ComfyUIServer
 
 PACK_DIR = Path(__file__).resolve().parents[2]
@@ -52,65 +51,24 @@ pytestmark = [
 
 
 class DevTools:
-    """One page's DevTools websocket: ``call`` sends a command and waits for its reply (events are dropped)."""
+    """One page's DevTools websocket (the queue tool's websocket client): ``call`` sends a command and
+    waits for its reply; events in between are dropped."""
 
     def __init__(self, ws_url: str) -> None:
-        host_port, _, path = ws_url.removeprefix("ws://").partition("/")
-        host, port = host_port.split(":")
-        self.sock = socket.create_connection((host, int(port)), timeout=120)
-        key = base64.b64encode(os.urandom(16)).decode()
-        self.sock.sendall(
-            f"GET /{path} HTTP/1.1\r\nHost: {host_port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
-            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n".encode()
-        )
-        response = b""
-        while b"\r\n\r\n" not in response:
-            response += self.sock.recv(4096)
-        head, _, self.buffer = response.partition(b"\r\n\r\n")
-        assert b" 101 " in head.split(b"\r\n")[0], head
+        self.socket = WebSocket.connect(ws_url, timeout=120)
+        self.incoming = self.socket.messages()
         self.last_id = 0
-
-    def _send(self, text: str) -> None:
-        payload, mask = text.encode(), os.urandom(4)
-        length = len(payload)
-        header = bytes([0x81]) + (
-            bytes([0x80 | length]) if length < 126 else bytes([0x80 | 126]) + struct.pack(">H", length) if length < 1 << 16 else bytes([0x80 | 127]) + struct.pack(">Q", length)
-        )
-        self.sock.sendall(header + mask + bytes(byte ^ mask[index % 4] for index, byte in enumerate(payload)))
-
-    def _read(self, count: int) -> bytes:
-        while len(self.buffer) < count:
-            chunk = self.sock.recv(1 << 20)
-            if not chunk:
-                raise ConnectionError("Chromium closed the DevTools connection")
-            self.buffer += chunk
-        out, self.buffer = self.buffer[:count], self.buffer[count:]
-        return out
-
-    def _message(self) -> str:
-        message = b""
-        while True:
-            first, second = self._read(2)
-            length = second & 0x7F
-            if length == 126:
-                length = struct.unpack(">H", self._read(2))[0]
-            elif length == 127:
-                length = struct.unpack(">Q", self._read(8))[0]
-            data = self._read(length)
-            if first & 0x0F in (0, 1, 2):  # text, binary or continuation; control frames are skipped
-                message += data
-                if first & 0x80:
-                    return message.decode()
 
     def call(self, method: str, **params):
         self.last_id += 1
-        self._send(json.dumps({"id": self.last_id, "method": method, "params": params}))
-        while True:
-            reply = json.loads(self._message())
+        self.socket.send(0x1, json.dumps({"id": self.last_id, "method": method, "params": params}).encode())
+        for message in self.incoming:
+            reply = json.loads(message)
             if reply.get("id") == self.last_id:
                 if "error" in reply:
                     raise RuntimeError(f"{method}: {reply['error']}")
                 return reply["result"]
+        raise ConnectionError("Chromium closed the DevTools connection")
 
     def evaluate(self, expression: str):
         """The value of a JavaScript expression in the page (a promise is awaited)."""
@@ -234,12 +192,18 @@ def close_dialogs(page: DevTools) -> None:
     assert not page.evaluate(OPEN_DIALOGS), "a dialog stays open after Escape"
 
 
+def dismiss_notices(page: DevTools) -> None:
+    """Close the frontend's notices (e.g. "4 required models are missing") that would cover the graph."""
+    page.evaluate("[...document.querySelectorAll('button')].filter((button) => button.offsetParent !== null && button.textContent.trim() === 'Dismiss').forEach((button) => button.click()); true")
+
+
 def load_workflow(page: DevTools, path: Path) -> None:
     """Open a UI workflow as dropping its file does, and wait until the frontend has laid it out."""
     close_dialogs(page)
     page.evaluate(f"app.loadGraphData({path.read_text()}, true, true, {json.dumps(path.stem)}).then(() => true)")
     page.wait_for(f"app.graph.nodes.length === {len(json.loads(path.read_text())['nodes'])}")
     page.evaluate("new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(() => setTimeout(() => done(true), 1500))))")
+    dismiss_notices(page)
 
 
 def type_into(page: DevTools, placeholder_pattern: str, text: str) -> None:
@@ -313,6 +277,7 @@ SEARCH_RESULTS = "[...document.querySelectorAll('div.h-14.cursor-pointer')].map(
 
 
 def node_search(page: DevTools, query: str) -> list[str]:
+    dismiss_notices(page)
     if not page.evaluate("[...document.querySelectorAll('input')].some((input) => input.offsetParent !== null && /Add a node/i.test(input.placeholder))"):
         close_dialogs(page)
         page.evaluate("app.extensionManager.command.execute('Workspace.SearchBox.Toggle').then(() => true)")
