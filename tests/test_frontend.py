@@ -92,6 +92,8 @@ def test_the_web_extension_keeps_one_copy_of_a_refusal_under_the_input_it_names(
 
 
 def test_every_node_is_found_by_the_model_names_and_its_own_function():
+    search_table = __import__("comfyui_mgpu_pack.nodes", fromlist=["SEARCH_ALIASES"]).SEARCH_ALIASES
+    assert search_table.keys() == NODES.keys(), "a node without search aliases of its own: add it to nodes/__init__.py"
     for name, node_class in NODES.items():
         aliases = node_class.SEARCH_ALIASES
         assert {"ltx", "ltx-2", "ltx-2.3", "mgpu"} <= set(aliases), name
