@@ -50,6 +50,7 @@ from .layouts import (
     split_latent,
 )
 from .model_nodes import CATEGORY, spec_model_version
+from .validation import generation_check, refusal
 
 FROM_LOADER = "(from loader)"
 MAX_FRAMES = 1025  # the widget's range: about 40 s at 24 fps
@@ -159,16 +160,10 @@ class SPSampler:
 
     @classmethod
     def VALIDATE_INPUTS(cls, width=None, height=None, length=None, frame_rate=None, seed=None, steps=None, stg_blocks=None):
-        """ComfyUI runs this before queueing: a bad size or frame count is refused at once. An input fed
-        by a link has no value yet (None here) and is checked when the node runs."""
-        try:
-            if None not in (width, height, length):
-                validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate, seed=seed)
-            if stg_blocks is not None:
-                parse_stg_blocks(stg_blocks)
-        except ValueError as error:
-            return str(error)
-        return True
+        """ComfyUI runs this before queueing: a bad size or frame count is refused at once, under the
+        input at fault (validation.py). An input fed by a link is None here and checked when the node runs."""
+        values = {"width": width, "height": height, "length": length, "frame_rate": frame_rate, "seed": seed, "steps": steps}
+        return refusal([*((name, value, generation_check(name)) for name, value in values.items()), ("stg_blocks", stg_blocks, parse_stg_blocks)])
 
     def sample(self, model, positive, negative, width, height, length, frame_rate, seed, steps, video_cfg, audio_cfg, stg_scale, stg_blocks, rescale, modality_scale, parallel, image=None, compile_blocks=False, unique_id=None):
         handle = check_model_handle(model)
@@ -248,16 +243,9 @@ class TDPUpscale:
 
     @classmethod
     def VALIDATE_INPUTS(cls, sigmas=None, tiles=None, force_from_noise=None):
-        """ComfyUI runs this before queueing: a bad schedule or tiling is refused before stage 1 runs
-        (an input fed by a link is None here, checked when the node runs)."""
-        try:
-            if sigmas is not None:
-                parse_sigmas(sigmas, bool(force_from_noise))
-            if tiles is not None:
-                parse_tiles(tiles)
-        except ValueError as error:
-            return str(error)
-        return True
+        """ComfyUI runs this before queueing: a bad schedule or tiling is refused before stage 1 runs,
+        under the input at fault (an input fed by a link is None here, checked when the node runs)."""
+        return refusal([("sigmas", sigmas, lambda text: parse_sigmas(text, bool(force_from_noise))), ("tiles", tiles, parse_tiles)])
 
     def upscale(self, model, av_latent, positive, seed, sigmas, tiles, overlap, frame_rate, force_from_noise, image=None, stage2_parallel="auto", unique_id=None):
         handle = check_model_handle(model)

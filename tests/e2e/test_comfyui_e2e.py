@@ -148,7 +148,7 @@ def test_comfyui_knows_the_nodes_the_workflows_use_as_the_tables_say(comfyui):
             problems.append(f"{node_type}: outputs {declared['output']} != table {schema['outputs']}")
     assert problems == [], "\n".join(problems)
     templates = get_json(f"{comfyui.url}/workflow_templates")
-    assert sorted(templates.get("comfyui-mgpu", [])) == sorted(builder.WORKFLOWS), templates
+    assert sorted(templates.get("comfyui-mgpu", [])) == sorted(builder.ui_path(name).stem for name in builder.WORKFLOWS), templates
     assert "/extensions/comfyui-mgpu/mgpu_panel.js" in get_json(f"{comfyui.url}/extensions")
 
 
