@@ -46,6 +46,8 @@ SEARCH_ALIASES = {
     "MGPUTDPUpscale": ["ltx upscale", "ltx-2 upscale", "upscale", "upscaler", "latent upscale", "stage 2", "tiled data parallel", "refine"],
     "MGPUDistributedVAEDecode": ["ltx decode", "ltx vae decode", "vae decode", "decode", "video decode", "audio decode"],
     "MGPUFleetControl": ["ltx fleet", "fleet", "unload models", "free memory", "restart", "gpu status"],
+    "MGPUCheckpointLoader": ["load checkpoint", "checkpoint loader", "ltx checkpoint", "load model", "sequence parallel", "drop-in", "model"],
+    "MGPUDiffusionModelLoader": ["load diffusion model", "unet loader", "ltx diffusion model", "load model", "sequence parallel", "drop-in"],
 }
 # A node missing from the table still gets the model's names (tests/test_frontend.py asks for its own).
 for _name, _node_class in NODE_CLASS_MAPPINGS.items():

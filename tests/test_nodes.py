@@ -22,6 +22,7 @@ PACK_DIR = Path(__file__).resolve().parent.parent
 CATEGORY = "MGPU/LTX-2"
 DISPLAY_NAMES = {
     "Load Checkpoint MGPU", "MGPU Text Encode", "SP Sampler", "TDP Upscale", "Distributed VAE Decode", "MGPU Fleet Control",
+    "Load Checkpoint (MGPU fleet)", "Load Diffusion Model (MGPU fleet)",
 }  # fmt: skip
 WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN"}
 
