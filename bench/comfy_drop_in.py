@@ -16,6 +16,7 @@ Sizes: ComfyUI's LTX-2.3 template (image to video, cfg 1 with the distilled LoRA
 GPU ranks), to show how much of a short shard is launch overhead.
 
     python bench/comfy_drop_in.py --comfyui-dir ~/ComfyUI --model 2.3 --bundle-dir /data/b22 --shards --capture --out FILE   # one GPU
+    python bench/comfy_drop_in.py --comfyui-dir ~/ComfyUI --model 2.3 --bundle-dir /data/b22 --gpus 0,1,2,3,4,5,6,7 --out FILE   # SP over 8 GPUs
     python bench/comfy_drop_in.py --comfyui-dir ~/ComfyUI --tiny                                                            # CPU smoke run
 
 It prints one markdown table and notes (``--out``: appended under the command, machine and date).
@@ -107,6 +108,8 @@ def main() -> None:
     parser.add_argument("--shards", action="store_true", help="also one rank's token shard at SP degree 2/4/8, eager (ComfyUI's forward)")
     parser.add_argument("--capture", action="store_true", help="with --shards: also each shard replayed as a CUDA graph (GPU)")
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available; cpu with --tiny)")
+    parser.add_argument("--gpus", help="the fleet's GPUs, e.g. 0,1,2,3 (default: the one of --device): with several, each call is "
+                                       "sequence parallel over them, against ComfyUI in-process on one")
     parser.add_argument("--tiny", action="store_true", help="the tiny bundle on the CPU at small sizes, one CPU rank (the smoke run)")
     parser.add_argument("--out", help="append the table, with command, machine and date, to this file")
     args = parser.parse_args()
@@ -140,7 +143,7 @@ def main() -> None:
 
         socket_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-drop-in-fleet-"))
         os.chmod(socket_dir, 0o700)
-        gpus = str(device.index or 0) if device.type == "cuda" else None
+        gpus = (args.gpus or str(device.index or 0)) if device.type == "cuda" else None
         api.configure(address=os.path.join(socket_dir, "fleet.sock"), gpus=gpus, cpu_ranks=None if gpus else 1)
         stack.callback(lambda: api.fleet().shutdown())
 
@@ -149,7 +152,9 @@ def main() -> None:
         notes.append(f"- in-process: {native.description}")
         started = time.perf_counter()
         remote = fleet_patcher(comfy, args.comfyui_dir, bundle.checkpoint_path)
-        notes.append(f"- fleet: one rank on {device}, ComfyUI's own model loaded there in {time.perf_counter() - started:.1f} s (cold)")
+        where = f"GPUs {gpus}" if gpus and "," in gpus else str(device)
+        notes.append(f"- fleet: {len(gpus.split(',')) if gpus else 1} rank(s) on {where}, ComfyUI's own model loaded there in "
+                     f"{time.perf_counter() - started:.1f} s (cold)")
         diffusion_model = native.patcher.model.diffusion_model
         for inputs in inputs_per_size:
             native_call, shapes = native.forward_call(inputs, inputs.forward_sigma)
@@ -174,7 +179,8 @@ def main() -> None:
                 row = ["", str(shard.video_tokens), f"shard of SP {degree}", f"{eager_ms:.1f}", "-", "-", "-"]
                 rows.append(row + captured_columns(comfy, native, diffusion_model, shard, device, args) if args.capture else row + ["-", "-"])
         native.free()
-    headers = ["size", "video tokens", "forward", "ComfyUI eager ms", "fleet world 1 ms", "overhead", "max |diff| fleet", "ComfyUI blocks captured ms", "max |diff| captured"]
+    world = len(args.gpus.split(",")) if args.gpus and device.type == "cuda" else 1
+    headers = ["size", "video tokens", "forward", "ComfyUI eager ms", f"fleet world {world} ms", "overhead", "max |diff| fleet", "ComfyUI blocks captured ms", "max |diff| captured"]
     notes.insert(0, f"- LTX-{args.model} random bundle ({'tiny' if args.tiny else 'full size'}), {str(dtype).removeprefix('torch.')}; one video+audio "
                     f"denoiser call (apply_model) at sigma {inputs_per_size[0].forward_sigma:g}, positive context, median of {args.repeats}; overhead: the "
                     "fleet's call against the in-process one (the fleet replays its blocks as CUDA graphs unless MGPU_COMFY_CUDA_GRAPHS=0); shard rows: ComfyUI's forward "
