@@ -19,6 +19,10 @@ node with this version's values (``version_default_notes``); the shipped 2.3 wor
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.api import parse_tiles
 from mgpu_backend.ltx.schema import (
@@ -33,6 +37,7 @@ from mgpu_backend.ltx.schema import (
     TDP_UPSCALE_SIGMAS,
     VIDEO_SPATIAL_COMPRESSION,
     defaults_for,
+    pixel_geometry,
     stage2_default_sigmas,
     validate_generation,
     validate_upscale_sigmas,
@@ -40,6 +45,7 @@ from mgpu_backend.ltx.schema import (
 
 from .fleet_job import FleetJob, node_note
 from .layouts import (
+    FRAME_RATE_KEY,
     MODEL_TYPE,
     check_model_handle,
     conditioning_contexts,
@@ -116,6 +122,67 @@ DEFAULT_SIGMAS = ", ".join(map(str, TDP_UPSCALE_SIGMAS))
 DISTILLED_IGNORED = ("steps", "video_cfg", "audio_cfg", "stg_scale", "stg_blocks", "rescale", "modality_scale", "negative")
 
 
+STOCK_SAMPLER = "use ComfyUI's own sampler with Load Checkpoint (MGPU fleet)"
+"""What to use for what the MGPU sampling nodes do not apply: the fleet as a stock MODEL."""
+UNAPPLIED_CONDITIONING = {
+    "keyframe_idxs": ("a keyframe guide", "LTXVAddGuide"),
+    "guide_attention_entries": ("a keyframe guide", "LTXVAddGuide"),
+    "ref_audio": ("reference audio", "LTXVReferenceAudio"),
+    "control": ("a ControlNet", "the ControlNet apply node"),
+    "gligen": ("a GLIGEN box", "GLIGENTextBoxApply"),
+    "area": ("an area", "ConditioningSetArea"),
+    "mask": ("a mask", "ConditioningSetMask"),
+    "hooks": ("hooks", "the hook nodes"),
+}
+"""Conditioning options ComfyUI's nodes set that SP Sampler and TDP Upscale do not apply: (what it
+is, the node that sets it). A None value is an option cleared (LTXVCropGuides clears the guides)."""
+UNAPPLIED_DEFAULTS = {
+    "strength": (1.0, "a strength", "ConditioningSetAreaStrength"),
+    "start_percent": (0.0, "a timestep range", "ConditioningSetTimestepRange"),
+    "end_percent": (1.0, "a timestep range", "ConditioningSetTimestepRange"),
+}
+"""Options that are applied only at their default value: (default, what it is, the node that sets it)."""
+
+
+def check_conditioning_options(conditioning, input_name: str, node: str) -> float | None:
+    """Refuse a CONDITIONING carrying what ``node`` would silently drop; return the frame rate it
+    carries (LTXVConditioning's), which the node honours or refuses itself, or None."""
+    options = conditioning[0][1] if isinstance(conditioning, (list, tuple)) and conditioning and len(conditioning[0]) > 1 and isinstance(conditioning[0][1], dict) else {}  # fmt: skip
+    found = [(what, source) for key, (what, source) in UNAPPLIED_CONDITIONING.items() if options.get(key) is not None]
+    found += [(what, source) for key, (default, what, source) in UNAPPLIED_DEFAULTS.items() if options.get(key, default) != default]
+    if found:
+        what, source = found[0]
+        raise ValueError(
+            f"{node}: the {input_name} conditioning carries {what} from {source}, which {node} does not apply; "
+            f"{STOCK_SAMPLER}, or remove {source}"
+        )
+    rate = options.get(FRAME_RATE_KEY)
+    return None if rate is None else float(rate)
+
+
+def check_frame_rate(node: str, input_name: str, carried: float, rate: float, runs_at: str, remedy: str) -> None:
+    """Refuse a conditioning whose LTXVConditioning frame rate is not the rate ``node`` runs at."""
+    if math.isclose(carried, rate, rel_tol=1e-6):
+        return
+    raise ValueError(f"{node}: the {input_name} conditioning carries frame rate {carried:g} from LTXVConditioning, but {runs_at}; {remedy}")
+
+
+def check_noise_mask(latent: dict, input_name: str, node: str) -> None:
+    """Refuse a latent whose ``noise_mask`` keeps any part from being denoised (a mask of ones, as
+    LTXVConcatAVLatent fills one in, masks nothing and is what the node does anyway)."""
+    mask = latent.get("noise_mask")
+    if mask is None:
+        return
+    parts = mask.unbind() if getattr(mask, "is_nested", False) else [mask]
+    if all(bool(torch.all(part == 1.0)) for part in parts):
+        return
+    raise ValueError(
+        f"{node}: {input_name} carries a noise mask (from LTXVImgToVideoInplace, LTXVImgToVideo, LTXVAddGuide or "
+        f"SetLatentNoiseMask) that keeps part of the latent from being denoised, which {node} does not apply; for a "
+        f"first-frame image connect it to {node}'s image input instead, or {STOCK_SAMPLER}"
+    )
+
+
 class SPSampler:
     """Stage 1: generate video and audio from noise with full multimodal guidance."""
 
@@ -176,6 +243,11 @@ class SPSampler:
         distilled = pipeline == "distilled"
         validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate)
         blocks = parse_stg_blocks(stg_blocks)
+        for input_name, conditioning in (("positive", positive),) + ((() if distilled else (("negative", negative),))):
+            carried = check_conditioning_options(conditioning, input_name, "SP Sampler")
+            if carried is not None:
+                check_frame_rate("SP Sampler", input_name, carried, frame_rate, f"SP Sampler's frame_rate is {frame_rate:g}",
+                                 f"set SP Sampler's frame_rate to {carried:g} (it also sets how long the audio is) or LTXVConditioning's to {frame_rate:g}")  # fmt: skip
         positive_contexts = conditioning_contexts(positive, "positive")
         negative_contexts = None if distilled else conditioning_contexts(negative, "negative")
         shared = {"stg_scale": stg_scale, "rescale_scale": rescale, "modality_scale": modality_scale, "stg_blocks": blocks}
@@ -208,7 +280,7 @@ class SPSampler:
             pipeline=pipeline,
             dtype=handle["dtype"],
         )
-        return (make_av_latent(video_latent, audio_latent, frame_rate, stages=1),)
+        return (make_av_latent(video_latent, api.audio_latent_for_comfy(audio_latent, length, frame_rate), frame_rate, stages=1),)
 
 
 class TDPUpscale:
@@ -272,7 +344,16 @@ class TDPUpscale:
                 "av_latent has no audio: TDP Upscale takes the AV LATENT of SP Sampler "
                 "(or LTXVConcatAVLatent of a video and an audio latent)"
             )
-        rate = latent_frame_rate(av_latent, frame_rate, "av_latent")
+        check_noise_mask(av_latent, "av_latent", "TDP Upscale")
+        carried = check_conditioning_options(positive, "positive", "TDP Upscale")
+        if carried is not None and not frame_rate and not av_latent.get(FRAME_RATE_KEY):
+            rate = carried  # a latent from native nodes: LTXVConditioning's frame rate is the one it was made at
+        else:
+            rate = latent_frame_rate(av_latent, frame_rate, "av_latent")
+            if carried is not None:
+                check_frame_rate("TDP Upscale", "positive", carried, rate, f"av_latent is at {rate:g} fps",
+                                 f"set LTXVConditioning's frame_rate to {rate:g} or remove LTXVConditioning")  # fmt: skip
+        api.check_audio_latent_length(audio_latent, video_latent, rate, "TDP Upscale")
         positive_contexts = conditioning_contexts(positive, "positive")
         schedule, tile_counts = parse_sigmas(sigmas, force_from_noise, pipeline), parse_tiles(tiles)
         if stage2_parallel == "sp" and tile_counts is not None:
@@ -282,7 +363,7 @@ class TDPUpscale:
             api.upscale,
             spec,
             video_latent,
-            audio_latent,
+            api.audio_latent_for_fleet(audio_latent, video_latent, rate),
             positive_contexts,
             frame_rate=rate,
             seed=seed,
@@ -298,7 +379,8 @@ class TDPUpscale:
         )
         node_note(unique_id, fields.get("plan", "stage 2"))  # the plan's reason already says what stage 2 does with the audio
         if fields.get("stage2_parallel") == "sp":
-            return (make_av_latent(refined_video, refined_audio, rate, stages=2),)  # denoised over the whole latent: faithful
+            frames = pixel_geometry(*refined_video.shape[2:])[2]
+            return (make_av_latent(refined_video, api.audio_latent_for_comfy(refined_audio, frames, rate), rate, stages=2),)  # denoised over the whole latent: faithful
         # TDP must not change the audio (its audio is context only). Reusing the input tensor makes
         # that exact, whatever precision the round trip through the fleet used.
         return (make_av_latent(refined_video, audio_latent, rate, stages=2),)
