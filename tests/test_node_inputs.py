@@ -17,7 +17,7 @@ from mgpu_backend.bundles import tiny
 from mgpu_backend.fleet.client import FleetError
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.loading import ModelLoader
-from mgpu_backend.ltx.text import COMFY_CONNECTOR_TOKENS, contexts_from_comfy
+from mgpu_backend.ltx.text import COMFY_CONNECTOR_TOKENS, comfy_connector_rope, contexts_from_comfy
 
 from .fleet_harness import module_fleet, run_job
 from .test_nodes import SAMPLER_INPUTS, UPSCALE_INPUTS, av_latent, fake_api, layouts, mgpu_conditioning, node, tiny_handle  # noqa: F401
@@ -216,9 +216,12 @@ def gemma_like(real_tokens: int, seed: int = 5):
 
 def test_unprocessed_comfy_features_connect_to_ltx_cores_own_contexts_bitwise(processor):
     # ComfyUI's text encoder keeps the prompt's tokens only (it trims Gemma's padding) and leaves the
-    # connectors to the model; run here, they must give what ltx-core's prompt encoding gives.
+    # connectors to the model; run here, they must give what ltx-core's prompt encoding of the padded
+    # prompt gives with the same connector settings (ComfyUI's RoPE settings: see COMFY_CONNECTOR_ROPE).
     hidden, mask = gemma_like(real_tokens=37)
-    reference = processor.process_hidden_states(hidden, mask)
+    with comfy_connector_rope(processor):
+        reference = processor.process_hidden_states(hidden, mask)
+    assert processor.video_connector.double_precision_rope is False, "the connectors' own settings are back (the tiny config's)"
     with torch.inference_mode():
         video_features, audio_features = processor.feature_extractor(hidden, mask, "left")
     video_width, audio_width = processor.video_connector.inner_dim, processor.audio_connector.inner_dim

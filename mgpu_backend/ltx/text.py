@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from ltx_core.text_encoders.gemma.embeddings_processor import convert_to_additive_mask
@@ -93,10 +95,34 @@ def contexts_from_comfy(processor, context: torch.Tensor, unprocessed: bool, inp
     return _connected(processor, video, audio)
 
 
+COMFY_CONNECTOR_ROPE = {"positional_embedding_max_pos": [4096], "double_precision_rope": True}
+"""The connectors' RoPE settings ComfyUI's model uses whatever the checkpoint's config says. ltx-core
+reads them from the config: LTX-2.3's sets these very values; a config without them (the tiny
+bundles') gets [1] and float32 frequencies in ltx-core, which ComfyUI's text features were not meant
+for. Under these settings the connectors give ComfyUI's model's contexts to float32 rounding."""
+
+
+@contextmanager
+def comfy_connector_rope(processor) -> Iterator[None]:
+    """The processor's connectors with ComfyUI's RoPE settings for the ``with`` block, then their own
+    again (plain attributes read in ``forward``: nothing is copied or rebuilt)."""
+    connectors = (processor.video_connector, processor.audio_connector)
+    saved = [{name: getattr(connector, name) for name in COMFY_CONNECTOR_ROPE} for connector in connectors]
+    try:
+        for connector in connectors:
+            for name, value in COMFY_CONNECTOR_ROPE.items():
+                setattr(connector, name, value)
+        yield
+    finally:
+        for connector, values in zip(connectors, saved, strict=True):
+            for name, value in values.items():
+                setattr(connector, name, value)
+
+
 def _connected(processor, video_features: torch.Tensor, audio_features: torch.Tensor) -> TextContext:
-    """The connectors over ComfyUI's unpadded text features: left-padded to ComfyUI's register fill
-    length with a mask that hides the padding, which ltx-core's connectors replace by the same
-    registers at the same positions as ComfyUI's."""
+    """The connectors over ComfyUI's unpadded text features as ComfyUI's model runs them: left-padded
+    to ComfyUI's register fill length with a mask that hides the padding, which ltx-core's connectors
+    replace by the same registers at the same positions as ComfyUI's; ComfyUI's RoPE settings."""
     registers = processor.video_connector.num_learnable_registers
     assert registers == processor.audio_connector.num_learnable_registers, "the two connectors fill with different register counts"
     tokens = video_features.shape[1]
@@ -108,6 +134,6 @@ def _connected(processor, video_features: torch.Tensor, audio_features: torch.Te
         features = features.to(device=parameter.device, dtype=parameter.dtype)
         return torch.nn.functional.pad(features, (0, 0, length - tokens, 0))
 
-    with torch.inference_mode():
+    with torch.inference_mode(), comfy_connector_rope(processor):
         video, audio, _ = processor.create_embeddings(padded(video_features), padded(audio_features), convert_to_additive_mask(mask, parameter.dtype))
     return TextContext(video_context=video, audio_context=audio)
