@@ -15,6 +15,18 @@ defaults and are sent as set: a user's explicit steps are never replaced behind 
 ``stg_blocks`` takes the checkpoint's own official block in the fleet. When steps or STG blocks hold
 the other version's official values (a 2.0 graph on a 2.3 checkpoint), SP Sampler says so on the
 node with this version's values (``version_default_notes``); the shipped 2.3 workflows carry 2.3's.
+
+What ComfyUI's own LTX-2 nodes feed in either acts as on stock nodes or is refused before any fleet
+work, naming the node and what to use instead: a CONDITIONING from MGPU Text Encode or from
+ComfyUI's LTX-2 text encoder is taken (``layouts``); LTXVConditioning's frame rate must be the
+node's (TDP Upscale takes it for a latent from native nodes that records none); keyframe guides
+(LTXVAddGuide), reference audio, masks, areas, ControlNets and timestep ranges in a conditioning,
+and a latent ``noise_mask`` that masks anything, are not applied and so refused
+(``check_conditioning_options``, ``check_noise_mask``): ComfyUI's own sampler over the fleet as a
+stock MODEL applies them. Audio latents of ComfyUI's length (LTXVEmptyLatentAudio rounds the
+duration up, ltx-core to nearest: one frame more at most) are taken and made: the fleet runs at
+ltx-core's length and the nodes drop or repeat the last frame at the boundary (``api.audio_latent_for_fleet``,
+``api.audio_latent_for_comfy``), so the pack's own results stay those of the official pipeline.
 """
 
 from __future__ import annotations
@@ -201,8 +213,8 @@ class SPSampler:
         return {
             "required": {
                 "model": (MODEL_TYPE, {"tooltip": "The model from Load Checkpoint MGPU."}),
-                "positive": ("CONDITIONING", {"tooltip": "Positive conditioning from MGPU Text Encode."}),
-                "negative": ("CONDITIONING", {"tooltip": "Negative conditioning from MGPU Text Encode."}),
+                "positive": ("CONDITIONING", {"tooltip": "Positive conditioning from MGPU Text Encode (or ComfyUI's LTX-2 text encoder). Keyframe guides, reference audio and masks on it are refused: they need ComfyUI's own sampler."}),
+                "negative": ("CONDITIONING", {"tooltip": "Negative conditioning from MGPU Text Encode (or ComfyUI's LTX-2 text encoder)."}),
                 "width": ("INT", {"default": OFFICIAL.stage1_width, "min": VIDEO_SPATIAL_COMPRESSION, "max": MAX_SIDE, "step": VIDEO_SPATIAL_COMPRESSION, "tooltip": "Width of this stage in pixels, a multiple of 32. In the two-stage graph TDP Upscale doubles it (768 gives a 1536 video), so the final width is a multiple of 64."}),
                 "height": ("INT", {"default": OFFICIAL.stage1_height, "min": VIDEO_SPATIAL_COMPRESSION, "max": MAX_SIDE, "step": VIDEO_SPATIAL_COMPRESSION, "tooltip": "Height of this stage in pixels, a multiple of 32. In the two-stage graph TDP Upscale doubles it (512 gives a 1024 video), so the final height is a multiple of 64."}),
                 "length": ("INT", {"default": OFFICIAL.num_frames, "min": 1, "max": MAX_FRAMES, "step": 8, "tooltip": "Number of frames, 8k+1 (the video VAE packs 8 frames per latent frame): 121 is 5 s at 24 fps."}),
@@ -302,13 +314,13 @@ class TDPUpscale:
         return {
             "required": {
                 "model": (MODEL_TYPE, {"tooltip": "The model from Load Checkpoint MGPU; it needs the spatial upsampler and the distilled LoRA."}),
-                "av_latent": ("LATENT", {"tooltip": "The stage-1 AV LATENT from SP Sampler (or LTXVConcatAVLatent)."}),
-                "positive": ("CONDITIONING", {"tooltip": "Positive conditioning from MGPU Text Encode (stage 2 uses no negative prompt)."}),
+                "av_latent": ("LATENT", {"tooltip": "The stage-1 AV LATENT from SP Sampler (or LTXVConcatAVLatent; its audio at ComfyUI's or ltx-core's length). A noise mask that keeps frames (LTXVImgToVideoInplace) is refused: use the image input."}),
+                "positive": ("CONDITIONING", {"tooltip": "Positive conditioning from MGPU Text Encode or ComfyUI's LTX-2 text encoder (stage 2 uses no negative prompt)."}),
                 "seed": ("INT", {"default": OFFICIAL.seed, "min": 0, "max": SEED_MAX, "control_after_generate": True, "tooltip": "Seed of the noise added back at the first sigma."}),
                 "sigmas": ("STRING", {"default": "", "tooltip": f"Refinement schedule, strictly decreasing in [0, 1], comma separated. Empty: the loader's recipe (two-stage: {DEFAULT_SIGMAS}; distilled: the official tail {', '.join(map(str, stage2_default_sigmas('distilled')))}). Higher first sigma: more change. Starting at 1.0 is refused unless force_from_noise."}),
                 "tiles": ("STRING", {"default": "auto", "tooltip": "Tile counts as HxW (height x width), e.g. 2x2, or auto for a balanced split over the GPUs. More tiles than GPUs is fine."}),
                 "overlap": ("INT", {"default": TDP_OVERLAP, "min": 0, "max": 64, "tooltip": "Overlap between neighbouring tiles in latent cells (32 output pixels each). More overlap hides seams and costs time."}),
-                "frame_rate": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 120.0, "step": 0.01, "tooltip": "0: the frame rate SP Sampler recorded in the latent. Set it only for a latent from native nodes (the rate it was sampled at)."}),
+                "frame_rate": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 120.0, "step": 0.01, "tooltip": "0: the frame rate SP Sampler recorded in the latent (or, for a latent from native nodes, LTXVConditioning's on positive). Set it only for a latent from native nodes (the rate it was sampled at)."}),
                 "force_from_noise": ("BOOLEAN", {"default": False, "tooltip": "Allow sigmas starting at 1.0 (pure noise). Tiles then do not share one picture: only for experiments."}),
             },
             "optional": {
