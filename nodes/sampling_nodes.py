@@ -255,7 +255,8 @@ class SPSampler:
         distilled = pipeline == "distilled"
         validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate)
         blocks = parse_stg_blocks(stg_blocks)
-        for input_name, conditioning in (("positive", positive),) + ((() if distilled else (("negative", negative),))):
+        used = {"positive": positive} if distilled else {"positive": positive, "negative": negative}  # distilled: no negative pass
+        for input_name, conditioning in used.items():
             carried = check_conditioning_options(conditioning, input_name, "SP Sampler")
             if carried is not None:
                 check_frame_rate("SP Sampler", input_name, carried, frame_rate, f"SP Sampler's frame_rate is {frame_rate:g}",
