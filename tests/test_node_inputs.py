@@ -17,7 +17,7 @@ from mgpu_backend.bundles import tiny
 from mgpu_backend.fleet.client import FleetError
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.loading import ModelLoader
-from mgpu_backend.ltx.text import COMFY_CONNECTOR_TOKENS, comfy_connector_rope, contexts_from_comfy
+from mgpu_backend.ltx.text import COMFY_CONNECTOR_TOKENS, comfy_connector_rope, connector_widths, contexts_from_comfy
 
 from .fleet_harness import module_fleet, run_job
 from .test_nodes import SAMPLER_INPUTS, UPSCALE_INPUTS, av_latent, fake_api, layouts, mgpu_conditioning, node, tiny_handle  # noqa: F401
@@ -201,7 +201,11 @@ def test_api_sends_a_stacked_context_under_its_kind(monkeypatch):
 @pytest.fixture(scope="module", params=["2.0", "2.3"])
 def processor(request):
     bundle = tiny.default_tiny_bundle(request.param)
-    return ModelLoader(bundle.spec(), device="cpu", dtype=torch.bfloat16).embeddings_processor()
+    processor = ModelLoader(bundle.spec(), device="cpu", dtype=torch.bfloat16).embeddings_processor()
+    processor.widths = connector_widths(bundle.checkpoint_path)
+    assert processor.widths == (processor.video_connector.inner_dim, processor.audio_connector.inner_dim)
+    assert processor.widths == {"2.0": (64, 64), "2.3": (128, 64)}[request.param]
+    return processor
 
 
 def gemma_like(real_tokens: int, seed: int = 5):
@@ -229,7 +233,7 @@ def test_unprocessed_comfy_features_connect_to_ltx_cores_own_contexts_bitwise(pr
         stock = video_features[:, -37:]  # LTX-2.0: one feature both connectors read (ComfyUI's single_linear)
     else:
         stock = torch.cat([video_features, audio_features], dim=-1)[:, -37:]  # LTX-2.3: ComfyUI's dual_linear
-    got = contexts_from_comfy(processor, stock.float(), unprocessed=True, input_name="positive")
+    got = contexts_from_comfy(stock.float(), True, "positive", processor.widths, lambda: processor)
     assert got.video_context.shape == reference.video_encoding.shape == (1, COMFY_CONNECTOR_TOKENS, video_width)
     assert torch.equal(got.video_context, reference.video_encoding), f"video max abs diff {(got.video_context.float() - reference.video_encoding.float()).abs().max():.3e}"
     assert torch.equal(got.audio_context, reference.audio_encoding), f"audio max abs diff {(got.audio_context.float() - reference.audio_encoding.float()).abs().max():.3e}"
@@ -238,10 +242,10 @@ def test_unprocessed_comfy_features_connect_to_ltx_cores_own_contexts_bitwise(pr
 def test_processed_stacked_contexts_split_back_exactly_and_a_foreign_width_is_refused(processor):
     video_width, audio_width = processor.video_connector.inner_dim, processor.audio_connector.inner_dim
     video, audio = torch.randn(1, 7, video_width), torch.randn(1, 7, audio_width)
-    got = contexts_from_comfy(processor, torch.cat([video, audio], dim=-1), unprocessed=False, input_name="positive")
+    got = contexts_from_comfy(torch.cat([video, audio], dim=-1), False, "positive", processor.widths, embeddings_processor=None)  # not built to split
     assert torch.equal(got.video_context, video) and torch.equal(got.audio_context, audio)
     with pytest.raises(ValueError) as refused:
-        contexts_from_comfy(processor, torch.zeros(1, 7, video_width + audio_width + 1), unprocessed=False, input_name="negative")
+        contexts_from_comfy(torch.zeros(1, 7, video_width + audio_width + 1), False, "negative", processor.widths, embeddings_processor=None)
     assert str(refused.value).startswith(
         f"the negative conditioning is {video_width + audio_width + 1} wide, but this checkpoint's text contexts are "
         f"{video_width} (video) + {audio_width} (audio) wide: it was encoded for another model; "
@@ -257,7 +261,7 @@ def fleet(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_fleet_samples_a_stacked_context_as_its_two_contexts_and_refuses_a_foreign_width(fleet):
+def test_fleet_samples_stacked_and_unprocessed_contexts_as_their_two_contexts_and_refuses_a_foreign_width(fleet):
     spec = tiny.default_tiny_bundle("2.3").spec().to_json()
     encoded = run_job(fleet, "encode", {"spec": spec, "prompts": ["a fox in snow", "blurry"]})
     contexts = {f"{prefix}_{kind}_context": encoded.tensors[f"{kind}_context_{index}"] for index, prefix in enumerate(("positive", "negative")) for kind in ("video", "audio")}  # fmt: skip
@@ -266,6 +270,16 @@ def test_fleet_samples_a_stacked_context_as_its_two_contexts_and_refuses_a_forei
     apart, together = run_job(fleet, "sample", args, contexts), run_job(fleet, "sample", args, stacked)
     for name in ("video_latent", "audio_latent"):
         assert torch.equal(together.tensors[name], apart.tensors[name]), name
+    # ComfyUI's unprocessed text features: the fleet connects them as this process does
+    bundle = tiny.default_tiny_bundle("2.3")
+    features = torch.randn(1, 20, 192, generator=torch.Generator().manual_seed(20))
+    processor = ModelLoader(bundle.spec(), device="cpu", dtype=torch.bfloat16).embeddings_processor()
+    expected = contexts_from_comfy(features, True, "positive", connector_widths(bundle.checkpoint_path), lambda: processor)
+    negative = {name: tensor for name, tensor in contexts.items() if name.startswith("negative")}
+    connected = run_job(fleet, "sample", args, {"positive_unprocessed_context": features, **negative})
+    by_contexts = run_job(fleet, "sample", args, {"positive_video_context": expected.video_context, "positive_audio_context": expected.audio_context, **negative})
+    for name in ("video_latent", "audio_latent"):
+        assert torch.equal(connected.tensors[name], by_contexts.tensors[name]), name
     foreign = {**stacked, "positive_stacked_context": torch.zeros(1, 7, 100)}
     with pytest.raises(FleetError, match=r"the positive conditioning is 100 wide, but this checkpoint's text contexts are 128 \(video\) \+ 64 \(audio\) wide") as refused:
         run_job(fleet, "sample", args, foreign)

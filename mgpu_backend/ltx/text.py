@@ -28,6 +28,8 @@ from contextlib import contextmanager
 import torch
 from ltx_core.text_encoders.gemma.embeddings_processor import convert_to_additive_mask
 
+from mgpu_backend.ltx.safetensors_header import read_header
+
 GemmaOutput = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 """One prompt through Gemma: (hidden states of the embeddings and every layer, attention mask)."""
 
@@ -68,15 +70,30 @@ COMFY_CONNECTOR_TOKENS = 1024
 count above a longer prompt) with the learnable registers, as Gemma's fixed padding does in ltx-core."""
 
 
-def contexts_from_comfy(processor, context: torch.Tensor, unprocessed: bool, input_name: str) -> TextContext:
-    """One prompt's contexts from ComfyUI's layout ``[1, tokens, video_width + audio_width]``.
+def connector_widths(checkpoint_path: str) -> tuple[int, int]:
+    """The widths of the video and audio text contexts of a checkpoint: its connectors' inner widths,
+    read from the file's header (the connectors themselves need not be built to split a context)."""
+    header = read_header(checkpoint_path, "checkpoint", "Choose the LTX-2 audio+video checkpoint.")
+    widths = []
+    for modality in ("video", "audio"):
+        name = f"model.diffusion_model.{modality}_embeddings_connector.transformer_1d_blocks.0.attn1.to_q.weight"
+        if name not in header.tensors:
+            raise ValueError(f"the checkpoint has no {modality} text connector ({name}): it is not an LTX-2 audio+video checkpoint")
+        widths.append(header.tensors[name][1][0])
+    return widths[0], widths[1]
+
+
+def contexts_from_comfy(context: torch.Tensor, unprocessed: bool, input_name: str, widths: tuple[int, int], embeddings_processor) -> TextContext:
+    """One prompt's contexts from ComfyUI's layout ``[1, tokens, video_width + audio_width]``
+    (``widths``: ``connector_widths`` of the checkpoint).
 
     ``unprocessed`` (ComfyUI's ``unprocessed_ltxav_embeds``): ``context`` holds the text features before
-    the embeddings connectors (LTX-2.0: one ``[1, tokens, 3840]`` feature both connectors read); they
-    run here as ComfyUI's model runs them: the prompt's tokens first, the learnable registers after.
-    Otherwise ``context`` is the connectors' output and is only split. A width that fits neither is
-    another model's conditioning and is refused."""
-    video_width, audio_width = processor.video_connector.inner_dim, processor.audio_connector.inner_dim
+    the embeddings connectors (LTX-2.0: one ``[1, tokens, width]`` feature both connectors read); they
+    run here as ComfyUI's model runs them (``embeddings_processor()``: ltx-core's, built only then):
+    the prompt's tokens first, the learnable registers after. Otherwise ``context`` is the
+    connectors' output and is only split. A width that fits neither is another model's conditioning
+    and is refused."""
+    video_width, audio_width = widths
     if context.ndim != 3 or context.shape[0] != 1:
         raise ValueError(f"the {input_name} conditioning must be one prompt [1, tokens, width], got {tuple(context.shape)}")
     width = context.shape[-1]
@@ -92,7 +109,7 @@ def contexts_from_comfy(processor, context: torch.Tensor, unprocessed: bool, inp
         )
     if not unprocessed:
         return TextContext(video_context=video.contiguous(), audio_context=audio.contiguous())
-    return _connected(processor, video, audio)
+    return _connected(embeddings_processor(), video, audio)
 
 
 COMFY_CONNECTOR_ROPE = {"positional_embedding_max_pos": [4096], "double_precision_rope": True}

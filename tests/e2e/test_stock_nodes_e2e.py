@@ -230,7 +230,7 @@ comfy.options.enable_args_parsing()
 import comfy.sd, torch
 from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.loading import ModelLoader
-from mgpu_backend.ltx.text import contexts_from_comfy
+from mgpu_backend.ltx.text import connector_widths, contexts_from_comfy
 out = {}
 for version in ("2.0", "2.3"):
     bundle = tiny.default_tiny_bundle(version)
@@ -242,7 +242,7 @@ for version in ("2.0", "2.3"):
         features = torch.randn(1, tokens, width, generator=torch.Generator().manual_seed(tokens))
         with torch.no_grad():
             comfy_context = model.preprocess_text_embeds(features, unprocessed=True).float()
-        ours = contexts_from_comfy(processor, features, True, "positive")
+        ours = contexts_from_comfy(features, True, "positive", connector_widths(bundle.checkpoint_path), lambda: processor)
         ours = torch.cat([ours.video_context, ours.audio_context], dim=-1).float()
         out[f"{version}/{tokens}"] = [list(comfy_context.shape), list(ours.shape), (comfy_context - ours).abs().max().item()]
 print(json.dumps(out))
