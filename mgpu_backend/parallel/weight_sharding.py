@@ -122,6 +122,9 @@ def apply_weight_sharding(model: torch.nn.Module, comm: Comm, device: torch.devi
     # tables, fp8 scales) stay whole on every rank, as FSDP keeps them.
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    # Inference only: FSDP asks trainable parameters for one dtype per block, and fp8-cast blocks
+    # hold float8 weights beside bfloat16 biases and norms.
+    velocity.requires_grad_(False)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     fully_shard(velocity, mesh=mesh, reshard_after_forward=True)
