@@ -242,6 +242,8 @@ def _why_no_cuda_graphs(options: Stage1Options, device: torch.device, groups: _G
         return "the passes run batched, and a batched forward builds its perturbation masks on the host"
     if device.type != "cuda":
         return f"the ranks run on {device.type}; CUDA graphs need CUDA devices"
+    if groups.sp_comm.world_size > 1 and groups.sp_comm.backend == "gloo":
+        return "the SP group runs over gloo (ranks sharing a GPU), whose host-side collectives a CUDA graph cannot hold"
     if groups.all_to_all == CUDA_IPC:
         return (
             "the SP group uses the CUDA-IPC all-to-all (MGPU_ALL_TO_ALL=ipc), which synchronises the host in every "

@@ -375,16 +375,19 @@ def _sharded_peak(sizes: ComponentSizes, quantization, world_size: int, headroom
 
 
 def _sharding_advice(sizes: ComponentSizes, quantization, budget: int, headroom: int, fleet_size: int, at_least: int = 2) -> str:
-    """Over how many GPUs (``at_least`` or more) residency 'sharded' would fit, or that it would not."""
+    """Over how many GPUs (``at_least`` or more) residency 'sharded' would fit, in the weights asked
+    for or else fp8-cast, fewest GPUs first; or that it would not."""
     worlds = sorted({fleet_size, *SHARDING_WORLD_SIZES} - {1})
     candidates = [world for world in worlds if world >= at_least] or [at_least]
     for world in candidates:
-        peak = _sharded_peak(sizes, quantization, world, headroom)
-        if peak <= budget:
-            where = "on this fleet's" if world == fleet_size else "on"
-            return f"shard the transformer over the GPUs (residency 'sharded': about {peak / GIB:.1f} GiB per GPU {where} {world} GPUs)"
-    peak = _sharded_peak(sizes, quantization, candidates[-1], headroom)
-    return f"sharding the transformer over {candidates[-1]} GPUs would still need about {peak / GIB:.1f} GiB per GPU"
+        for weights in dict.fromkeys([quantization, "fp8-cast"]):
+            peak = _sharded_peak(sizes, weights, world, headroom)
+            if peak <= budget:
+                where = "on this fleet's" if world == fleet_size else "on"
+                cast = " with quantization 'fp8-cast'" if weights != quantization else ""
+                return f"shard the transformer over the GPUs (residency 'sharded'{cast}: about {peak / GIB:.1f} GiB per GPU {where} {world} GPUs)"
+    peak = _sharded_peak(sizes, "fp8-cast", candidates[-1], headroom)
+    return f"sharding the transformer over {candidates[-1]} GPUs would still need about {peak / GIB:.1f} GiB per GPU (fp8-cast)"
 
 
 def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: ResidencyPlan, headroom: int, world_size: int = 1) -> str:

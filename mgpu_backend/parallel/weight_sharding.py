@@ -103,7 +103,7 @@ def block_bytes(model: torch.nn.Module) -> tuple[int, int]:
 def apply_weight_sharding(model: torch.nn.Module, comm: Comm, device: torch.device | str) -> torch.nn.Module:
     """Shard ``model``'s (X0Model or LTXModel) weights over the ranks of ``comm`` and move them to
     ``device`` (each block as it is sharded, so a model built in host memory never sits whole on the
-    device). Collective: every rank of ``comm`` calls it with the same model layout. Afterwards every
+    device; a model built on the meta device stays there, for ``to_empty`` and an initialisation). Collective: every rank of ``comm`` calls it with the same model layout. Afterwards every
     rank must run every forward (or ``idle_forward``) together. Returns ``model``.
 
     The weights are sharded on a process group of their own over ``comm``'s ranks, so that their
@@ -133,7 +133,6 @@ def apply_weight_sharding(model: torch.nn.Module, comm: Comm, device: torch.devi
     chain = [velocity, *blocks]
     for current, following in zip(chain, chain[1:]):
         current.set_modules_to_forward_prefetch([following])
-    model.to(device)  # the wrapper's own buffers, if any; the sharded parameters are there already
     setattr(velocity, _STATE_ATTRIBUTE, _ShardingState(comm, chain))
     largest, outside = block_bytes(model)
     local = sum(_local(p).nbytes for p in velocity.parameters())
