@@ -27,6 +27,7 @@ import os
 import sys
 import tempfile
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -81,7 +82,8 @@ def _rank(rank: int, world: int, store: str, config: dict, cap_gib: float, sizes
         if device.type == "cuda":
             torch.cuda.set_device(device)
             torch.cuda.set_per_process_memory_fraction(min(1.0, cap_gib * GIB / torch.cuda.get_device_properties(device).total_memory), device)
-        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+        # A rank that runs out of memory leaves the others waiting in a collective: they give up after this.
+        dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world, timeout=timedelta(seconds=120))
         comm = Comm.world()
         model = _sharded_random_transformer(config, comm, device, seed=11)
         apply_sequence_parallel(model, comm)
@@ -99,11 +101,12 @@ def _rank(rank: int, world: int, store: str, config: dict, cap_gib: float, sizes
                     status = "ran" if bool(torch.isfinite(out[0]).all()) else "ran (non-finite)"
             except torch.OutOfMemoryError:
                 status = "out of memory"
+            except RuntimeError as error:  # a peer ran out: its collective never came
+                status = f"stopped ({type(error).__name__}: a peer failed)"
             peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-            flags = comm.all_gather(torch.tensor([status == "out of memory"], dtype=torch.int64, device=device), dim=0)
-            rows.append((width, height, frames, int(video.latent.shape[1]), peak, status, int(flags.sum())))
+            rows.append((width, height, frames, int(video.latent.shape[1]), peak, status))
             del video, audio
-            if int(flags.sum()):  # a rank that ran out is out of step with the others' gathers: stop here
+            if status.startswith(("out of memory", "stopped")):  # out of step with the others' gathers: stop here
                 break
         results.put((rank, "ok", {"held": held, "rows": rows}))
     except BaseException:  # noqa: BLE001 - handed to the parent
@@ -138,6 +141,7 @@ def main() -> None:
     parser.add_argument("--cap-gib", type=float, nargs="+", default=[24.0, 32.0])
     parser.add_argument("--targets", nargs="+", default=["1536x1024", "1280x704"], help="the recipes' output sizes WxH (stage 1 runs half of each)")
     parser.add_argument("--frames", type=int, default=121)
+    parser.add_argument("--full-size-only", action="store_true", help="only the stage-2 forwards (they set the peak: stage 1 runs half the size)")
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run: 2 blocks at tiny widths, tiny sizes")
     parser.add_argument("--out", help="also append the table to this file")
     args = parser.parse_args()
@@ -147,14 +151,16 @@ def main() -> None:
     sizes = _sizes(bench_config(args.version))
     targets = [tuple(int(v) for v in target.split("x")) for target in (["192x128"] if args.tiny else args.targets)]
     frames = 9 if args.tiny else args.frames
-    shapes = [(w // 2, h // 2, frames) for w, h in targets] + [(w, h, frames) for w, h in targets]
+    # Smallest first: a rank that runs out of memory ends the run.
+    shapes = [] if args.full_size_only else [(w // 2, h // 2, frames) for w, h in targets]
+    shapes = sorted(shapes + [(w, h, frames) for w, h in targets], key=lambda shape: shape[0] * shape[1])
     dims = TransformerDims.from_config(config["transformer"], 0)
     rows = []
     for world in args.ranks:
         for cap in args.cap_gib:
             log(f"{world} ranks capped at {cap} GiB")
             per_rank = measure(config, world, cap, shapes)
-            for index, (width, height, frames_, tokens, _, _, _) in enumerate(per_rank[0]["rows"]):
+            for index, (width, height, frames_, tokens, _, _) in enumerate(max((rank["rows"] for rank in per_rank), key=len)):
                 peaks = [rank["rows"][index][4] for rank in per_rank if index < len(rank["rows"])]
                 statuses = {rank["rows"][index][5] for rank in per_rank if index < len(rank["rows"])}
                 activations = estimate_memory_bytes(height, width, frames_, dims=dims, sp_degree=world, text_tokens=TEXT_TOKENS).activation_bytes

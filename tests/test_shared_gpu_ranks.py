@@ -11,6 +11,7 @@ shared ranks answering the doctor's SP check.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -77,14 +78,14 @@ SIZE = (768, 512, 121)  # 16 x 16 x 24 latent = 6144 video tokens
 TEXT_TOKENS = 128
 
 
-def _model_and_inputs(version: str, device: torch.device):
+def _model_and_inputs(version: str, device: torch.device, tiny: bool):
     from mgpu_backend.ltx.diagnostics import bench_config, context_widths, random_transformer, random_transformer_inputs
     from mgpu_backend.ltx.latents import StageGeometry
 
-    config = bench_config(version)
+    config = bench_config(version, tiny=tiny)
     config["transformer"]["num_layers"] = BLOCKS
     model = random_transformer(config, device, torch.bfloat16, seed=5)
-    width, height, frames = SIZE
+    width, height, frames = (96 * 4, 64 * 2, 9) if tiny else SIZE
     geometry = StageGeometry(height=height, width=width, num_frames=frames, frame_rate=24.0)
     widths = context_widths(config["transformer"])
     video, audio = random_transformer_inputs(geometry, geometry, TEXT_TOKENS, widths, 0.7, device, torch.bfloat16, seed=6, draw_on_cpu=True)
@@ -103,15 +104,16 @@ def _passes(video, audio):
     stg = BatchedPerturbationConfig([PerturbationConfig([Perturbation(PerturbationType.SKIP_VIDEO_SELF_ATTN, [1])])])
     isolated = BatchedPerturbationConfig([PerturbationConfig([Perturbation(PerturbationType.SKIP_A2V_CROSS_ATTN, None),
                                                               Perturbation(PerturbationType.SKIP_V2A_CROSS_ATTN, None)])])  # fmt: skip
-    negative = type(video)(**{**video.__dict__, "context": -video.context})
+    negative = dataclasses.replace(video, context=-video.context)
     return [GuidancePass("conditional", video, audio, None), GuidancePass("unconditional", negative, audio, None),
             GuidancePass("perturbed", video, audio, stg), GuidancePass("isolated", video, audio, isolated)]  # fmt: skip
 
 
-def shared_gpu_layouts(version: str) -> dict:
+def shared_gpu_layouts(version: str, device: str = "cuda:0", tiny: bool = False) -> dict:
     """On every rank (all on cuda:0, gloo): degree 1, SP 2/4/8, guidance and hybrid plans, TDP over
     the world, then the weights sharded over the world (alone and under SP 8); relative differences
-    against degree 1 on rank 0, and whether the sharded forwards are bitwise."""
+    against degree 1 on rank 0, and whether the sharded forwards are bitwise. (``device`` "cpu" with
+    ``tiny`` widths runs the same code on CPU ranks.)"""
     from mgpu_backend.ltx.passes import SequentialPassRunner
     from mgpu_backend.parallel.comm import Comm
     from mgpu_backend.parallel.guidance_parallel import apply_guidance_parallel, build_stage1_groups, plan_stage1
@@ -119,10 +121,11 @@ def shared_gpu_layouts(version: str) -> dict:
     from mgpu_backend.parallel.tiled_data_parallel import DimensionTiling, TileCounts, apply_tiled_data_parallel
     from mgpu_backend.parallel.weight_sharding import apply_weight_sharding
 
-    torch.cuda.set_device(0)
-    device = torch.device("cuda", 0)
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     world = Comm.world()
-    model, video, audio = _model_and_inputs(version, device)
+    model, video, audio = _model_and_inputs(version, device, tiny)
     passes = _passes(video, audio)
     results = {}
     with torch.inference_mode():
@@ -141,7 +144,7 @@ def shared_gpu_layouts(version: str) -> dict:
             outputs = apply_guidance_parallel(world, plan).run(model, passes)
             remove_sequence_parallel(model)
             results[f"{mode} {plan.guidance_groups}x{plan.sp_degree}"] = max(_relative(a, b) for pair, ref in zip(outputs, reference) for a, b in zip(pair, ref))
-        grid = (16, 16, 24)
+        grid = (2, 4, 12) if tiny else (16, 16, 24)
         tiling = TileCounts(DimensionTiling(1, 0), DimensionTiling(2, 2), DimensionTiling(4, 2))
         tiled = apply_tiled_data_parallel(model, world, tiling, grid)(video=video, audio=audio)
         alone = apply_tiled_data_parallel(model, Comm(None), tiling, grid)(video=video, audio=audio)
@@ -153,7 +156,7 @@ def shared_gpu_layouts(version: str) -> dict:
         apply_sequence_parallel(model, world)
         results["sharded SP 8"] = max(_relative(a, b) for a, b in zip(model(video=video, audio=audio, perturbations=None), reference[0]))
         remove_sequence_parallel(model)
-        results["peak GiB"] = torch.cuda.max_memory_allocated(device) / 2**30
+        results["peak GiB"] = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
     return results
 
 
