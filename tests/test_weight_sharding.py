@@ -213,12 +213,12 @@ def test_the_22b_bf16_needs_four_24_gib_gpus_sharded_and_two_are_told_so(sizes_2
     assert "even with its transformer sharded over 2 ranks" in message and "on 4 GPUs" in message, message
 
 
-def test_a_sharded_rank_holds_its_shard_two_gathered_blocks_and_the_rest(sizes_22b):
+def test_a_sharded_rank_holds_its_shard_four_block_sized_gather_buffers_and_the_rest(sizes_22b):
     # 48 blocks: the largest block and the weights outside the blocks, read from the headers.
     block, outside = sizes_22b.largest_block_bytes[0], sizes_22b.outside_blocks_bytes[0]
     assert 47 * block < sizes_22b.transformer_bytes < 49 * block + outside, (block, outside)
     for world in (2, 4, 8):
-        expected = -(-sizes_22b.transformer_bytes // world) + 2 * block + outside
+        expected = -(-sizes_22b.transformer_bytes // world) + 4 * block + outside
         assert sizes_22b.sharded_transformer(None, world) == expected
 
 

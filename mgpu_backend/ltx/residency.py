@@ -34,8 +34,8 @@ What it is
     variable is set.
 
     - ``"sharded"``: the transformer's weights sharded over the fleet's ranks
-      (``mgpu_backend.parallel.weight_sharding``): each rank holds 1/N of it plus two blocks
-      gathered at a time and the weights outside the blocks; the clean LoRA copy is this rank's rows
+      (``mgpu_backend.parallel.weight_sharding``): each rank holds 1/N of it plus the gathered
+      blocks and their buffers (``GATHERED_BLOCKS`` block sizes) and the weights outside the blocks; the clean LoRA copy is this rank's rows
       (1/N again); the same ladder as ``"auto"`` then applies (per-stage components, clean rows
       to host memory, the shard parked while Gemma encodes), with Gemma counted 1/N per GPU at its
       encode (its ``sharded`` mode spreads one copy over the GPUs).
@@ -109,7 +109,7 @@ class ComponentSizes:
 
     def sharded_transformer(self, quantization: str | None, world_size: int) -> int:
         """One rank's bytes of the transformer sharded over ``world_size`` ranks at its peak: its
-        shard, two blocks gathered (the one computing, the one prefetched), the rest gathered."""
+        shard, ``GATHERED_BLOCKS`` block-sized gather buffers and weights, the rest gathered."""
         fp8_cast = quantization == "fp8-cast"
         return (
             math.ceil(self.transformer(quantization) / world_size)

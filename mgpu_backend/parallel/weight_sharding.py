@@ -53,8 +53,11 @@ from mgpu_backend.parallel.comm import Comm
 log = logging.getLogger(__name__)
 
 _STATE_ATTRIBUTE = "_mgpu_weight_sharding"
-GATHERED_BLOCKS = 2
-"""Blocks whose full weights exist at once on a rank: the one computing and the one prefetched."""
+GATHERED_BLOCKS = 4
+"""Full block-sized buffers a rank holds at its peak: the computing block's weights, and the
+prefetched block's all-gather buffer and weights (FSDP copies out of the buffer into the weights)
+with the computing block's buffer not yet freed. Measured: the 22B sharded over 4 and 2 ranks on an
+H200 peaked 1.4 GiB (two 22B blocks) above shard + two blocks + activations (docs/BENCHMARKS.md)."""
 
 
 class _ShardingState:
@@ -138,7 +141,7 @@ def apply_weight_sharding(model: torch.nn.Module, comm: Comm, device: torch.devi
     local = sum(_local(p).nbytes for p in velocity.parameters())
     log.info(
         "weight sharding: %d blocks + the rest sharded over %d ranks %s; %.1f MB of weights on this rank, each block "
-        "gathered before it runs (the next one prefetched, at most %.1f MB gathered at once)",
+        "gathered before it runs (the next one prefetched, at most about %.1f MB of gathered weights and buffers at once)",
         len(blocks), comm.world_size, comm.global_ranks, local / 1e6, (GATHERED_BLOCKS * largest + outside) / 1e6,
     )  # fmt: skip
     return model
