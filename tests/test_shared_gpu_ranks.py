@@ -50,6 +50,12 @@ def test_a_bad_shared_rank_count_is_refused_with_the_range(value):
         shared_gpu.shared_gpu_ranks({shared_gpu.SHARED_GPU_RANKS_ENV: value})
 
 
+def test_the_fleet_names_the_gpu_pairs_without_peer_access_and_says_it_runs_without_p2p():
+    assert shared_gpu.peer_access_line(4, lambda a, b: True) is None
+    line = shared_gpu.peer_access_line(3, lambda a, b: {a, b} != {0, 2})
+    assert line.startswith("no peer-to-peer access between GPUs 0->2, 2->0: the fleet runs without P2P, NCCL moves"), line
+
+
 def test_speed_benchmarks_refuse_ranks_sharing_a_gpu_and_say_what_to_do():
     shared_gpu.refuse_for_speed("step.py", {})  # one rank per GPU: runs
     with pytest.raises(SystemExit) as refused:
@@ -183,7 +189,8 @@ def test_a_fleet_on_gpu_0_with_2_shared_ranks_runs_stage_1_sequence_parallel_ove
 
     tmp_path.chmod(0o700)
     socket_path = tmp_path / "fleet.sock"
-    env = {**os.environ, "PYTHONPATH": str(REPO), shared_gpu.SHARED_GPU_RANKS_ENV: "2"}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # keep what the tests import from
+    env = {**os.environ, "PYTHONPATH": path, shared_gpu.SHARED_GPU_RANKS_ENV: "2"}
     log = open(tmp_path / "server.log", "ab")  # noqa: SIM115
     command = [sys.executable, "-m", "mgpu_backend", "serve", "--socket", str(socket_path), "--gpus", "0", "--idle-timeout", "0"]
     process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from mgpu_backend.fleet import protocol, shm
 from mgpu_backend.fleet.jobs import JOBS, KEPT_ACROSS_REPLACEMENT, JobCancelled, JobContext, JobInputError, load_job_modules
 from mgpu_backend.fleet.protocol import Message
-from mgpu_backend.fleet.shared_gpu import shared_gpu_ranks
+from mgpu_backend.fleet.shared_gpu import peer_access_line, shared_gpu_ranks
 from mgpu_backend.parallel.comm import Comm
 
 HEARTBEAT_SECONDS = 1.0
@@ -428,4 +428,6 @@ def main(rank: int, world_size: int, fd: int, device: str, store_path: str, owne
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     root.addHandler(ServerLogHandler(rank_process))
+    if rank == 0 and torch_device.type == "cuda" and (line := peer_access_line(torch.cuda.device_count(), torch.cuda.can_device_access_peer)):
+        logging.getLogger(__name__).warning(line)
     rank_process.run()

@@ -16,7 +16,12 @@ When to use it
     (``refuse_for_speed``). CUDA graphs are not captured over a gloo SP group (a graph cannot hold
     gloo's host-side collectives); SP degree 1 plans still capture them.
 
-This module reads the environment only; the controller spawns the ranks, the rank picks its backend.
+``peer_access_line`` is the fleet's other line about how its ranks reach each other's GPUs: the
+one rank 0 logs at start when some GPUs of the fleet have no peer-to-peer access (consumer cards),
+so that NCCL's route through host memory is never a surprise.
+
+This module reads the environment and the GPUs' peer flags only; the controller spawns the ranks,
+the rank picks its backend.
 """
 
 from __future__ import annotations
@@ -51,6 +56,19 @@ def describe(ranks_per_gpu: int) -> str:
     return (
         f"{ranks_per_gpu} ranks share each GPU over gloo ({SHARED_GPU_RANKS_ENV}={ranks_per_gpu}): a correctness and memory "
         "mode; its timings are not multi-GPU speed figures"
+    )
+
+
+def peer_access_line(gpu_count: int, can_access_peer) -> str | None:
+    """One line naming the GPU pairs (of ``gpu_count`` visible GPUs) without peer-to-peer access, or
+    None when every pair has it. ``can_access_peer(a, b)``: ``torch.cuda.can_device_access_peer``."""
+    missing = [(a, b) for a in range(gpu_count) for b in range(gpu_count) if a != b and not can_access_peer(a, b)]
+    if not missing:
+        return None
+    pairs = ", ".join(f"{a}->{b}" for a, b in missing)
+    return (
+        f"no peer-to-peer access between GPUs {pairs}: the fleet runs without P2P, NCCL moves SP exchanges and weight "
+        "gathers over PCIe through host memory (about 25 GB/s on PCIe 4.0 x16); see 'python -m mgpu_backend doctor'"
     )
 
 
