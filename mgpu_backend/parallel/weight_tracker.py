@@ -47,7 +47,8 @@ Under weight sharding
     and each rank keeps its rows. The fusion work is not split (every rank fuses every touched key)
     but needs one full weight at a time beside the shards. The model is built in host memory and
     its blocks moved to the device one shard at a time; parking moves this rank's shard (the
-    gathers read the same storages once they are refilled).
+    gathers read the same storages once they are refilled). A rank replaced after a fault takes
+    its rows with it, so then every rank builds again (reading the checkpoint).
 
 Device note
     The fusion runs where the clean weights are (the rank's device). On the CPU this is bitwise what
@@ -425,7 +426,10 @@ class TransformerWeightTracker:
             # it here, so that all of them run the same collectives from now on.
             flags = self.comm.all_gather(torch.tensor([int(fresh)], dtype=torch.int64, device=loader.device), dim=0).tolist()
             if 0 < sum(flags) < len(flags):
-                self._rejoin(loader, fresh, survivor=flags.index(0))
+                if self.shard_weights:  # the lost rank's rows are gone with it: every rank builds again
+                    self._drop()
+                else:
+                    self._rejoin(loader, fresh, survivor=flags.index(0))
         self.build(loader)
         return self.apply(stage_lora_set(loader.spec, lora_set))
 
