@@ -58,6 +58,13 @@ def sharded_forwards_on_ranks() -> bytes:
         else:
             idle_forward(models[variant])
     results["after_idle_round"] = _run_cases(models)
+    from mgpu_backend.ltx.parallelize import Stage1Cache, Stage1Options, parallelize_stage1
+    from mgpu_backend.parallel.guidance_parallel import plan_stage1
+
+    lines = []
+    options = Stage1Options(compile_blocks=True, compile_backend="aot_eager")
+    with parallelize_stage1(models["19b"], plan_stage1(2, 45, 1, "sp"), world, torch.device("cpu"), options, Stage1Cache(), lines.append) as stage:
+        results["stage1"] = (stage.applied, lines, stage.fields()["compile_blocks"])
     return portable(results)
 
 
@@ -83,6 +90,10 @@ def test_weights_sharded_over_2_ranks_give_the_unsharded_forward_bitwise_with_ha
         # torch.chunk over dim 0: each rank holds half of every even-sized parameter (the tiny model's are).
         assert out["local_bytes"] * 2 == pytest.approx(out["full_bytes"], rel=0.01), (out["local_bytes"], out["full_bytes"])
     assert torch.equal(ranks[0]["rank_0_alone"], unsharded["unperturbed"][0])
+    applied, lines, compiled = ranks[0]["stage1"]
+    assert applied == ["weight sharding", "process groups", "sequence parallel"] and compiled is False, (applied, lines)
+    assert any(line.startswith("stage 1: weight sharding: weights sharded over all 2 ranks [0, 1]") for line in lines), lines
+    assert "stage 1: compiled blocks not applied: the transformer's weights are sharded; compiled blocks are not run sharded" in lines, lines
 
 
 # --- Whole jobs through a fleet --------------------------------------------------------------------

@@ -10,7 +10,8 @@ level, applied once when the rank builds the transformer (``TransformerWeightTra
 whole fleet, and it stays. Both entries say when the transformer they get is sharded, and hand the
 techniques that give ranks unequal numbers of forwards (guidance groups, TDP tiles) its
 ``idle_forward``, so that every rank joins every gather. CUDA graphs are not captured from a
-sharded transformer (its gathers allocate and free the block weights in every forward).
+sharded transformer (its gathers allocate and free the block weights in every forward), nor are
+its blocks compiled (not tested with FSDP's per-block hooks).
 
 Stage 1 (``parallelize_stage1``), in this order:
 
@@ -59,7 +60,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -285,6 +286,9 @@ def parallelize_stage1(
         sharding = _sharding_line(transformer)
         if sharding is not None:
             applying(WEIGHT_SHARDING, sharding)
+            if options.compile_blocks:  # not tested: FSDP's per-block hooks around compiled forwards
+                say(COMPILED_BLOCKS, "the transformer's weights are sharded; compiled blocks are not run sharded", applied=False)
+                options = replace(options, compile_blocks=False)
         groups, created = _groups_for(plan, comm, device, cache)
         sp_comm = groups.sp_comm
         layout = ", ".join(str(ranks) for ranks in plan.rank_groups)
