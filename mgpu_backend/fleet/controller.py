@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mgpu_backend import PACKAGE_ROOT
-from mgpu_backend.fleet import protocol, shm
+from mgpu_backend.fleet import protocol, shared_gpu, shm
 from mgpu_backend.fleet.protocol import Message
 
 log = logging.getLogger("mgpu.fleet")
@@ -65,6 +65,7 @@ class DeviceSpec:
 
     gpus: tuple[int, ...] = ()
     cpu_ranks: int = 0
+    ranks_per_gpu: int = 1  # above 1: that many ranks on each GPU, over gloo (``shared_gpu``)
 
     def __post_init__(self) -> None:
         if bool(self.gpus) == bool(self.cpu_ranks):
@@ -74,10 +75,12 @@ class DeviceSpec:
 
     @property
     def world_size(self) -> int:
-        return len(self.gpus) or self.cpu_ranks
+        return len(self.gpus) * self.ranks_per_gpu or self.cpu_ranks
 
     def describe(self) -> str:
-        return f"GPUs {','.join(map(str, self.gpus))}" if self.gpus else f"{self.cpu_ranks} CPU rank(s)"
+        if not self.gpus:
+            return f"{self.cpu_ranks} CPU rank(s)"
+        return f"GPUs {','.join(map(str, self.gpus))}" + (f"; {shared_gpu.describe(self.ranks_per_gpu)}" if self.ranks_per_gpu > 1 else "")
 
     def visible_device_ids(self, environ: dict | None = None) -> list[str]:
         """CUDA_VISIBLE_DEVICES for the ranks. ``gpus`` index the GPUs this process sees, so under
@@ -113,9 +116,10 @@ class DeviceSpec:
             raise ValueError("use --gpus or --cpu-ranks, not both")
         if cpu_ranks:
             return cls(cpu_ranks=cpu_ranks)
+        per_gpu = shared_gpu.shared_gpu_ranks()
         if gpus and gpus != "all":
             try:
-                return cls(gpus=tuple(int(gpu) for gpu in gpus.split(",")))
+                return cls(gpus=tuple(int(gpu) for gpu in gpus.split(",")), ranks_per_gpu=per_gpu)
             except ValueError:
                 raise ValueError(f"--gpus takes a list like 0,1,2,3 or 'all'; got {gpus!r}") from None
         import torch
@@ -125,7 +129,7 @@ class DeviceSpec:
             if gpus == "all":
                 raise ValueError("no CUDA GPU is visible; use --cpu-ranks N to run on the CPU")
             return cls(cpu_ranks=1)
-        return cls(gpus=tuple(range(count)))
+        return cls(gpus=tuple(range(count)), ranks_per_gpu=per_gpu)
 
 
 class JobFailed(Exception):
@@ -253,7 +257,7 @@ class Fleet:
 
     def _spawn(self, rank: int, store_path: str) -> RankProcess:
         parent_sock, child_sock = (protocol.tune_socket(end) for end in socket.socketpair())
-        device = f"cuda:{rank}" if self.devices.gpus else "cpu"
+        device = f"cuda:{rank // self.devices.ranks_per_gpu}" if self.devices.gpus else "cpu"
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds to what the host name resolves to otherwise

@@ -44,6 +44,7 @@ from mgpu_backend.fleet import protocol, shm
 from mgpu_backend.fleet.controller import SERVER_PID_ENV
 from mgpu_backend.fleet.jobs import JOBS, KEPT_ACROSS_REPLACEMENT, JobCancelled, JobContext, JobInputError, load_job_modules
 from mgpu_backend.fleet.protocol import Message
+from mgpu_backend.fleet.shared_gpu import peer_access_line, shared_gpu_ranks
 from mgpu_backend.parallel.comm import Comm
 
 HEARTBEAT_SECONDS = 1.0
@@ -159,7 +160,8 @@ class Rank:
     # -- process groups ---------------------------------------------------------------------------
     def join_groups(self, store_path: str) -> None:
         store = dist.FileStore(store_path, self.world_size)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        # Ranks sharing a GPU talk over gloo with CUDA tensors: NCCL refuses two ranks on one GPU.
+        backend = "nccl" if self.device.type == "cuda" and shared_gpu_ranks() == 1 else "gloo"
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
         # Job relay and cancel flags travel on CPU over gloo, also when the compute group is NCCL.
         # Its long timeout lets ranks 1..N-1 wait for the next job as long as the fleet stays idle.
@@ -452,4 +454,6 @@ def main(rank: int, world_size: int, fd: int, device: str, store_path: str, owne
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     root.addHandler(ServerLogHandler(rank_process))
+    if rank == 0 and torch_device.type == "cuda" and (line := peer_access_line(torch.cuda.device_count(), torch.cuda.can_device_access_peer)):
+        logging.getLogger(__name__).warning(line)
     rank_process.run()

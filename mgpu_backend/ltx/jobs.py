@@ -113,7 +113,9 @@ class ResidentModel:
         self.load_seconds = 0.0  # time spent building components from files or the registry
         # One working transformer per rank; a clean copy sharded over the ranks lets stage 1 (no
         # LoRA) and stage 2 (distilled LoRA) swap in place. Without any LoRA, no clean copy is kept.
-        self.tracker = TransformerWeightTracker(comm, no_lora_swap=not lora_swap, clean_on_host=self.residency.clean_shard_on_host)
+        self.tracker = TransformerWeightTracker(
+            comm, no_lora_swap=not lora_swap, clean_on_host=self.residency.clean_shard_on_host, shard_weights=self.residency.shards_weights
+        )
 
     def _kept(self, name: str, *args):
         key = (name, *args)
