@@ -211,6 +211,26 @@ def batch_groups(batch: int, world_size: int, sp_degrees: list[int]) -> int:
     )
 
 
+def batch_coupling_agrees(call: dict, batch: int, groups: int) -> bool:
+    """Whether each group's slice of the batch sees what the whole batch would: ComfyUI's LTX-AV model
+    couples the samples of a call through the largest video and audio timestep of the whole batch
+    (its audio-video cross-attention timesteps) and reads the denoise mask of the first sample only
+    (spatial-mask and keyframe grid checks). A cond + uncond batch of one step agrees; anything
+    else runs unsplit."""
+    share = batch // groups
+    timesteps = call["timestep"] if isinstance(call["timestep"], (tuple, list)) else (call["timestep"],)
+    for timestep in timesteps:
+        if isinstance(timestep, torch.Tensor) and timestep.ndim and timestep.shape[0] == batch:
+            peak = timestep.max()
+            if any(not torch.equal(timestep[group * share : (group + 1) * share].max(), peak) for group in range(groups)):
+                return False
+    mask = call["kwargs"].get("denoise_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim and mask.shape[0] == batch:
+        if any(not torch.equal(mask[group * share], mask[0]) for group in range(groups)):
+            return False
+    return True
+
+
 def _group_comms(ctx: JobContext, groups: int) -> tuple[Comm, Comm]:
     """(this rank's SP group, the ranks holding the same shard in every group), made once per layout.
     Groups are contiguous rank blocks: group g holds ranks g*S .. g*S+S-1."""
@@ -273,7 +293,10 @@ def forward(ctx: JobContext, args: dict, tensors: dict):
     model = loaded.diffusion_model
     video_heads, audio_heads = plan.head_counts(model)
     batch = _batch_size(call["x"])
-    groups = batch_groups(batch, ctx.world_size, valid_sp_degrees(video_heads, audio_heads))
+    sp_degrees = valid_sp_degrees(video_heads, audio_heads)
+    groups = batch_groups(batch, ctx.world_size, sp_degrees)
+    if groups > 1 and not batch_coupling_agrees(call, batch, groups):
+        groups = batch_groups(1, ctx.world_size, sp_degrees)
     sp_comm, across_comm = _group_comms(ctx, groups)
     if loaded.plan is None or loaded.plan.comm is not sp_comm:
         if loaded.plan is not None:
