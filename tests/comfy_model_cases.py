@@ -104,6 +104,24 @@ class Call:
         return args, wire.tensors_by_name(tensors)
 
 
+def load_in_fleet(socket_path, model_path: str) -> dict:
+    """``comfy.load`` of the model at ``model_path`` as CheckpointLoaderSimple loads it; its result fields."""
+    from tests.fleet_harness import run_job
+
+    return run_job(socket_path, "comfy.load", {
+        "comfy_dir": os.path.abspath(COMFYUI_DIR), "path": model_path, "loader": "checkpoint", "weight_dtype": "default",
+    }).fields
+
+
+def forward_in_fleet(socket_path, model_key: str, call: Call, set_digest: str = ""):
+    """``comfy.forward`` of ``call``: (the model's output, the result fields)."""
+    from tests.fleet_harness import run_job
+
+    args, tensors = call.wire_args(model_key, set_digest)
+    result = run_job(socket_path, "comfy.forward", args, tensors)
+    return wire.unpack(result.fields["out"], wire.tensors_in_order(result.tensors, result.fields["count"])), result.fields
+
+
 def _keyframe_idxs(comfy, guide: torch.Tensor, frame_idx: int) -> torch.Tensor:
     """Keyframe pixel coordinates of a guide latent, computed as LTXVAddGuide.add_keyframe_index does."""
     from comfy.ldm.lightricks.symmetric_patchifier import SymmetricPatchifier, latent_to_pixel_coords

@@ -84,7 +84,9 @@ def import_comfy(comfy_dir: str, device: torch.device) -> tuple[ModuleType, str]
         return loaded, version
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    sys.path.insert(0, str(root))
+    if str(root) not in sys.path:
+        # Last on the path: ComfyUI's top-level names (nodes, utils, app ...) never shadow the process's own.
+        sys.path.append(str(root))
     import comfy.options
 
     comfy.options.args_parsing = False  # the rank's argv is the fleet's, not ComfyUI's
