@@ -187,7 +187,7 @@ def _to_device(value: Any, device: torch.device) -> Any:
 
 
 def _batch_slice(value: Any, batch: int, start: int, stop: int) -> Any:
-    """``value`` with every batched tensor (first dim ``batch``) and per-sample list cut to [start, stop)."""
+    """``value`` with every batched tensor (first dim ``batch``) cut to samples [start, stop)."""
     if isinstance(value, torch.Tensor):
         return value[start:stop] if value.ndim and value.shape[0] == batch else value
     if isinstance(value, tuple):
@@ -307,6 +307,8 @@ def forward(ctx: JobContext, args: dict, tensors: dict):
     share = batch // groups
     call = _to_device(_batch_slice(call, batch, group * share, (group + 1) * share), ctx.device)
     options = {**call["transformer_options"], "prefetch_dynamic_vbars": loaded.patcher.is_dynamic()}
+    if groups > 1 and isinstance(options.get("cond_or_uncond"), list) and len(options["cond_or_uncond"]) == batch:
+        options["cond_or_uncond"] = options["cond_or_uncond"][group * share : (group + 1) * share]  # one entry per sample
     loaded.plan.cancel_point = lambda step, total: ctx.step("comfy.forward", step, total)
     started = time.perf_counter()
     try:
