@@ -21,7 +21,7 @@ def comfy():
 
 
 def test_comfyui_v0_20_1_ltx_code_is_covered(comfy):
-    plan.check_code(comfy)
+    plan.check_code()
 
 
 def test_a_block_forward_with_another_signature_is_refused(comfy, monkeypatch):
@@ -36,7 +36,7 @@ def test_a_block_forward_with_another_signature_is_refused(comfy, monkeypatch):
         r"transformer_options\) where the plan expects \(self, x, v_context, .*\), which the fleet's plan does not cover; "
         r"supported: LTXAVModel of ComfyUI v0.20.1"
     )):
-        plan.check_code(comfy)
+        plan.check_code()
 
 
 def test_a_block_without_its_audio_to_video_attention_is_refused(comfy, monkeypatch):
@@ -53,7 +53,7 @@ def test_a_block_without_its_audio_to_video_attention_is_refused(comfy, monkeypa
         r"this ComfyUI's LTX model has no audio_to_video_attn \(video queries, audio keys\) in the block class, "
         r"which the fleet's plan does not cover"
     )):
-        plan.check_code(comfy)
+        plan.check_code()
 
 
 def test_an_attention_module_of_another_class_in_a_loaded_model_is_refused(comfy):

@@ -103,14 +103,14 @@ def load(ctx: JobContext, args: dict, tensors: dict):
     if not os.path.isabs(path) or not os.path.isfile(path):
         raise JobInputError(f"model file {path!r} is not an absolute path to a file the fleet can read")
     with input_errors():
-        comfy, version = runtime.import_comfy(comfy_dir, ctx.device)
-        plan.check_code(comfy)
+        _, version = runtime.import_comfy(comfy_dir, ctx.device)
+        plan.check_code()
         key = runtime.model_file_key(path, loader, weight_dtype)
         models = ctx.state.setdefault(MODELS, {})
         loaded = models.get(key)
         if loaded is None:
             models.clear()  # one resident model: drop the previous one before reading the next
-            patcher = runtime.load_model(comfy, path, loader, weight_dtype, ctx.device)
+            patcher = runtime.load_model(path, loader, weight_dtype, ctx.device)
             plan.check_model(patcher.model.diffusion_model)
             loaded = models[key] = runtime.LoadedModel(key, patcher)
     ctx.step("comfy.load", 1, 1)
@@ -160,15 +160,14 @@ def patch_model(ctx: JobContext, args: dict, tensors: dict):
     missing = runtime.missing_digests(entries, held)
     if missing:
         raise JobInputError(f"{len(missing)} patch tensors are not in the fleet; upload them with comfy.patches and retry")
-    comfy = __import__("comfy")
     with input_errors():
         try:
-            rebuilt = wire.unpack_patches(entries, held, lambda name, keys, weights: runtime.make_adapter(comfy, name, keys, weights))
+            rebuilt = wire.unpack_patches(entries, held, runtime.make_adapter)
         except ValueError as exc:
             raise runtime.ComfyInputError(f"the weight patches are malformed: {exc}") from exc
         if set_digest != loaded.set_digest:
             loaded.set_digest = ""  # half-patched weights match no set until this one is on
-            runtime.apply_patches(comfy, loaded, rebuilt, ctx.device)
+            runtime.apply_patches(loaded, rebuilt, ctx.device)
             loaded.set_digest = set_digest
     ctx.step("comfy.patch_model", 1, 1)
     return {"set_digest": loaded.set_digest, "patched_weights": len(rebuilt)}, {}

@@ -23,7 +23,7 @@ import os
 import re
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -127,15 +127,14 @@ class LoadedModel:
     key: str
     patcher: Any  # comfy.model_patcher.ModelPatcher
     set_digest: str = ""  # "" = no patches
-    plan: Any = None  # plan.AppliedPlan, made on first forward
-    groups: dict = field(default_factory=dict)  # (batch groups) -> (SP comm, cross-group comm)
+    plan: Any = None  # plan.AppliedPlan, made on the first forward
 
     @property
     def diffusion_model(self) -> torch.nn.Module:
         return self.patcher.model.diffusion_model
 
 
-def load_model(comfy, path: str, loader: str, weight_dtype: str, device: torch.device):
+def load_model(path: str, loader: str, weight_dtype: str, device: torch.device):
     """A ``ModelPatcher`` loaded as ComfyUI's loader node loads ``path``, its weights on ``device``."""
     import comfy.sd
 
@@ -150,7 +149,7 @@ def load_model(comfy, path: str, loader: str, weight_dtype: str, device: torch.d
     return patcher
 
 
-def make_adapter(comfy, class_name: str, loaded_keys: set[str], weights):
+def make_adapter(class_name: str, loaded_keys: set[str], weights):
     """One of ComfyUI's own weight adapters (comfy.weight_adapter), by class name; nothing else."""
     import comfy.weight_adapter
 
@@ -180,7 +179,7 @@ def missing_digests(entries: Any, held: dict[str, torch.Tensor]) -> list[str]:
     return sorted(set(missing))
 
 
-def apply_patches(comfy, loaded: LoadedModel, patches: dict[str, list[tuple]], device: torch.device) -> None:
+def apply_patches(loaded: LoadedModel, patches: dict[str, list[tuple]], device: torch.device) -> None:
     """Put ``patches`` on the model the way ComfyUI does: restore the unpatched weights, set the
     patcher's patches, load it onto ``device`` (``ModelPatcher.patch_weight_to_device`` computes each
     patched weight with ``comfy.lora.calculate_weight``)."""
