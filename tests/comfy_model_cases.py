@@ -21,6 +21,7 @@ COMFYUI_DIR = os.environ.get("COMFYUI_DIR", "")
 
 VIDEO_SHAPE = (1, 128, 3, 4, 4)  # 48 video tokens (64 with a guide frame): shards of 24 and 12 tokens
 PADDED_VIDEO_SHAPE = (1, 128, 3, 3, 5)  # 45 video tokens: SP 2 and 4 both pad the last shard
+LONG_VIDEO_SHAPE = (1, 128, 5, 16, 16)  # 1280 video tokens: a forward long enough to cancel in flight
 GATE_ROUNDING_BOUND = 4e-6
 """Where a token count is not a multiple of 4, SP on CPU is not bitwise with the tiny model. PyTorch's
 CPU elementwise kernels run the last ``numel % 32`` float32 elements of a tensor through a scalar
@@ -132,15 +133,19 @@ def _keyframe_idxs(comfy, guide: torch.Tensor, frame_idx: int) -> torch.Tensor:
     return pixel_coords
 
 
+class _Captured(Exception):
+    """Stops ComfyUI's forward once the diffusion model's call is captured."""
+
+
 def make_call(comfy, patcher, case: str, seed: int, batch: int = 1, sigmas: tuple[float, ...] = (0.8,)) -> Call:
-    """A denoiser call of ``case`` ('plain', 'padded' (plain, 45 tokens), 'image_to_video' or
-    'keyframes'), made by the in-process model's own extra_conds / process_timestep / _apply_model on
+    """A denoiser call of ``case`` ('plain', 'padded' (plain, 45 tokens), 'long' (plain, 1280 tokens),
+    'image_to_video' or 'keyframes'), made by the in-process model's own extra_conds / process_timestep / _apply_model on
     random latents of ComfyUI's shapes, at ``sigmas`` (one per sample; one for all)."""
     import comfy.utils
 
     model = patcher.model
     generator = torch.Generator().manual_seed(seed)
-    video_shape = list(PADDED_VIDEO_SHAPE if case == "padded" else VIDEO_SHAPE)
+    video_shape = list({"padded": PADDED_VIDEO_SHAPE, "long": LONG_VIDEO_SHAPE}.get(case, VIDEO_SHAPE))
     video_shape[0] = batch
     if case == "keyframes":
         video_shape[2] += GUIDE_FRAMES
@@ -173,11 +178,14 @@ def make_call(comfy, patcher, case: str, seed: int, batch: int = 1, sigmas: tupl
 
     def capture(module, args, kwargs):
         seen["args"], seen["kwargs"] = args, dict(kwargs)
+        raise _Captured  # the call is what the test needs; the forward runs where the test wants it
 
     handle = model.diffusion_model.register_forward_pre_hook(capture, with_kwargs=True)
     try:
         with torch.inference_mode():
             model.apply_model(packed, sigma, transformer_options=options, **extra)
+    except _Captured:
+        pass
     finally:
         handle.remove()
     kwargs = dict(seen["kwargs"])

@@ -139,3 +139,20 @@ def test_an_unknown_comfyui_version_is_refused_before_anything_is_imported(fleet
     (other / "comfyui_version.py").write_text('__version__ = "0.19.0"\n')
     with pytest.raises(FleetError, match=r"ComfyUI 0.19.0 is not one the fleet's engine knows; supported: v0.20.1"):
         run_job(fleet_1, "comfy.load", {"comfy_dir": str(other), "path": tiny[0], "loader": "checkpoint", "weight_dtype": "default"})
+
+
+def test_a_cancel_stops_a_call_in_flight_at_its_next_cancel_point(fleet_1, comfy, tiny, calls):
+    """The tiny model has 2 blocks, so a forward has 2 cancel points (its only ones); a cancel sent once
+    the first is reported stops the call there or at the second (a block of 1280 tokens takes far
+    longer than the cancel's way to the rank), and the fleet then serves the next call bitwise."""
+    from mgpu_backend.fleet.client import FleetCancelled, FleetClient
+
+    key = cases.load_in_fleet(fleet_1, tiny[0])["model_key"]
+    seen: list[dict] = []
+    args, tensors = cases.make_call(comfy, tiny[1], "long", seed=5).wire_args(key)
+    with FleetClient.connect(str(fleet_1), autostart=False) as client:
+        with pytest.raises(FleetCancelled, match=r"cancelled at comfy.forward step [12]/2"):
+            client.run("comfy.forward", args, tensors, on_progress=seen.append, should_cancel=lambda: bool(seen))
+    assert [event["stage"] for event in seen][:1] == ["comfy.forward"]
+    out, _ = cases.forward_in_fleet(fleet_1, key, calls[0]["plain"])
+    cases.assert_same(out, calls[1]["plain"])
