@@ -65,8 +65,10 @@ def import_comfy_or_skip():
 
     try:
         comfy, _ = runtime.import_comfy(os.path.abspath(COMFYUI_DIR), torch.device("cpu"))
-    except ImportError as exc:
-        pytest.skip(f"ComfyUI's requirements are not importable here ({exc}); run under /tmp/comfy-venv/bin/python")
+    except runtime.ComfyInputError as exc:
+        if "requirements are not importable" not in str(exc):
+            raise
+        pytest.skip(f"{exc} (run the tests under ComfyUI's Python, e.g. /tmp/comfy-venv/bin/python)")
     return comfy
 
 

@@ -81,6 +81,7 @@ def import_comfy(comfy_dir: str, device: torch.device) -> tuple[ModuleType, str]
             raise ComfyInputError(
                 f"this fleet already runs ComfyUI from {where}, not {root}; restart the fleet from the ComfyUI you use"
             )
+        _import_model_code()  # raises again, in words, where an earlier import stopped half way
         return loaded, version
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -94,12 +95,25 @@ def import_comfy(comfy_dir: str, device: torch.device) -> tuple[ModuleType, str]
 
     if device.type == "cpu":
         comfy.cli_args.args.cpu = True
+    _import_model_code()
     import comfy.model_management
 
     chosen = comfy.model_management.get_torch_device()
     if torch.device(chosen).type != device.type or (device.type == "cuda" and torch.device(chosen).index != device.index):
         raise RuntimeError(f"ComfyUI chose {chosen} on the rank of {device}")
     return importlib.import_module("comfy"), version
+
+
+def _import_model_code() -> None:
+    """ComfyUI's device management and loaders, or a refusal naming the missing requirement."""
+    try:
+        importlib.import_module("comfy.model_management")
+        importlib.import_module("comfy.sd")
+    except ImportError as exc:
+        raise ComfyInputError(
+            f"ComfyUI's requirements are not importable by the fleet's Python {sys.executable} ({exc}); start the "
+            "fleet with the Python that runs ComfyUI, or install ComfyUI's requirements.txt into it"
+        ) from exc
 
 
 def model_options(weight_dtype: str) -> dict[str, Any]:
