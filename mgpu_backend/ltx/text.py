@@ -19,14 +19,12 @@ fleet decides which rank encodes and broadcasts the result).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
-from ltx_core.text_encoders.gemma.embeddings_processor import convert_to_additive_mask
 
 from mgpu_backend.ltx.safetensors_header import read_header
 
@@ -140,6 +138,10 @@ def _connected(processor, video_features: torch.Tensor, audio_features: torch.Te
     """The connectors over ComfyUI's unpadded text features as ComfyUI's model runs them: left-padded
     to ComfyUI's register fill length with a mask that hides the padding, which ltx-core's connectors
     replace by the same registers at the same positions as ComfyUI's; ComfyUI's RoPE settings."""
+    # Imported here, not with the module: ltx-core's Gemma package pulls in transformers, whose import of
+    # torch's DTensor package changes how a rank's gloo collective fails when a peer breaks the groups.
+    from ltx_core.text_encoders.gemma.embeddings_processor import convert_to_additive_mask
+
     registers = processor.video_connector.num_learnable_registers
     assert registers == processor.audio_connector.num_learnable_registers, "the two connectors fill with different register counts"
     tokens = video_features.shape[1]

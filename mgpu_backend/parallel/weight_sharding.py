@@ -44,9 +44,6 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
 
 from mgpu_backend.parallel.comm import Comm
 
@@ -61,7 +58,7 @@ H200 peaked 1.4 GiB (two 22B blocks) above shard + two blocks + activations (doc
 
 
 class _ShardingState:
-    def __init__(self, comm: Comm, units: list[FSDPModule]) -> None:
+    def __init__(self, comm: Comm, units: list) -> None:  # FSDP2 modules (fully_shard's)
         self.comm = comm
         self.units = units  # FSDP units in the order a forward gathers them: the root, then each block
 
@@ -119,6 +116,11 @@ def apply_weight_sharding(model: torch.nn.Module, comm: Comm, device: torch.devi
         raise ValueError("weight sharding needs at least 2 ranks; one rank holds the whole transformer (residency 'all' or 'minimal')")
     device = torch.device(device)
     group = dist.new_group(ranks=comm.global_ranks)  # collective over the world, even for a subgroup
+    # FSDP2 and DTensor are imported only where weights are sharded: importing them changes how a gloo
+    # collective fails when a peer destroys its groups (a job error on one rank then read as a hang).
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
     mesh = DeviceMesh.from_group(group, device.type)
     blocks = list(velocity.transformer_blocks)
     # Only the velocity model's own parameters (not a wrapper's) are ever moved; buffers (the RoPE
@@ -148,7 +150,7 @@ def apply_weight_sharding(model: torch.nn.Module, comm: Comm, device: torch.devi
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
 
 
 def local_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -162,14 +164,14 @@ def full_tensor(model: torch.nn.Module, key: str) -> torch.Tensor:
     """The full value of ``key`` of the velocity model: gathered when sharded (collective: every rank
     asks for the same keys in the same order), itself otherwise."""
     tensor = _velocity_model(model).state_dict(keep_vars=True)[key].detach()
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
 
 
 def shard_rows(model: torch.nn.Module, key: str, value: torch.Tensor) -> torch.Tensor:
     """This rank's rows of ``value`` (a full tensor of ``key``), cut as the key's parameter is sharded
     (``torch.chunk`` over the first dimension; a rank past the last chunk holds none)."""
     tensor = _velocity_model(model).state_dict(keep_vars=True)[key]
-    if not isinstance(tensor, DTensor):
+    if not _is_dtensor(tensor):
         return value
     comm = weight_sharding_comm(model)
     chunks = torch.chunk(value, comm.world_size, dim=0)
@@ -192,3 +194,9 @@ def idle_forwards(model: torch.nn.Module, count: int) -> None:
     """``idle_forward`` ``count`` times."""
     for _ in range(count):
         idle_forward(model)
+
+
+def _is_dtensor(tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (a sharded parameter), told by its type so that nothing of
+    torch's DTensor package is imported where no weight is sharded."""
+    return type(tensor).__name__ == "DTensor" and type(tensor).__module__.startswith("torch.distributed.tensor")
