@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from mgpu_backend.fleet.rank import MEMORY_FRACTION_ENV, memory_fraction
+from tests.official_reference import needs_ltx_core_gemma
 
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench" / "e2e.py"
@@ -112,6 +113,7 @@ def test_identical_residency_decisions_of_several_ranks_are_reported_once_naming
     assert e2e.residency_lines(job_log) == [f"ranks 0, 1: {same}", f"rank 2: {other}"]
 
 
+@needs_ltx_core_gemma
 def test_the_official_distilled_run_is_timed_stage_by_stage_and_gives_the_untimed_pipelines_frames(tmp_path, monkeypatch):
     """The official side of the distilled recipe, ready for when the fleet serves it: the clock sees 8
     single-pass stage-1 steps and the 3-step stage 2, and changes nothing of the output."""

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.loading import ModelFileError, ModelLoader, ModelSpec, validate_model_files
+from tests.official_reference import needs_ltx_core_gemma
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +57,7 @@ def _assert_same_weights(ours: torch.nn.Module, theirs: torch.nn.Module) -> None
         assert torch.equal(ours_sd[key], theirs_sd[key]), key
 
 
+@needs_ltx_core_gemma
 def test_every_component_equals_the_one_model_ledger_builds(spec, tiny_gemma_in_ltx_core, monkeypatch):
     from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP, LoraPathStrengthAndSDOps
     from ltx_pipelines.utils import ModelLedger

@@ -15,7 +15,6 @@ import types
 
 import pytest
 import torch
-import transformers
 from ltx_core.components.diffusion_steps import EulerDiffusionStep
 from ltx_core.components.guiders import MultiModalGuiderParams, create_multimodal_guider_factory
 from ltx_core.components.noisers import GaussianNoiser
@@ -61,7 +60,6 @@ PARAMS = GenerationParams(
     video_guider=VIDEO_GUIDER,
     audio_guider=AUDIO_GUIDER,
 )
-TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
 @pytest.fixture(scope="module", params=tiny.VERSIONS, ids=official_reference.version_id)
@@ -207,7 +205,7 @@ def test_image_to_video_stages_match_the_official_pipeline_bitwise_bf16(loader, 
     assert_bitwise(ours["stage1_video"][:, :, :1], encoded_image, "stage-1 first latent frame vs the encoded image")
 
 
-@pytest.mark.skipif(TRANSFORMERS_5, reason="ltx-core 1.0.0's Gemma code needs transformers 4.x (installed: 5.x)")
+@official_reference.needs_ltx_core_gemma
 def test_prompt_encoding_matches_the_official_encode_prompts_bitwise(loader, reference_side):
     from ltx_pipelines.utils.helpers import encode_prompts as reference_encode_prompts
 

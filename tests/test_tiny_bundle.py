@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from mgpu_backend.bundles import full_size, gemma_folder, tiny
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
+from tests.official_reference import needs_ltx_core_gemma
 
 
 def _hashes(root: str) -> dict[str, str]:
@@ -310,6 +311,7 @@ def _file_tensor(path: str, key: str) -> torch.Tensor:
         return f.get_tensor(key)
 
 
+@needs_ltx_core_gemma
 def test_model_ledger_builds_every_2_3_component_in_the_22b_layout(ledger_2_3, bundle_2_3):
     from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP, LoraPathStrengthAndSDOps
     from ltx_core.model.audio_vae.vocoder import VocoderWithBWE
