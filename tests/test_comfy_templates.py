@@ -142,6 +142,9 @@ def test_a_bypassed_lora_passes_the_model_through_a_primitive_node_sets_the_widg
     workflow = small_workflow()
     workflow["nodes"][1]["mode"] = 0  # the LoRA on again
     assert ui_to_api(workflow, OBJECT_INFO)["6"]["inputs"]["model"] == ["2", 0]
+    workflow["nodes"][3]["type"] = "PrimitiveFloat"
+    workflow["nodes"][3]["mode"] = 2  # a muted real node on the cfg widget: the frontend drops the input, value and all
+    assert ui_to_api(workflow, OBJECT_INFO)["6"]["inputs"] == {"model": ["2", 0]}
 
 
 def test_nested_subgraphs_get_path_ids_and_a_promoted_widget_value_reaches_the_inner_node():

@@ -263,7 +263,7 @@ class Converter:
     def resolve_output(self, scope: Scope, node: dict, slot: int, link_type: str, seen: frozenset):
         mode = node.get("mode", 0)
         if mode == MODE_MUTED:
-            return None
+            return scope.node_id(node), slot  # never sent: ``convert`` then removes the input, widget value and all
         if mode == MODE_BYPASSED:
             inputs = node.get("inputs") or []
             outputs = node.get("outputs") or []
