@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -245,3 +246,16 @@ def test_shipped_ui_workflow_is_the_installed_template_with_only_the_loader_type
                for a, b in zip(sub_a["nodes"], sub_b["nodes"]) if a != b]
     assert [(old, new) for _, old, new in changed] == [("CheckpointLoaderSimple", "MGPUCheckpointLoader")]
     assert ui_to_api(shipped(name), OBJECT_INFO) == json.loads((SHIPPED / f"{name}_api.json").read_text())
+
+
+def test_comfyuis_ltx_2_3_blueprints_convert_with_every_link_inside_the_graph():
+    comfyui_dir = os.environ.get("COMFYUI_DIR")
+    if not comfyui_dir or not (Path(comfyui_dir) / "blueprints").is_dir():
+        pytest.skip("set COMFYUI_DIR to a ComfyUI checkout (its blueprints/ folder)")
+    sizes = {}
+    for path in sorted((Path(comfyui_dir) / "blueprints").glob("*(LTX-2.3).json")):
+        graph = ui_to_api(json.loads(path.read_text()), OBJECT_INFO)
+        assert all(value[0] in graph for entry in graph.values() for value in entry["inputs"].values() if isinstance(value, list)), path.name
+        assert Counter(entry["class_type"] for entry in graph.values())["CheckpointLoaderSimple"] == 1, path.name
+        sizes[path.name] = len(graph)
+    assert sizes == {"First-Last-Frame to Video (LTX-2.3).json": 32, "Image to Video (LTX-2.3).json": 44, "Text to Video (LTX-2.3).json": 45}
