@@ -302,6 +302,14 @@ class ComfyNative:
             f"{comfy.model_management.vram_state.name}, attention {getattr(attention, '__name__', attention)}"
         )
 
+    @classmethod
+    def wrapping(cls, comfy, patcher, device: torch.device, description: str) -> ComfyNative:
+        """The same calls on a ModelPatcher loaded elsewhere (the drop-in loader's, whose model runs on the fleet)."""
+        native = cls.__new__(cls)
+        native.comfy, native.device, native.patcher, native.description = comfy, device, patcher, description
+        native.dtype = patcher.model.get_dtype()
+        return native
+
     def _packed(self, video: torch.Tensor, audio: torch.Tensor):
         # float32, as ComfyUI's samplers hold latents (apply_model casts to the weights' dtype itself)
         return self.comfy.utils.pack_latents([video.to(self.device, torch.float32), audio.to(self.device, torch.float32)])

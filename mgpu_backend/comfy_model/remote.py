@@ -231,7 +231,7 @@ class FleetLink:
             args = {"model_key": self.model_key, "set_digest": self.set_digest, "call": packed, "count": len(tensors)}
             result = self._run("comfy.forward", args, wire.tensors_by_name([t.detach().cpu() for t in tensors]), should_cancel)
         self.last_rank_seconds = [float(seconds) for seconds in result.fields.get("rank_seconds", [])]
-        return _to_device(wire.unpack(result.fields["out"], wire.tensors_in_order(result.tensors, int(result.fields["out_count"]), "o")), device)
+        return _to_device(wire.unpack(result.fields["out"], wire.tensors_in_order(result.tensors, int(result.fields["count"]))), device)
 
     def text_embeds(self, context: torch.Tensor, unprocessed: bool) -> torch.Tensor:
         with self._lock:

@@ -26,7 +26,7 @@ import torch
 from mgpu_backend.fleet import shm
 from mgpu_backend.parallel.comm import Comm
 
-JOB_MODULES = ("mgpu_backend.fleet.selftest_jobs", "mgpu_backend.ltx.jobs", "mgpu_backend.ltx.diagnostics")
+JOB_MODULES = ("mgpu_backend.fleet.selftest_jobs", "mgpu_backend.ltx.jobs", "mgpu_backend.ltx.diagnostics", "mgpu_backend.comfy_model.jobs")
 
 JobFn = Callable[["JobContext", dict[str, Any], dict[str, torch.Tensor]], tuple[dict[str, Any], dict[str, torch.Tensor]]]
 JOBS: dict[str, JobFn] = {}

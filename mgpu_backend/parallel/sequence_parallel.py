@@ -40,6 +40,12 @@ all-gather per block (on CPU ranks two more for each video-query cross-attention
 ~1500 video tokens stop getting faster (see the stage-1 planner in ``guidance_parallel``). It is
 not a memory tool: every rank holds the full weights.
 
+The exchanges are a model-agnostic core (``ShardedForward``, ``VideoTokenShards`` and the
+``AttentionExchange`` classes take Q/K/V flattened over heads, a head count and a mask, around any
+attention kernel): ltx-core's transformer (below) and ComfyUI's own LTX model
+(``mgpu_backend.comfy_model.plan``) both run on it. ltx-core is imported only by the functions that
+apply SP to ltx-core's model.
+
 How it is applied: from outside, to one model instance. The model's ``forward`` and the
 ``attention_function`` of the attention modules that need an exchange are replaced on that instance;
 parameters, their names and the state dict are untouched, and ``remove_sequence_parallel`` restores
@@ -53,13 +59,16 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from ltx_core.model.transformer.modality import Modality
-from ltx_core.model.transformer.model import LTXModel
 
 from mgpu_backend.parallel.comm import Comm
+
+if TYPE_CHECKING:
+    from ltx_core.model.transformer.modality import Modality
+    from ltx_core.model.transformer.model import LTXModel
 
 log = logging.getLogger(__name__)
 
@@ -157,32 +166,38 @@ class VideoTokenShards:
         return full[:, : self.video_tokens]
 
 
-class _SequenceParallelState:
-    """What the patched pieces of one model share: the group, and the shards of the running forward."""
+class ShardedForward:
+    """What the exchanges of one model share: the group, and the shards of the running forward
+    (None outside a sequence-parallel forward, where every exchange is plain attention).
 
-    def __init__(self, comm: Comm, original_forward, instance_forward, patched_attention: list) -> None:
+    Model-agnostic: the ltx-core application below and the ComfyUI plan
+    (``mgpu_backend.comfy_model.plan``) both set ``active_shards`` around their forward.
+    """
+
+    def __init__(self, comm: Comm) -> None:
         self.comm = comm
-        self.original_forward = original_forward
-        self.instance_forward = instance_forward  # a forward set on the instance before SP, if any
-        self.patched_attention = patched_attention  # (Attention module, its original attention_function)
         self.active_shards: VideoTokenShards | None = None
 
 
-class _AttentionExchange:
-    """An ``attention_function`` replacement: plain attention outside a sequence-parallel forward,
-    ``exchanged`` (the subclass's layout change around the wrapped function) inside one."""
+class AttentionExchange:
+    """The layout change one attention role needs under SP, around any attention kernel.
 
-    def __init__(self, inner, state: _SequenceParallelState) -> None:
-        self.inner = inner
-        self.state = state
+    Called as ``exchange(attend, q, k, v, heads, mask)`` with ``attend(q, k, v, heads, mask)`` the
+    model's own kernel and Q/K/V flattened over heads, (B, tokens, heads * D), as both ltx-core's
+    ``attention_function`` and ComfyUI's ``optimized_attention`` take them. Outside a
+    sequence-parallel forward it is the kernel itself.
+    """
 
-    def __call__(self, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
-        shards = self.state.active_shards
-        if shards is None:  # called outside a sequence-parallel forward: plain attention
-            return self.inner(q, k, v, heads, mask)
-        return self.exchanged(q, k, v, heads, mask, shards)
+    def __init__(self, forward: ShardedForward) -> None:
+        self.forward = forward
 
-    def exchanged(self, q, k, v, heads: int, mask, shards: VideoTokenShards) -> torch.Tensor:
+    def __call__(self, attend, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        shards = self.forward.active_shards
+        if shards is None:
+            return attend(q, k, v, heads, mask)
+        return self.exchanged(attend, q, k, v, heads, mask, shards)
+
+    def exchanged(self, attend, q, k, v, heads: int, mask, shards: VideoTokenShards) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -195,15 +210,15 @@ def _head_shards_to_tokens(out: torch.Tensor, shards: VideoTokenShards, comm: Co
     return out.reshape(batch, local_tokens, local_heads * comm.world_size * head_dim)
 
 
-class _VideoSelfAttentionExchange(_AttentionExchange):
-    """Replaces a video self-attention's ``attention_function``: token shards -> head shards -> back.
+class VideoSelfAttentionExchange(AttentionExchange):
+    """Video self-attention: token shards -> head shards -> back.
 
     Receives Q, K, V of the local video tokens (projected, normed, RoPE applied) for all heads and
-    returns the attention output of the local tokens for all heads, like the function it wraps.
+    returns the attention output of the local tokens for all heads, like the kernel it wraps.
     """
 
-    def exchanged(self, q, k, v, heads: int, mask, shards: VideoTokenShards) -> torch.Tensor:
-        comm = self.state.comm
+    def exchanged(self, attend, q, k, v, heads: int, mask, shards: VideoTokenShards) -> torch.Tensor:
+        comm = self.forward.comm
         batch, local_tokens, inner_dim = q.shape
         head_dim = inner_dim // heads
         local_heads = heads // comm.world_size
@@ -215,21 +230,20 @@ class _VideoSelfAttentionExchange(_AttentionExchange):
         qkv = qkv[:, :, : shards.video_tokens]
         q, k, v = (t.reshape(batch, shards.video_tokens, local_heads * head_dim) for t in qkv.unbind(0))
 
-        out = self.inner(q, k, v, local_heads, mask).view(batch, shards.video_tokens, local_heads, head_dim)
+        out = attend(q, k, v, local_heads, mask).view(batch, shards.video_tokens, local_heads, head_dim)
         return _head_shards_to_tokens(out, shards, comm, local_tokens)
 
 
-class _VideoContextExchange(_AttentionExchange):
-    """Replaces the audio-from-video cross-attention's ``attention_function``.
+class VideoContextExchange(AttentionExchange):
+    """Audio-from-video cross-attention: audio queries (replicated), video keys/values (token shards).
 
-    The audio queries are replicated; the video keys/values arrive as local token shards. Each rank
-    attends its slice of the heads over all video tokens, and the outputs are gathered over heads
-    so every rank returns the same full audio result.
+    Each rank attends its slice of the heads over all video tokens, and the outputs are gathered
+    over heads so every rank returns the same full audio result.
     """
 
-    def exchanged(self, q, k, v, heads: int, mask, shards: VideoTokenShards) -> torch.Tensor:
+    def exchanged(self, attend, q, k, v, heads: int, mask, shards: VideoTokenShards) -> torch.Tensor:
         assert mask is None, "audio-from-video cross-attention under SP takes no mask"
-        comm = self.state.comm
+        comm = self.forward.comm
         batch, audio_tokens, inner_dim = q.shape
         head_dim = inner_dim // heads
         local_heads = heads // comm.world_size
@@ -241,24 +255,24 @@ class _VideoContextExchange(_AttentionExchange):
         kv = comm.all_to_all(kv, scatter_dim=3, gather_dim=2)[:, :, : shards.video_tokens]
         k, v = (t.reshape(batch, shards.video_tokens, local_heads * head_dim) for t in kv.unbind(0))
 
-        out = self.inner(q, k, v, local_heads, None).view(batch, audio_tokens, local_heads, head_dim)
+        out = attend(q, k, v, local_heads, None).view(batch, audio_tokens, local_heads, head_dim)
         out = comm.all_gather(out, dim=2)
         return out.reshape(batch, audio_tokens, heads * head_dim)
 
 
-class _VideoQueryExchange(_AttentionExchange):
-    """Replaces the ``attention_function`` of an attention whose queries are the local video tokens and
-    whose keys/values are replicated (text cross-attention, video-from-audio cross-attention), where
-    the call must see every video query (``video_query_exchange``, see the module docstring).
+class VideoQueryExchange(AttentionExchange):
+    """An attention whose queries are the local video tokens and whose keys/values are replicated
+    (text cross-attention, video-from-audio cross-attention), where the call must see every video
+    query (``video_query_exchange``, see the module docstring).
 
     The queries go from token shards to head shards; each rank attends all video queries with its
     slice of the heads over the whole (replicated) context, and the output returns to token shards.
     """
 
-    def exchanged(self, q, k, v, heads: int, mask, shards: VideoTokenShards) -> torch.Tensor:
+    def exchanged(self, attend, q, k, v, heads: int, mask, shards: VideoTokenShards) -> torch.Tensor:
         # A context mask broadcasts over the queries ((B, 1, 1, S)); one per query row would need its rows exchanged too.
         assert mask is None or mask.shape[-2] == 1, f"video-query attention under SP takes a query-broadcast mask, got {tuple(mask.shape)}"
-        comm = self.state.comm
+        comm = self.forward.comm
         batch, local_tokens, inner_dim = q.shape
         head_dim = inner_dim // heads
         local_heads = heads // comm.world_size
@@ -270,12 +284,35 @@ class _VideoQueryExchange(_AttentionExchange):
             t.reshape(batch, t.shape[1], heads, head_dim)[:, :, first_head : first_head + local_heads].reshape(batch, t.shape[1], local_heads * head_dim)
             for t in (k, v)
         )
-        out = self.inner(q, k, v, local_heads, mask).view(batch, shards.video_tokens, local_heads, head_dim)
+        out = attend(q, k, v, local_heads, mask).view(batch, shards.video_tokens, local_heads, head_dim)
         return _head_shards_to_tokens(out, shards, comm, local_tokens)
+
+
+class _ExchangedAttentionFunction:
+    """An ltx-core ``attention_function``: an exchange around the function it replaced."""
+
+    def __init__(self, exchange: AttentionExchange, inner) -> None:
+        self.exchange = exchange
+        self.inner = inner
+
+    def __call__(self, q, k, v, heads: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.exchange(self.inner, q, k, v, heads, mask)
+
+
+class _SequenceParallelState(ShardedForward):
+    """ltx-core's application: the shared forward state, plus what ``remove_sequence_parallel`` restores."""
+
+    def __init__(self, comm: Comm, original_forward, instance_forward, patched_attention: list) -> None:
+        super().__init__(comm)
+        self.original_forward = original_forward
+        self.instance_forward = instance_forward  # a forward set on the instance before SP, if any
+        self.patched_attention = patched_attention  # (Attention module, its original attention_function)
 
 
 def _velocity_model(model: torch.nn.Module) -> LTXModel:
     """The ``LTXModel`` inside ``model`` (itself, or the ``velocity_model`` of an X0 wrapper)."""
+    from ltx_core.model.transformer.model import LTXModel
+
     inner = getattr(model, "velocity_model", model)
     if not isinstance(inner, LTXModel):
         raise TypeError(
@@ -309,9 +346,9 @@ def apply_sequence_parallel(model: torch.nn.Module, comm: Comm, video_query_exch
 
     if video_query_exchange is None:
         video_query_exchange = next(velocity.parameters()).device.type == "cpu"
-    exchanges = {"attn1": _VideoSelfAttentionExchange, "video_to_audio_attn": _VideoContextExchange}
+    exchanges = {"attn1": VideoSelfAttentionExchange, "video_to_audio_attn": VideoContextExchange}
     if video_query_exchange:
-        exchanges.update(attn2=_VideoQueryExchange, audio_to_video_attn=_VideoQueryExchange)
+        exchanges.update(attn2=VideoQueryExchange, audio_to_video_attn=VideoQueryExchange)
     patched = [
         (getattr(block, name), exchange)
         for block in velocity.transformer_blocks
@@ -322,7 +359,7 @@ def apply_sequence_parallel(model: torch.nn.Module, comm: Comm, video_query_exch
         comm, velocity.forward, velocity.__dict__.get("forward"), [(a, a.attention_function) for a, _ in patched]
     )
     for attention, exchange in patched:
-        attention.attention_function = exchange(attention.attention_function, state)
+        attention.attention_function = _ExchangedAttentionFunction(exchange(state), attention.attention_function)
 
     def sequence_parallel_forward(video, audio, perturbations):
         if video is None or video.latent.shape[1] == 0:

@@ -1,0 +1,183 @@
+"""The drop-in MODEL's cost: ComfyUI's own LTX model in-process against the same model on the fleet at world 1.
+
+What a ComfyUI user with the drop-in loader (*Load Checkpoint (MGPU fleet)*) pays per denoiser call
+for the model living in another process: the call's inputs packed and sent over the private socket
+(shared memory for the latents), ComfyUI's own ``LTXAVModel`` run in the rank (imported from the same
+ComfyUI checkout, loaded by ComfyUI's own loader from the same file), the output sent back. Both
+sides are timed through ``BaseModel.apply_model``, what ComfyUI's samplers call, on identical inputs
+(``comfy_native``'s: the fleet's seeded noise, seeded contexts, frame rate 24), and their outputs
+compared (at one rank the fleet computes exactly what ComfyUI does; ``max |diff|`` says whether it did).
+
+Sizes: ComfyUI's LTX-2.3 template (image to video, cfg 1 with the distilled LoRA) renders 1280x720,
+121 frames: stage 1 at half size, 640x352 after ComfyUI's rounding to 32 (3520 video tokens), stage 2 at
+1280x704 (14080 tokens). ``--shards`` adds the eager forward of one rank's token shard at SP degree
+2/4/8 (the latent cut to 1/N of its frames: the same tokens per rank, no exchange), and with
+``--capture`` the same replayed as a CUDA graph, to show how much of a short shard is launch overhead.
+
+    python bench/comfy_drop_in.py --comfyui-dir ~/ComfyUI --model 2.3 --bundle-dir /data/b22 --shards --capture --out FILE   # one GPU
+    python bench/comfy_drop_in.py --comfyui-dir ~/ComfyUI --tiny                                                            # CPU smoke run
+
+It prints one markdown table and notes (``--out``: appended under the command, machine and date).
+"""
+
+from __future__ import annotations  # noqa: I001 - one-line imports, _common first: it puts the repository on sys.path
+
+import argparse
+import contextlib
+import gc
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from _common import append_out, log, markdown_table, median, synchronize
+from comfy_native import TINY_SIZES, ComfyNative, bundle_config, checkpoint_transformer_config, import_comfy, make_inputs, parse_sizes
+from e2e import check_space
+from mgpu_backend.bundles import full_size
+from mgpu_backend.ltx import api
+
+TEMPLATE_SIZES = "640x352x121,1280x704x121"  # the LTX-2.3 template's stage 1 and stage 2 at 1280x720, rounded to 32 as ComfyUI does
+SHARD_DEGREES = (2, 4, 8)
+
+
+def time_call(call, device: torch.device, warmup: int, repeats: int) -> list[float]:
+    times = []
+    for index in range(warmup + repeats):
+        synchronize(device)
+        started = time.perf_counter()
+        call()
+        synchronize(device)
+        if index >= warmup:
+            times.append((time.perf_counter() - started) * 1e3)
+    return times
+
+
+def captured(call, device: torch.device):
+    """``call`` recorded once as a CUDA graph: a function replaying it. Raises what capture raised."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    return graph.replay
+
+
+def shard_inputs(inputs, degree: int):
+    """``inputs`` with 1/``degree`` of the latent frames: one rank's share of the video tokens at SP ``degree``."""
+    frames = inputs.video_noise.shape[2]
+    if frames % degree:
+        return None
+    return replace(inputs, video_noise=inputs.video_noise[:, :, : frames // degree].contiguous())
+
+
+def fleet_patcher(comfy, comfyui_dir: str, checkpoint: str):
+    from mgpu_backend.comfy_model.remote import FleetModelSpec, load_fleet_model
+
+    patcher = load_fleet_model(FleetModelSpec(str(Path(comfyui_dir).resolve()), str(Path(checkpoint).resolve())))
+    comfy.model_management.load_models_gpu([patcher], force_full_load=True)
+    return patcher
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--comfyui-dir", required=True, help="a ComfyUI checkout with LTX-2.3 (v0.20.1 or later); both sides import it")
+    parser.add_argument("--model", choices=("2.0", "2.3"), default="2.3", help="the random bundle's layout: 2.3 (22B, default) or 2.0 (19B)")
+    parser.add_argument("--bundle-dir", help="the random bundle both sides load (written if missing; default: a temporary folder)")
+    parser.add_argument("--gemma-dir", help="write the bundle's random Gemma folder here instead (e.g. /dev/shm: neither side reads it)")
+    parser.add_argument("--sizes", default=TEMPLATE_SIZES, help=f"WxHxF sizes (default {TEMPLATE_SIZES}: the template's two stages)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed calls per side and size (default 2)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls per side and size; the median is reported (default 7)")
+    parser.add_argument("--shards", action="store_true", help="also one rank's token shard at SP degree 2/4/8, eager (ComfyUI's forward)")
+    parser.add_argument("--capture", action="store_true", help="with --shards: also each shard replayed as a CUDA graph (GPU)")
+    parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available; cpu with --tiny)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny bundle on the CPU at small sizes, one CPU rank (the smoke run)")
+    parser.add_argument("--out", help="append the table, with command, machine and date, to this file")
+    args = parser.parse_args()
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error(f"--repeats must be >= 1 and --warmup >= 0, got {args.repeats} and {args.warmup}")
+    if args.tiny:
+        args.device = args.device or "cpu"
+        if args.sizes == TEMPLATE_SIZES:
+            args.sizes = TINY_SIZES
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"error: --device {args.device} asked for, but torch sees no CUDA device; use --tiny on the CPU")
+    if args.capture and device.type != "cuda":
+        parser.error("--capture replays CUDA graphs: it needs a GPU")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    comfy = import_comfy(args.comfyui_dir, device)
+    rows, notes = [], []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+        bundle_dir = args.bundle_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-drop-in-"))
+        config = bundle_config(args.model, args.tiny)
+        planned = sum(size for name, size in full_size.planned_bytes(config).items() if not (args.gemma_dir and name.startswith("gemma")))
+        Path(bundle_dir).mkdir(parents=True, exist_ok=True)
+        if not full_size.is_complete(bundle_dir, config, device, 0):
+            check_space(Path(bundle_dir), planned + (1 << 30), "the random bundle", "point --bundle-dir at a larger disk")
+        log(f"random bundle: {planned / 1e9:.2f} GB in {bundle_dir} ...")
+        bundle = full_size.write_bundle(bundle_dir, config, device, 0, log=log, gemma_dir=args.gemma_dir)
+        gc.collect()
+        transformer_config = checkpoint_transformer_config(bundle.checkpoint_path)
+        inputs_per_size = [make_inputs(size, transformer_config, 2, device, dtype) for size in parse_sizes(args.sizes)]
+
+        socket_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-drop-in-fleet-"))
+        os.chmod(socket_dir, 0o700)
+        gpus = str(device.index or 0) if device.type == "cuda" else None
+        api.configure(address=os.path.join(socket_dir, "fleet.sock"), gpus=gpus, cpu_ranks=None if gpus else 1)
+        stack.callback(lambda: api.fleet().shutdown())
+
+        log("ComfyUI in-process: comfy.sd.load_checkpoint_guess_config ...")
+        native = ComfyNative(comfy, bundle.checkpoint_path, device)
+        notes.append(f"- in-process: {native.description}")
+        started = time.perf_counter()
+        remote = fleet_patcher(comfy, args.comfyui_dir, bundle.checkpoint_path)
+        notes.append(f"- fleet: one rank on {device}, ComfyUI's own model loaded there in {time.perf_counter() - started:.1f} s (cold)")
+        for inputs in inputs_per_size:
+            native_call, shapes = native.forward_call(inputs, inputs.forward_sigma)
+            fleet_call, _ = ComfyNative.wrapping(comfy, remote, device, "the fleet").forward_call(inputs, inputs.forward_sigma)
+            reference, remote_out = native_call(), fleet_call()
+            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(comfy.utils.unpack_latents(reference, shapes), comfy.utils.unpack_latents(remote_out, shapes)))
+            log(f"{inputs.size}: timing ComfyUI in-process and the fleet ...")
+            native_ms = median(time_call(native_call, device, args.warmup, args.repeats))
+            fleet_ms = median(time_call(fleet_call, device, args.warmup, args.repeats))
+            rows.append([f"{inputs.size[0]}x{inputs.size[1]}x{inputs.size[2]}", str(inputs.video_tokens), "1 (whole)", f"{native_ms:.1f}", f"{fleet_ms:.1f}",
+                         f"{(fleet_ms / native_ms - 1) * 100:+.1f}%", f"{diff:.3g}", "-"])
+            if not args.shards:
+                continue
+            for degree in SHARD_DEGREES:
+                shard = shard_inputs(inputs, degree)
+                if shard is None:
+                    continue
+                call, _ = native.forward_call(shard, shard.forward_sigma)
+                eager_ms = median(time_call(call, device, args.warmup, args.repeats))
+                captured_text = "-"
+                if args.capture:
+                    try:
+                        replay = captured(call, device)
+                        captured_text = f"{median(time_call(replay, device, args.warmup, args.repeats)):.1f}"
+                    except Exception as exc:  # noqa: BLE001 - the table says why capture failed
+                        captured_text = f"capture failed: {type(exc).__name__}"
+                        notes.append(f"- capture of ComfyUI's forward at {shard.video_tokens} tokens failed: {str(exc).splitlines()[0][:200]}")
+                rows.append(["", str(shard.video_tokens), f"shard of SP {degree}", f"{eager_ms:.1f}", "-", "-", "-", captured_text])
+        native.free()
+    headers = ["size", "video tokens", "call", "ComfyUI in-process ms", "fleet world 1 ms", "overhead", "max |diff|", "shard captured ms"]
+    notes.insert(0, f"- LTX-{args.model} random bundle ({'tiny' if args.tiny else 'full size'}), {str(dtype).removeprefix('torch.')}; one video+audio "
+                    f"denoiser call (apply_model) at sigma {inputs_per_size[0].forward_sigma:g}, positive context, median of {args.repeats}; overhead: the "
+                    "fleet's call against the in-process one; shard rows: ComfyUI's forward on 1/N of the frames (one rank's tokens, no exchange)")
+    text = markdown_table(headers, rows) + "\n\n" + "\n".join(notes)
+    print(text, flush=True)
+    if args.out:
+        append_out(text, device, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,335 @@
+"""The fleet as the denoiser of a stock ComfyUI ``MODEL``: the jobs the ranks run.
+
+ComfyUI's samplers, guiders and LTX nodes run in ComfyUI's process; each call of the LTX diffusion
+model is forwarded here (``mgpu_backend.comfy_model.remote`` is the ComfyUI side), and every rank
+runs ComfyUI's own ``LTXAVModel``, imported from the ComfyUI that started the fleet and loaded by
+its own loader (``runtime``), sequence-parallel over the ranks (``plan``).
+
+Jobs (every one validates its args and refuses bad input with a JobInputError a user can act on):
+
+- ``comfy.load`` {comfy_dir, path, loader, weight_dtype} -> {model_key, comfyui_version,
+  model_class, video_heads, audio_heads, sp_degrees, dtype}. One model is resident at a time;
+  loading the resident one again is instant.
+- ``comfy.patches`` {index} + tensor ``blob`` (``wire.pack_tensor_blob``, each tensor named by its
+  ``wire.tensor_digest``, checked on arrival) -> {held: every digest now held}. ``index: []`` with
+  an empty blob only lists what is held.
+- ``comfy.patch_model`` {model_key, set_digest, entries} -> {set_digest, patched_weights}: puts
+  the patch set on the weights with ComfyUI's ``ModelPatcher``. Missing tensors are refused, with
+  their count, before anything changes (upload them with ``comfy.patches`` and retry).
+- ``comfy.forward`` {model_key, set_digest, call, count} + tensors t0.. -> {out, count,
+  rank_seconds, batch_groups, sp_degree} + tensors t0..: ``out`` is ``wire.pack`` of the
+  model's output (a tensor, or ComfyUI's [video, audio] list), its tensors on the CPU.
+- ``comfy.text_embeds`` {model_key, set_digest, unprocessed} + tensor ``cross_attn`` -> tensor
+  ``out``: ``preprocess_text_embeds`` (what LTXAV.extra_conds runs in ComfyUI's process).
+- ``comfy.unload`` -> {unloaded}: drops the model and the patch tensors.
+
+A batched call (cond and uncond in one) is split over groups of ranks (``batch_groups``), each
+running its slice sequence-parallel; the outputs come back in batch order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from typing import Any
+
+import torch
+
+from mgpu_backend.comfy_model import plan, runtime, wire
+from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
+from mgpu_backend.parallel.comm import Comm
+from mgpu_backend.parallel.sequence_parallel import valid_sp_degrees
+
+MODELS = "comfy_models"
+PATCH_TENSORS = "comfy_patch_tensors"
+GROUPS = "comfy_groups"
+
+HONOURED_OPTIONS = frozenset({"run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn", "cond_or_uncond", "sigmas", "sample_sigmas", "prefetch_dynamic_vbars"})
+"""transformer_options the rank passes to ComfyUI's model. ``prefetch_dynamic_vbars`` is recomputed
+from the rank's own patcher (as ``BaseModel._apply_model`` does); the others go through as sent."""
+CALL_KEYS = frozenset({"x", "timestep", "context", "transformer_options", "kwargs"})
+
+
+@contextlib.contextmanager
+def input_errors():
+    """Turn the engine's refusals (and a malformed wire value) into the fleet's JobInputError."""
+    try:
+        yield
+    except (runtime.ComfyInputError, plan.PlanRefused) as exc:
+        raise JobInputError(str(exc)) from exc
+
+
+def _text(args: dict, name: str) -> str:
+    value = args.get(name)
+    if not isinstance(value, str):
+        raise JobInputError(f"{name} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _choice(args: dict, name: str, choices: tuple[str, ...]) -> str:
+    value = args.get(name)
+    if value not in choices:
+        raise JobInputError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def _resident(ctx: JobContext, args: dict) -> runtime.LoadedModel:
+    key = _text(args, "model_key")
+    loaded = ctx.state.get(MODELS, {}).get(key)
+    if loaded is None:
+        raise JobInputError(f"model {key!r} is not loaded in the fleet (it restarted or unloaded); run comfy.load again")
+    return loaded
+
+
+def _check_set(loaded: runtime.LoadedModel, args: dict) -> None:
+    wanted = _text(args, "set_digest")
+    if wanted == wire.patch_set_digest([]):
+        wanted = ""
+    if wanted != loaded.set_digest:
+        raise JobInputError(
+            f"stale weight patches: the call expects patch set {wanted or 'none'!r}, the fleet's weights carry "
+            f"{loaded.set_digest or 'none'!r}; send the patch set with comfy.patch_model"
+        )
+
+
+@job("comfy.load")
+def load(ctx: JobContext, args: dict, tensors: dict):
+    """Load a model with ComfyUI's loader into every rank (instant for the resident one)."""
+    comfy_dir = _text(args, "comfy_dir")
+    path = _text(args, "path")
+    loader = _choice(args, "loader", runtime.LOADERS)
+    weight_dtype = _choice(args, "weight_dtype", runtime.WEIGHT_DTYPES)
+    if not os.path.isabs(path) or not os.path.isfile(path):
+        raise JobInputError(f"model file {path!r} is not an absolute path to a file the fleet can read")
+    with input_errors():
+        comfy, version = runtime.import_comfy(comfy_dir, ctx.device)
+        plan.check_code(comfy)
+        key = runtime.model_file_key(path, loader, weight_dtype)
+        models = ctx.state.setdefault(MODELS, {})
+        loaded = models.get(key)
+        if loaded is None:
+            models.clear()  # one resident model: drop the previous one before reading the next
+            patcher = runtime.load_model(comfy, path, loader, weight_dtype, ctx.device)
+            plan.check_model(patcher.model.diffusion_model)
+            loaded = models[key] = runtime.LoadedModel(key, patcher)
+    ctx.step("comfy.load", 1, 1)
+    video_heads, audio_heads = plan.head_counts(loaded.diffusion_model)
+    return {
+        "model_key": key,
+        "comfyui_version": version,
+        "model_class": type(loaded.diffusion_model).__name__,
+        "video_heads": video_heads,
+        "audio_heads": audio_heads,
+        "sp_degrees": valid_sp_degrees(video_heads, audio_heads),
+        "dtype": str(loaded.patcher.model.get_dtype_inference()).removeprefix("torch."),
+    }, {}
+
+
+@job("comfy.patches")
+def patches(ctx: JobContext, args: dict, tensors: dict):
+    """Keep weight-patch tensors (named by content digest) on every rank, on the CPU."""
+    blob = tensors.get("blob", torch.empty(0, dtype=torch.uint8))
+    try:
+        arrived = wire.unpack_tensor_blob(args.get("index"), blob)
+    except ValueError as exc:
+        raise JobInputError(f"the patch tensor blob is malformed: {exc}") from exc
+    held = ctx.state.setdefault(PATCH_TENSORS, {})
+    for digest, view in arrived.items():
+        if digest in held:
+            continue
+        with torch.inference_mode(False):  # a normal tensor: wire.tensor_digest reads its version counter
+            tensor = view.clone()
+        if wire.tensor_digest(tensor) != digest:
+            raise JobInputError(f"patch tensor {digest!r} arrived with other contents than its digest names; resend it")
+        held[digest] = tensor
+    return {"held": sorted(held)}, {}
+
+
+@job("comfy.patch_model")
+def patch_model(ctx: JobContext, args: dict, tensors: dict):
+    """Put a weight patch set (LoRAs) on the resident model, as ComfyUI's ModelPatcher does."""
+    loaded = _resident(ctx, args)
+    entries = args.get("entries")
+    if not isinstance(entries, list):
+        raise JobInputError("entries must be the list wire.pack_patches made")
+    set_digest = "" if not entries else _text(args, "set_digest")
+    if entries and set_digest != wire.patch_set_digest(entries):
+        raise JobInputError("set_digest is not wire.patch_set_digest(entries); send the digest of these entries")
+    held = ctx.state.setdefault(PATCH_TENSORS, {})
+    missing = runtime.missing_digests(entries, held)
+    if missing:
+        raise JobInputError(f"{len(missing)} patch tensors are not in the fleet; upload them with comfy.patches and retry")
+    comfy = __import__("comfy")
+    with input_errors():
+        try:
+            rebuilt = wire.unpack_patches(entries, held, lambda name, keys, weights: runtime.make_adapter(comfy, name, keys, weights))
+        except ValueError as exc:
+            raise runtime.ComfyInputError(f"the weight patches are malformed: {exc}") from exc
+        if set_digest != loaded.set_digest:
+            loaded.set_digest = ""  # half-patched weights match no set until this one is on
+            runtime.apply_patches(comfy, loaded, rebuilt, ctx.device)
+            loaded.set_digest = set_digest
+    ctx.step("comfy.patch_model", 1, 1)
+    return {"set_digest": loaded.set_digest, "patched_weights": len(rebuilt)}, {}
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, list):
+        return [_to_device(item, device) for item in value]
+    if isinstance(value, tuple):
+        return tuple(_to_device(item, device) for item in value)
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    return value
+
+
+def _batch_slice(value: Any, batch: int, start: int, stop: int) -> Any:
+    """``value`` with every batched tensor (first dim ``batch``) and per-sample list cut to [start, stop)."""
+    if isinstance(value, torch.Tensor):
+        return value[start:stop] if value.ndim and value.shape[0] == batch else value
+    if isinstance(value, tuple):
+        return tuple(_batch_slice(item, batch, start, stop) for item in value)
+    if isinstance(value, list):
+        return [_batch_slice(item, batch, start, stop) for item in value]
+    if isinstance(value, dict):
+        return {key: _batch_slice(item, batch, start, stop) for key, item in value.items()}
+    return value
+
+
+def batch_groups(batch: int, world_size: int, sp_degrees: list[int]) -> int:
+    """How many groups of ranks share a call of ``batch`` samples: the most that divide both the batch
+    and the fleet while each group's rank count is a valid SP degree."""
+    for groups in range(min(batch, world_size), 0, -1):
+        if batch % groups == 0 and world_size % groups == 0 and world_size // groups in sp_degrees:
+            return groups
+    raise JobInputError(
+        f"a fleet of {world_size} ranks cannot run this model sequence-parallel (SP degrees {sp_degrees} split its "
+        "attention heads); start the fleet with a rank count among them"
+    )
+
+
+def _group_comms(ctx: JobContext, groups: int) -> tuple[Comm, Comm]:
+    """(this rank's SP group, the ranks holding the same shard in every group), made once per layout.
+    Groups are contiguous rank blocks: group g holds ranks g*S .. g*S+S-1."""
+    cache = ctx.state.setdefault(GROUPS, {})
+    if groups not in cache:
+        size = ctx.world_size // groups
+        sp = [[group * size + index for index in range(size)] for group in range(groups)]
+        across = [[group * size + index for group in range(groups)] for index in range(size)]
+        sp_comm = ctx.comm if groups == 1 else (Comm(None, [ctx.rank]) if size == 1 else ctx.comm.split(sp))
+        across_comm = Comm(None, [ctx.rank]) if groups == 1 else (ctx.comm if size == 1 else ctx.comm.split(across))
+        cache[groups] = (sp_comm, across_comm)
+    return cache[groups]
+
+
+def _gathered_batch(value: Any, comm: Comm) -> Any:
+    if isinstance(value, torch.Tensor):
+        return comm.all_gather(value, dim=0)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_gathered_batch(item, comm) for item in value)
+    raise TypeError(f"ComfyUI's model returned a {type(value).__name__}")
+
+
+def _call(args: dict, tensors: dict) -> dict:
+    count = args.get("count")
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 < count <= wire.MAX_PACKED_TENSORS:
+        raise JobInputError(f"count must be the number of call tensors (1 to {wire.MAX_PACKED_TENSORS}), got {count!r}")
+    try:
+        call = wire.unpack(args.get("call"), wire.tensors_in_order(tensors, count))
+    except ValueError as exc:
+        raise JobInputError(f"the denoiser call is malformed: {exc}") from exc
+    if not isinstance(call, dict) or set(call) != CALL_KEYS:
+        raise JobInputError(f"a denoiser call holds exactly {', '.join(sorted(CALL_KEYS))}")
+    options, kwargs = call["transformer_options"], call["kwargs"]
+    if not isinstance(options, dict) or not isinstance(kwargs, dict):
+        raise JobInputError("transformer_options and kwargs of a denoiser call must be dicts")
+    refused = sorted(set(options) - HONOURED_OPTIONS)
+    if refused:
+        raise JobInputError(
+            f"transformer option(s) {', '.join(refused)} are not honoured by the fleet's denoiser; "
+            f"it honours {', '.join(sorted(HONOURED_OPTIONS))}. Remove the node that sets them, or run this model in ComfyUI"
+        )
+    clashing = sorted(set(kwargs) & {"x", "timestep", "context", "control", "transformer_options"})
+    if clashing:
+        raise JobInputError(f"kwargs of a denoiser call must not repeat {', '.join(clashing)}")
+    if not isinstance(call["x"], (torch.Tensor, list)):
+        raise JobInputError("x of a denoiser call is a tensor or ComfyUI's [video, audio] list")
+    return call
+
+
+def _batch_size(x: Any) -> int:
+    return (x[0] if isinstance(x, list) else x).shape[0]
+
+
+@job("comfy.forward")
+def forward(ctx: JobContext, args: dict, tensors: dict):
+    """One call of ComfyUI's diffusion model, sequence-parallel over the fleet (split by batch over groups)."""
+    loaded = _resident(ctx, args)
+    _check_set(loaded, args)
+    call = _call(args, tensors)
+    model = loaded.diffusion_model
+    video_heads, audio_heads = plan.head_counts(model)
+    batch = _batch_size(call["x"])
+    groups = batch_groups(batch, ctx.world_size, valid_sp_degrees(video_heads, audio_heads))
+    sp_comm, across_comm = _group_comms(ctx, groups)
+    if loaded.plan is None or loaded.plan.comm is not sp_comm:
+        if loaded.plan is not None:
+            loaded.plan.remove()
+        loaded.plan = plan.apply_plan(model, sp_comm, video_query_exchange=ctx.device.type == "cpu")
+
+    group = ctx.rank // (ctx.world_size // groups)
+    share = batch // groups
+    call = _to_device(_batch_slice(call, batch, group * share, (group + 1) * share), ctx.device)
+    options = {**call["transformer_options"], "prefetch_dynamic_vbars": loaded.patcher.is_dynamic()}
+    loaded.plan.cancel_point = lambda step, total: ctx.step("comfy.forward", step, total)
+    started = time.perf_counter()
+    try:
+        out = model(call["x"], call["timestep"], context=call["context"], control=None, transformer_options=options, **call["kwargs"])
+    finally:
+        loaded.plan.cancel_point = None
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    seconds = time.perf_counter() - started
+    out = _gathered_batch(out, across_comm)
+    rank_seconds = ctx.control.all_gather(torch.tensor([seconds], dtype=torch.float64), dim=0)
+    packed, out_tensors = wire.pack(_to_device(out, torch.device("cpu")))
+    return {
+        "out": packed,
+        "count": len(out_tensors),
+        "rank_seconds": [round(value, 6) for value in rank_seconds.tolist()],
+        "batch_groups": groups,
+        "sp_degree": sp_comm.world_size,
+    }, wire.tensors_by_name(out_tensors)
+
+
+@job("comfy.text_embeds")
+def text_embeds(ctx: JobContext, args: dict, tensors: dict):
+    """``preprocess_text_embeds`` of the resident model (LTXAV.extra_conds runs it in ComfyUI's process)."""
+    loaded = _resident(ctx, args)
+    _check_set(loaded, args)
+    unprocessed = args.get("unprocessed")
+    if not isinstance(unprocessed, bool):
+        raise JobInputError("unprocessed must be true or false (ComfyUI's unprocessed_ltxav_embeds)")
+    cross_attn = tensors.get("cross_attn")
+    if cross_attn is None or cross_attn.ndim != 3:
+        raise JobInputError("comfy.text_embeds takes the tensor cross_attn, (batch, tokens, features)")
+    if ctx.rank != 0:  # replicated work: rank 0's answer is the job's
+        return {}, {}
+    dtype = loaded.patcher.model.get_dtype_inference()
+    out = loaded.diffusion_model.preprocess_text_embeds(cross_attn.to(device=ctx.device, dtype=dtype), unprocessed=unprocessed)
+    return {}, {"out": out.cpu()}
+
+
+@job("comfy.unload")
+def unload(ctx: JobContext, args: dict, tensors: dict):
+    """Drop the ComfyUI model and the weight-patch tensors; the fleet stays up."""
+    models = ctx.state.pop(MODELS, {})
+    for loaded in models.values():
+        if loaded.plan is not None:
+            loaded.plan.remove()
+    held = ctx.state.pop(PATCH_TENSORS, {})
+    ctx.step("comfy.unload", 1, 1)
+    return {"unloaded": len(models), "patch_tensors_dropped": len(held)}, {}

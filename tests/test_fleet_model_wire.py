@@ -1,0 +1,114 @@
+"""What a ComfyUI denoiser call and its weight patches become on the wire, and what the drop-in MODEL
+refuses to send: pure functions, no ComfyUI and no fleet needed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mgpu_backend.comfy_model import remote, wire
+
+
+def test_a_denoiser_call_round_trips_with_tuples_lists_and_scalars_intact():
+    video, audio = torch.randn(1, 128, 2, 3, 4), torch.randn(1, 8, 9, 16)
+    call = {
+        "x": [video, audio],
+        "timestep": (torch.tensor([0.7]), torch.tensor([0.7])),
+        "context": torch.randn(1, 5, 192, dtype=torch.bfloat16),
+        "transformer_options": {"cond_or_uncond": [0], "run_vx": True},
+        "kwargs": {"frame_rate": 25.0, "latent_shapes": [[1, 128, 2, 3, 4], [1, 8, 9, 16]], "keyframe_idxs": None},
+    }
+    packed, tensors = wire.pack(call)
+    assert len(tensors) == 5
+    back = wire.unpack(packed, wire.tensors_in_order(wire.tensors_by_name(tensors), len(tensors)))
+    assert isinstance(back["x"], list) and isinstance(back["timestep"], tuple)
+    assert torch.equal(back["x"][0], video) and torch.equal(back["x"][1], audio)
+    assert back["context"].dtype == torch.bfloat16
+    assert back["kwargs"] == {"frame_rate": 25.0, "latent_shapes": [[1, 128, 2, 3, 4], [1, 8, 9, 16]], "keyframe_idxs": None}
+    assert back["transformer_options"] == {"cond_or_uncond": [0], "run_vx": True}
+
+
+def test_a_callable_is_refused_with_the_path_where_it_sits():
+    with pytest.raises(wire.UnsupportedValue, match=r"kwargs\.patches\[1\] is a .*len from builtins"):
+        wire.pack({"kwargs": {"patches": [1, len]}})
+
+
+def test_a_packed_value_naming_a_tensor_that_did_not_come_is_refused():
+    with pytest.raises(ValueError, match="names tensor 3, but 1 came"):
+        wire.unpack({"$tensor": 3}, [torch.zeros(1)])
+    with pytest.raises(ValueError, match="names tensors"):
+        wire.tensors_in_order({"t0": torch.zeros(1)}, 2)
+
+
+def test_many_tensors_share_one_aligned_buffer_and_come_back_exactly():
+    named = {
+        "a": torch.arange(7, dtype=torch.float32),
+        "b": torch.randn(3, 5).to(torch.bfloat16),
+        "c": torch.randn(4, 4).to(torch.float8_e4m3fn),
+    }
+    index, blob = wire.pack_tensor_blob(named)
+    assert blob.dtype == torch.uint8 and all(entry["offset"] % wire.BLOB_ALIGN == 0 for entry in index)
+    back = wire.unpack_tensor_blob(index, blob)
+    for name, tensor in named.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name].view(torch.uint8), tensor.view(torch.uint8))
+
+
+def test_a_blob_entry_running_past_its_buffer_is_refused():
+    index, blob = wire.pack_tensor_blob({"a": torch.zeros(16)})
+    index[0]["shape"] = [1 << 20]
+    with pytest.raises(ValueError, match="runs past the end"):
+        wire.unpack_tensor_blob(index, blob)
+
+
+def test_patch_tensors_are_named_by_content_so_equal_loras_share_a_digest():
+    up, down = torch.randn(8, 2), torch.randn(2, 8)
+    patches = {"diffusion_model.a.weight": [(0.5, ("diff", (up @ down,)), 1.0, None, None)]}
+    entries, by_digest = wire.pack_patches(patches)
+    again, _ = wire.pack_patches({"diffusion_model.a.weight": [(0.5, ("diff", ((up @ down).clone(),)), 1.0, None, None)]})
+    assert entries == again and len(by_digest) == 1
+    assert wire.patch_set_digest(entries) == wire.patch_set_digest(again)
+    rebuilt = wire.unpack_patches(entries, by_digest, make_adapter=None)
+    strength, patch, model_strength, offset, function = rebuilt["diffusion_model.a.weight"][0]
+    assert (strength, model_strength, offset, function) == (0.5, 1.0, None, None)
+    assert patch[0] == "diff" and torch.equal(patch[1][0], up @ down)
+    changed, _ = wire.pack_patches({"diffusion_model.a.weight": [(0.25, ("diff", (up @ down,)), 1.0, None, None)]})
+    assert wire.patch_set_digest(changed) != wire.patch_set_digest(entries)
+
+
+def test_a_patch_function_is_refused_naming_the_weight():
+    with pytest.raises(wire.UnsupportedValue, match="patch function of diffusion_model.a.weight"):
+        wire.pack_patches({"diffusion_model.a.weight": [(1.0, ("diff", (torch.zeros(1),)), 1.0, None, abs)]})
+
+
+def test_transformer_options_keep_what_the_ranks_honour_and_drop_what_stays_in_comfyui():
+    options = {"cond_or_uncond": [1, 0], "run_ax": False, "sigmas": torch.tensor([0.5]), "uuids": ["u"], "wrappers": {}}
+    assert remote.transformer_options_to_send(options) == {"cond_or_uncond": [1, 0], "run_ax": False}
+
+
+def my_block_patch(args, extra):
+    return args
+
+
+def test_a_block_replacement_is_refused_naming_its_origin():
+    options = {"patches_replace": {"dit": {("double_block", 3): my_block_patch}}}
+    with pytest.raises(remote.UnsupportedModelPatch, match=r"'dit' block replacement at \('double_block', 3\) by my_block_patch \(from [\w.]*test_fleet_model_wire\)"):
+        remote.transformer_options_to_send(options)
+
+
+def test_an_unknown_transformer_option_and_an_attention_override_are_refused():
+    with pytest.raises(remote.UnsupportedModelPatch, match="transformer option 'my_cache'"):
+        remote.transformer_options_to_send({"my_cache": object()})
+    with pytest.raises(remote.UnsupportedModelPatch, match="attention function is replaced by my_block_patch"):
+        remote.transformer_options_to_send({"optimized_attention_override": my_block_patch})
+
+
+def test_an_object_patch_inside_the_diffusion_model_is_refused_but_model_sampling_is_not():
+    remote.check_model_options({}, {"model_sampling": object()})
+    with pytest.raises(remote.UnsupportedModelPatch, match="'diffusion_model.transformer_blocks.0' replaced"):
+        remote.check_model_options({}, {"diffusion_model.transformer_blocks.0": my_block_patch})
+
+
+def test_the_denoise_step_is_read_from_the_schedule():
+    options = {"sample_sigmas": torch.tensor([1.0, 0.9, 0.4, 0.0]), "sigmas": torch.tensor([0.4])}
+    assert remote.denoise_step(options) == (3, 3)
+    assert remote.denoise_step({}) == (0, 0)
