@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import math
-import weakref
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 TENSOR_KEY = "$tensor"
 TUPLE_KEY = "$tuple"
@@ -222,21 +222,24 @@ def patch_set_digest(entries: list[dict]) -> str:
 
 # -- content digests -------------------------------------------------------------------------------
 
-_digests: "weakref.WeakKeyDictionary[torch.Tensor, tuple[int, str]]" = weakref.WeakKeyDictionary()
+_digests: "WeakIdKeyDictionary[torch.Tensor, tuple[int, str]]" = WeakIdKeyDictionary()
+"""By identity: a WeakKeyDictionary compares a tensor key with ``==``, which is elementwise, so its
+second lookup of a tensor raises."""
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """A digest of the tensor's dtype, shape and bytes. Remembered per tensor object (and its
     version counter), so a LoRA that stays loaded in ComfyUI is hashed once, not every graph."""
+    version = 0 if tensor.is_inference() else tensor._version  # ComfyUI loads LoRAs under inference_mode: no counter
     known = _digests.get(tensor)
-    if known is not None and known[0] == tensor._version:
+    if known is not None and known[0] == version:
         return known[1]
     hasher = hashlib.blake2b(digest_size=20)
     hasher.update(f"{BLOB_DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))}{tuple(tensor.shape)}".encode())
     flat = tensor.detach().contiguous().cpu().reshape(-1)
     hasher.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
     digest = hasher.hexdigest()
-    _digests[tensor] = (tensor._version, digest)
+    _digests[tensor] = (version, digest)
     return digest
 
 
