@@ -7,7 +7,7 @@ HTTP API twice: as it is (the denoiser in ComfyUI's process) and with its loader
 ``comfy_templates.swap_model_loader`` (every denoiser call on the fleet). The test adds lossless
 outputs to both: SaveLatent on the final video and audio latents, SaveImage (PNG) on the decoded
 frames. With one rank the fleet must give them bit for bit; with two ranks (sequence parallel) within
-``TWO_RANK_LATENT_BOUND`` of ComfyUI's own.
+``TWO_RANK_LATENT_BOUND`` and ``TWO_RANK_FRAME_BOUND`` of ComfyUI's own.
 
 Runs only with COMFYUI_DIR pointing at a ComfyUI checkout (COMFYUI_PYTHON: its Python). One ComfyUI
 per fleet size (MGPU_CPU_RANKS 1, then 2), started with --cpu in a temporary base directory whose
@@ -39,9 +39,12 @@ GRAPHS = ("ltx23_t2v", "ltx23_i2v", "ltx23_flf2v", "ltx23_ia2v")
 FLEET_SIZES = (1, 2)
 START_TIMEOUT_SECONDS = 240
 RUN_TIMEOUT_SECONDS = 600
-TWO_RANK_LATENT_BOUND = 1e-4
+TWO_RANK_LATENT_BOUND = 1e-5
 """Largest |fleet - ComfyUI| over a latent, relative to the latent's largest magnitude, at two ranks:
-sequence parallel attention sums its softmax over two shards, in another order than one process."""
+sequence parallel attention sums its softmax over two shards, in another order than one process
+(measured: at most 2.9e-7 over the four graphs, after their 11 or 8 denoiser steps)."""
+TWO_RANK_FRAME_BOUND = 2
+"""Largest |fleet - ComfyUI| of a decoded frame's 8-bit value at two ranks (measured: 1)."""
 AUDIO_FILE = "tone.wav"  # the image+audio graph's LoadAudio reads this instead of the template's mp3
 
 LAYOUT_ADAPTER = '''
@@ -220,4 +223,4 @@ def test_tiny_graph_with_the_fleets_loader_gives_comfyuis_own_latents_and_frames
     if comfyui.ranks == 1:
         assert video == audio == 0.0 and frames == 0, "one fleet rank must give ComfyUI's own outputs bit for bit"
     else:
-        assert video <= TWO_RANK_LATENT_BOUND and audio <= TWO_RANK_LATENT_BOUND, (video, audio)
+        assert video <= TWO_RANK_LATENT_BOUND and audio <= TWO_RANK_LATENT_BOUND and frames <= TWO_RANK_FRAME_BOUND, (video, audio, frames)
