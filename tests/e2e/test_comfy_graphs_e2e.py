@@ -66,15 +66,17 @@ class MGPUTestConditioningLayout:
         adapted = []
         for tensor, options in conditioning:
             audio = options.get("mgpu_audio_context")
-            kept = {key: value for key, value in options.items() if not key.startswith("mgpu_")}
-            adapted.append([tensor if audio is None else torch.cat((tensor, audio.to(tensor)), dim=-1), kept])
+            if audio is not None and not (tensor.shape[-1] > audio.shape[-1] and torch.equal(tensor[..., -audio.shape[-1]:], audio.to(tensor))):
+                tensor = torch.cat((tensor, audio.to(tensor)), dim=-1)  # not yet side by side
+            adapted.append([tensor, {key: value for key, value in options.items() if not key.startswith("mgpu_")}])
         return (adapted,)
 
 
 NODE_CLASS_MAPPINGS = {"MGPUTestConditioningLayout": MGPUTestConditioningLayout}
 '''
-"""A custom node of this test only, until MGPU Text Encode gives ComfyUI's layout itself: inserted
-between MGPU Text Encode and the stock nodes it feeds, in both runs alike."""
+"""A custom node of this test only, until MGPU Text Encode gives ComfyUI's layout itself (then it
+passes the CONDITIONING through): inserted between MGPU Text Encode and the stock nodes it feeds,
+in both runs alike."""
 
 pytestmark = [
     pytest.mark.e2e,
