@@ -51,6 +51,7 @@ DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"
 UPLOAD_WIDGETS = {"image_upload": 1, "video_upload": 1, "audio_upload": 2}
 """Frontend-only widgets an upload option adds after its combo (an upload button; for audio also a
 player), each holding a place in ``widgets_values``."""
+MISSING = object()  # no saved value for a widget, or no default for it
 
 
 class WorkflowError(ValueError):
@@ -80,9 +81,6 @@ def _input_kind(spec) -> str:
 
 def _input_options(spec) -> dict:
     return spec[1] if len(spec) > 1 and isinstance(spec[1], dict) else {}
-
-
-MISSING = object()
 
 
 def _default_value(spec):
