@@ -28,6 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
+from mgpu_backend.fleet.shared_gpu import refuse_for_speed  # noqa: E402 - after the path line above
+
 from mgpu_backend.bundles.random_weights import materialize_random_  # noqa: E402,F401 - one recipe for random weights
 
 
@@ -205,6 +207,7 @@ def bench_parser(description: str, *, tiny_help: str, warmup: int, repeats: int,
 def run_bench(parser: argparse.ArgumentParser, measure: Callable[[argparse.Namespace], str]) -> None:
     """Parse, check, measure with the logs on stderr, and print (and --out) the table."""
     args = parser.parse_args()
+    refuse_for_speed(Path(sys.argv[0]).name)  # ranks sharing one GPU give no speed figures
     if args.warmup < 0 or args.repeats < 1:
         parser.error(f"--warmup must be >= 0 and --repeats >= 1, got {args.warmup} and {args.repeats}")
     if args.tiny and args.device is None:

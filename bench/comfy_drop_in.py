@@ -12,9 +12,11 @@ Sizes: ComfyUI's LTX-2.3 template (image to video, cfg 1 with the distilled LoRA
 121 frames: stage 1 at half size, 640x352 after ComfyUI's rounding to 32 (3520 video tokens), stage 2 at
 1280x704 (14080 tokens). ``--shards`` adds the eager forward of one rank's token shard at SP degree
 2/4/8 (the latent cut to 1/N of its frames: the same tokens per rank, no exchange), and with
-``--capture`` the same replayed as a CUDA graph, to show how much of a short shard is launch overhead.
+``--capture`` the same with the transformer blocks replayed as a CUDA graph (``captured_blocks``, the fleet's default on
+GPU ranks), to show how much of a short shard is launch overhead.
 
     python bench/comfy_drop_in.py --comfyui-dir ~/ComfyUI --model 2.3 --bundle-dir /data/b22 --shards --capture --out FILE   # one GPU
+    python bench/comfy_drop_in.py --comfyui-dir ~/ComfyUI --model 2.3 --bundle-dir /data/b22 --gpus 0,1,2,3,4,5,6,7 --out FILE   # SP over 8 GPUs
     python bench/comfy_drop_in.py --comfyui-dir ~/ComfyUI --tiny                                                            # CPU smoke run
 
 It prints one markdown table and notes (``--out``: appended under the command, machine and date).
@@ -38,6 +40,7 @@ from _common import append_out, log, markdown_table, median, synchronize
 from comfy_native import TINY_SIZES, ComfyNative, bundle_config, checkpoint_transformer_config, import_comfy, make_inputs, parse_sizes
 from e2e import check_space
 from mgpu_backend.bundles import full_size
+from mgpu_backend.comfy_model.captured_blocks import capture_blocks
 from mgpu_backend.ltx import api
 
 TEMPLATE_SIZES = "640x352x121,1280x704x121"  # the LTX-2.3 template's stage 1 and stage 2 at 1280x720, rounded to 32 as ComfyUI does
@@ -56,18 +59,25 @@ def time_call(call, device: torch.device, warmup: int, repeats: int) -> list[flo
     return times
 
 
-def captured(call, device: torch.device):
-    """``call`` recorded once as a CUDA graph: a function replaying it. Raises what capture raised."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            call()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return graph.replay
+def largest_difference(comfy, reference, other, shapes) -> float:
+    pairs = zip(comfy.utils.unpack_latents(reference, shapes), comfy.utils.unpack_latents(other, shapes))
+    return max((a.float() - b.float()).abs().max().item() for a, b in pairs)
+
+
+def captured_columns(comfy, native, diffusion_model, inputs, device: torch.device, args) -> list[str]:
+    """[captured ms, max |diff| against eager] of ComfyUI's forward with its blocks replayed as a CUDA
+    graph (the fleet's default on GPU ranks, ``captured_blocks``)."""
+    call, shapes = native.forward_call(inputs, inputs.forward_sigma)
+    eager_out = call()
+    wrapper = capture_blocks(diffusion_model, None)
+    try:
+        captured_out = call()
+        if wrapper.replays == 0:
+            return ["eager (capture failed)", "-"]
+        captured_ms = median(time_call(call, device, args.warmup, args.repeats))
+        return [f"{captured_ms:.1f}", f"{largest_difference(comfy, eager_out, captured_out, shapes):.3g}"]
+    finally:
+        wrapper.remove()
 
 
 def shard_inputs(inputs, degree: int):
@@ -98,6 +108,8 @@ def main() -> None:
     parser.add_argument("--shards", action="store_true", help="also one rank's token shard at SP degree 2/4/8, eager (ComfyUI's forward)")
     parser.add_argument("--capture", action="store_true", help="with --shards: also each shard replayed as a CUDA graph (GPU)")
     parser.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when available; cpu with --tiny)")
+    parser.add_argument("--gpus", help="the fleet's GPUs, e.g. 0,1,2,3 (default: the one of --device): with several, each call is "
+                                       "sequence parallel over them, against ComfyUI in-process on one")
     parser.add_argument("--tiny", action="store_true", help="the tiny bundle on the CPU at small sizes, one CPU rank (the smoke run)")
     parser.add_argument("--out", help="append the table, with command, machine and date, to this file")
     args = parser.parse_args()
@@ -131,7 +143,7 @@ def main() -> None:
 
         socket_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-drop-in-fleet-"))
         os.chmod(socket_dir, 0o700)
-        gpus = str(device.index or 0) if device.type == "cuda" else None
+        gpus = (args.gpus or str(device.index or 0)) if device.type == "cuda" else None
         api.configure(address=os.path.join(socket_dir, "fleet.sock"), gpus=gpus, cpu_ranks=None if gpus else 1)
         stack.callback(lambda: api.fleet().shutdown())
 
@@ -140,17 +152,22 @@ def main() -> None:
         notes.append(f"- in-process: {native.description}")
         started = time.perf_counter()
         remote = fleet_patcher(comfy, args.comfyui_dir, bundle.checkpoint_path)
-        notes.append(f"- fleet: one rank on {device}, ComfyUI's own model loaded there in {time.perf_counter() - started:.1f} s (cold)")
+        where = f"GPUs {gpus}" if gpus and "," in gpus else str(device)
+        notes.append(f"- fleet: {len(gpus.split(',')) if gpus else 1} rank(s) on {where}, ComfyUI's own model loaded there in "
+                     f"{time.perf_counter() - started:.1f} s (cold)")
+        diffusion_model = native.patcher.model.diffusion_model
         for inputs in inputs_per_size:
             native_call, shapes = native.forward_call(inputs, inputs.forward_sigma)
             fleet_call, _ = ComfyNative.wrapping(comfy, remote, device, "the fleet").forward_call(inputs, inputs.forward_sigma)
             reference, remote_out = native_call(), fleet_call()
-            diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(comfy.utils.unpack_latents(reference, shapes), comfy.utils.unpack_latents(remote_out, shapes)))
+            diff = largest_difference(comfy, reference, remote_out, shapes)
             log(f"{inputs.size}: timing ComfyUI in-process and the fleet ...")
             native_ms = median(time_call(native_call, device, args.warmup, args.repeats))
             fleet_ms = median(time_call(fleet_call, device, args.warmup, args.repeats))
-            rows.append([f"{inputs.size[0]}x{inputs.size[1]}x{inputs.size[2]}", str(inputs.video_tokens), "1 (whole)", f"{native_ms:.1f}", f"{fleet_ms:.1f}",
-                         f"{(fleet_ms / native_ms - 1) * 100:+.1f}%", f"{diff:.3g}", "-"])
+            notes.append(f"- fleet at {inputs.video_tokens} tokens: the rank ran its blocks as {remote.fleet_link.last_blocks or 'unknown'}")
+            row = [f"{inputs.size[0]}x{inputs.size[1]}x{inputs.size[2]}", str(inputs.video_tokens), "whole", f"{native_ms:.1f}", f"{fleet_ms:.1f}",
+                   f"{(fleet_ms / native_ms - 1) * 100:+.1f}%", f"{diff:.3g}"]
+            rows.append(row + captured_columns(comfy, native, diffusion_model, inputs, device, args) if args.capture else row + ["-", "-"])
             if not args.shards:
                 continue
             for degree in SHARD_DEGREES:
@@ -159,20 +176,15 @@ def main() -> None:
                     continue
                 call, _ = native.forward_call(shard, shard.forward_sigma)
                 eager_ms = median(time_call(call, device, args.warmup, args.repeats))
-                captured_text = "-"
-                if args.capture:
-                    try:
-                        replay = captured(call, device)
-                        captured_text = f"{median(time_call(replay, device, args.warmup, args.repeats)):.1f}"
-                    except Exception as exc:  # noqa: BLE001 - the table says why capture failed
-                        captured_text = f"capture failed: {type(exc).__name__}"
-                        notes.append(f"- capture of ComfyUI's forward at {shard.video_tokens} tokens failed: {str(exc).splitlines()[0][:200]}")
-                rows.append(["", str(shard.video_tokens), f"shard of SP {degree}", f"{eager_ms:.1f}", "-", "-", "-", captured_text])
+                row = ["", str(shard.video_tokens), f"shard of SP {degree}", f"{eager_ms:.1f}", "-", "-", "-"]
+                rows.append(row + captured_columns(comfy, native, diffusion_model, shard, device, args) if args.capture else row + ["-", "-"])
         native.free()
-    headers = ["size", "video tokens", "call", "ComfyUI in-process ms", "fleet world 1 ms", "overhead", "max |diff|", "shard captured ms"]
+    world = len(args.gpus.split(",")) if args.gpus and device.type == "cuda" else 1
+    headers = ["size", "video tokens", "forward", "ComfyUI eager ms", f"fleet world {world} ms", "overhead", "max |diff| fleet", "ComfyUI blocks captured ms", "max |diff| captured"]
     notes.insert(0, f"- LTX-{args.model} random bundle ({'tiny' if args.tiny else 'full size'}), {str(dtype).removeprefix('torch.')}; one video+audio "
                     f"denoiser call (apply_model) at sigma {inputs_per_size[0].forward_sigma:g}, positive context, median of {args.repeats}; overhead: the "
-                    "fleet's call against the in-process one; shard rows: ComfyUI's forward on 1/N of the frames (one rank's tokens, no exchange)")
+                    "fleet's call against the in-process one (the fleet replays its blocks as CUDA graphs unless MGPU_COMFY_CUDA_GRAPHS=0); shard rows: ComfyUI's forward "
+                    "on 1/N of the frames (one rank's tokens, no exchange); captured: the same in-process forward with its transformer blocks replayed as a CUDA graph")
     text = markdown_table(headers, rows) + "\n\n" + "\n".join(notes)
     print(text, flush=True)
     if args.out:

@@ -21,7 +21,9 @@ from mgpu_backend.comfy_model.remote import WEIGHT_DTYPES, FleetModelSpec
 from .fleet_job import FleetJob, comfy_module
 
 CATEGORY = "MGPU/LTX-2"
-SEARCH_ALIASES = ["ltx", "ltx-2", "ltx-2.3", "ltxv", "load checkpoint", "multi gpu", "multi-gpu", "sequence parallel", "mgpu"]
+EMBEDDED_TINY = "(embedded tiny LTX-2.3, random weights)"
+"""The first choice of both loaders: the pack's tiny LTX-2.3 checkpoint (every component, random
+weights), written on first use; graphs that use it run anywhere, on CPU ranks too, with no download."""
 
 
 def _comfy_dir() -> str:
@@ -39,9 +41,17 @@ def _file_list(folder: str) -> list[str]:
 
 
 def _full_path(folder: str, name: str) -> str:
+    if name == EMBEDDED_TINY:
+        from mgpu_backend.bundles.tiny import default_tiny_bundle
+
+        return str(default_tiny_bundle("2.3").checkpoint_path)
     import folder_paths
 
     return folder_paths.get_full_path_or_raise(folder, name)
+
+
+def _choices(folder: str) -> list[str]:
+    return [EMBEDDED_TINY, *_file_list(folder)]
 
 
 _reporters: dict[str, FleetJob] = {}
@@ -97,13 +107,14 @@ class MGPUCheckpointLoader:
         "of the MGPU fleet (sequence parallel; a batched cond+uncond call split over GPU groups). LoRA loaders, guiders, samplers "
         "and LTX conditioning nodes work on it unchanged."
     )
-    SEARCH_ALIASES = SEARCH_ALIASES
 
     @classmethod
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "ckpt_name": (_file_list("checkpoints"), {"tooltip": "An LTX-2 checkpoint in ComfyUI's checkpoints folder (e.g. ltx-2.3-22b-dev.safetensors)."}),
+                "ckpt_name": (_choices("checkpoints"), {"default": EMBEDDED_TINY, "tooltip": (
+                    "An LTX-2 checkpoint in ComfyUI's checkpoints folder (e.g. ltx-2.3-22b-dev.safetensors), or the embedded tiny "
+                    "LTX-2.3 (random weights: noise out, runs anywhere)")}),
             },
             "optional": {
                 "weight_dtype": (list(WEIGHT_DTYPES), {"default": "default", "advanced": True,
@@ -127,13 +138,13 @@ class MGPUDiffusionModelLoader:
     OUTPUT_TOOLTIPS = ("The LTX model for ComfyUI's samplers and guiders; each denoiser call runs on every GPU of the MGPU fleet.",)
     FUNCTION = "load"
     DESCRIPTION = "Drop-in for Load Diffusion Model in ComfyUI's LTX-2 graphs: the diffusion model spread over all GPUs of the MGPU fleet."
-    SEARCH_ALIASES = SEARCH_ALIASES + ["load diffusion model", "unet"]
 
     @classmethod
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "unet_name": (_file_list("diffusion_models"), {"tooltip": "An LTX-2 diffusion model in ComfyUI's diffusion_models folder."}),
+                "unet_name": (_choices("diffusion_models"), {"default": EMBEDDED_TINY, "tooltip": (
+                    "An LTX-2 diffusion model in ComfyUI's diffusion_models folder, or the embedded tiny LTX-2.3 (random weights)")}),
                 "weight_dtype": (list(WEIGHT_DTYPES), {"default": "default", "tooltip": "The transformer's weight dtype in the fleet, as Load Diffusion Model offers it."}),
             }
         }
@@ -142,4 +153,5 @@ class MGPUDiffusionModelLoader:
         from mgpu_backend.comfy_model.remote import load_fleet_model
 
         path = _full_path("diffusion_models", unet_name)
-        return (load_fleet_model(FleetModelSpec(_comfy_dir(), path, "diffusion_model", weight_dtype), on_forward=report_denoiser_call),)
+        loader = "checkpoint" if unet_name == EMBEDDED_TINY else "diffusion_model"  # the tiny bundle is one checkpoint file
+        return (load_fleet_model(FleetModelSpec(_comfy_dir(), path, loader, weight_dtype), on_forward=report_denoiser_call),)

@@ -47,6 +47,8 @@ class DistributedVAEDecode:
         # The decoder's noise continues the job generator after the stages that made the latent, as
         # in the official pipeline; a latent from native nodes has no such history.
         history = {"frame_rate": float(av_latent.get(FRAME_RATE_KEY) or OFFICIAL.frame_rate), "after_stages": int(av_latent.get(STAGES_KEY, 0))}
+        if audio_latent is not None:  # ComfyUI's audio length (one frame more than the fleet's) decodes as the fleet's
+            audio_latent = api.audio_latent_for_fleet(audio_latent, video_latent, history["frame_rate"])
         job = FleetJob(unique_id, "Distributed VAE Decode")
         frames, waveform, sample_rate = job.call(
             api.decode,

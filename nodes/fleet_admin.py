@@ -34,13 +34,25 @@ def _answers() -> bool:
     return True
 
 
+def not_running_message(reason: str) -> str:
+    """The one sentence the panel and the Fleet Control node show while no fleet answers.
+
+    A fleet started by hand (MGPU_SOCKET set) is never started by ComfyUI, so only then does it
+    point at ``python -m mgpu_backend serve`` (the client's ``reason`` says where it looked);
+    otherwise the next MGPU node starts one, and the client's advice to start one by hand would
+    contradict that."""
+    if os.environ.get(ENV_SOCKET):
+        return f"fleet not running: {reason}"
+    return "fleet not running: the first MGPU node starts it (on every visible GPU, or MGPU_GPUS / MGPU_CPU_RANKS)"
+
+
 def status_snapshot() -> dict:
-    """``{"running": True, **server status}`` or ``{"running": False, "message": why}``."""
+    """``{"running": True, **server status}`` or ``{"running": False, "message": not_running_message}``."""
     try:
         with _connect() as client:
             return {"running": True, **client.status()}
     except UNREACHABLE as exc:
-        return {"running": False, "message": str(exc)}
+        return {"running": False, "message": not_running_message(str(exc))}
 
 
 def stop_fleet(wait_seconds: float = STOP_WAIT_SECONDS) -> dict:
@@ -53,7 +65,7 @@ def stop_fleet(wait_seconds: float = STOP_WAIT_SECONDS) -> dict:
         with _connect() as client:
             client.shutdown()
     except UNREACHABLE as exc:
-        return {"stopped": False, "message": f"no fleet was running ({exc})"}
+        return {"stopped": False, "message": not_running_message(str(exc))}
     deadline = time.monotonic() + wait_seconds
     while _answers() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -68,7 +80,7 @@ def unload_models() -> dict:
         with _connect() as client:
             fields = client.run("unload").fields
     except UNREACHABLE as exc:
-        return {"unloaded": False, "message": f"no fleet was running ({exc})"}
+        return {"unloaded": False, "message": not_running_message(str(exc))}
     except FleetError as exc:
         return {"unloaded": False, "message": f"unload failed: {exc}"}
     return {"unloaded": True, "message": "models unloaded; the next MGPU node reloads its model", "fleet_reply": fields}
@@ -77,6 +89,6 @@ def unload_models() -> dict:
 def format_status(status: dict) -> str:
     """A few lines for a node's text output: devices, per-rank memory, the current job, the queue."""
     if not status.get("running"):
-        return f"fleet not running: {status.get('message', '')}".strip()
+        return status["message"]
     return client_format_status(status)
 

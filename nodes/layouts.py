@@ -2,11 +2,13 @@
 
 - ``MGPU_MODEL``: a small plain dict (the model spec as JSON plus the fleet options). Every job
   carries it, so a fleet that restarted reloads the model on its own.
-- ``CONDITIONING``: ComfyUI's ``[[video_context, {...}]]`` with the LTX-2 audio context under
-  ``mgpu_audio_context`` and the digest the fleet keeps the prompt's contexts under: native nodes
-  pass it along untouched, and a CONDITIONING without it (from a native text encoder) is refused
-  with a message that says what to connect instead. The tensors stay here too, so that a fleet that
-  lost the digest gets them again.
+- ``CONDITIONING``: ComfyUI's LTX-2 layout, ``[[context, {...}]]`` with the video and audio contexts
+  concatenated on the last dim, as ComfyUI's LTX-2 text encoder hands them to its model: stock
+  samplers take ours, and ours take a stock text encoder's (also the ``unprocessed_ltxav_embeds``
+  form, before the model's connectors; the fleet splits and connects it). The options carry the
+  digest the fleet keeps the prompt's contexts under; the tensor stays here too, so that a fleet
+  that lost the digest gets it again. Earlier versions of the pack held the audio context apart
+  under ``mgpu_audio_context``: that form is still read.
 - ``LATENT`` (audio + video): built exactly as ComfyUI's LTXVConcatAVLatent builds it, a
   ``comfy.nested_tensor.NestedTensor((video, audio))`` under ``samples``, so native LTX-2 nodes
   (LTXVSeparateAVLatent, LTXVAudioVAEDecode, ...) accept ours and ours accept theirs.
@@ -20,16 +22,20 @@ import math
 
 import torch
 
-from mgpu_backend.ltx.api import PromptEncoding
+from mgpu_backend.ltx.api import PromptEncoding, StackedContext
 from mgpu_backend.ltx.schema import VIDEO_LATENT_CHANNELS
 
 MODEL_TYPE = "MGPU_MODEL"
 AUDIO_CONTEXT_KEY = "mgpu_audio_context"
+"""Where earlier versions of the pack kept the audio context, the tensor holding the video context only."""
+UNPROCESSED_KEY = "unprocessed_ltxav_embeds"
+"""ComfyUI's flag on a text encoding that stops before the model's embeddings connectors."""
 PROMPT_KEY = "mgpu_prompt"
 DIGEST_KEY = "mgpu_prompt_digest"
-DIGESTED_CONTEXT_KEY = "mgpu_digested_video_context"
-"""The video context the digest was made for: a native node that replaced the CONDITIONING's tensor
+DIGESTED_CONTEXT_KEY = "mgpu_digested_context"
+"""The context tensor the digest was made for: a native node that replaced the CONDITIONING's tensor
 (ConditioningAverage, ...) but copied the options along leaves a digest that no longer fits it."""
+EARLIER_DIGESTED_CONTEXT_KEY = "mgpu_digested_video_context"  # the same, in earlier versions of the pack
 FRAME_RATE_KEY = "frame_rate"
 STAGES_KEY = "mgpu_stages"
 """Our AV LATENT records the frame rate it was sampled at and how many denoising stages made it
@@ -84,34 +90,36 @@ def parse_gpus(text: str) -> str:
 
 
 def make_conditioning(encoding: PromptEncoding, prompt: str) -> list:
-    """One prompt as a ComfyUI CONDITIONING: the video context where ComfyUI expects the text
-    embedding, the audio context (which ComfyUI has no slot for) and the fleet's digest of both in
-    the options dict."""
-    options = {AUDIO_CONTEXT_KEY: encoding.audio_context, PROMPT_KEY: prompt}
+    """One prompt as a ComfyUI CONDITIONING in ComfyUI's LTX-2 layout: the video and audio contexts
+    concatenated on the last dim; the prompt and the fleet's digest of both in the options dict."""
+    context = torch.cat([encoding.video_context, encoding.audio_context], dim=-1)
+    options = {PROMPT_KEY: prompt}
     if encoding.digest is not None:
-        options.update({DIGEST_KEY: encoding.digest, DIGESTED_CONTEXT_KEY: encoding.video_context})
-    return [[encoding.video_context, options]]
+        options.update({DIGEST_KEY: encoding.digest, DIGESTED_CONTEXT_KEY: context})
+    return [[context, options]]
 
 
-def conditioning_contexts(conditioning, input_name: str) -> PromptEncoding:
-    """The prompt encoding of a CONDITIONING made by MGPU Text Encode: its contexts, and its digest
-    while the video context is still the one the digest was made for."""
+def conditioning_contexts(conditioning, input_name: str) -> PromptEncoding | StackedContext:
+    """The prompt a CONDITIONING holds, as the fleet jobs take it: MGPU Text Encode's (with its digest
+    while the tensor is still the one the digest was made for) or ComfyUI's LTX-2 text encoder's."""
     if not isinstance(conditioning, (list, tuple)) or not conditioning:
-        raise ValueError(f"{input_name} must be a CONDITIONING from 'MGPU Text Encode', got {type(conditioning).__name__}")
+        raise ValueError(f"{input_name} must be a CONDITIONING from a text encoder, got {type(conditioning).__name__}")
     if len(conditioning) != 1:
         raise ValueError(
             f"{input_name} holds {len(conditioning)} conditionings (combined or concatenated); the MGPU nodes take "
-            "exactly one prompt per input: connect 'MGPU Text Encode' directly"
+            "exactly one prompt per input: connect the text encoder directly"
         )
     entry = conditioning[0]
+    context = entry[0]
     options = entry[1] if len(entry) > 1 and isinstance(entry[1], dict) else {}
-    if AUDIO_CONTEXT_KEY not in options:
-        raise ValueError(
-            f"{input_name} comes from a native text encoder: it has no LTX-2 audio context, which the MGPU nodes need; "
-            "encode the prompt with 'MGPU Text Encode' and connect its output instead"
-        )
-    digest = options.get(DIGEST_KEY) if options.get(DIGESTED_CONTEXT_KEY) is entry[0] else None
-    return PromptEncoding(entry[0], options[AUDIO_CONTEXT_KEY], digest)
+    if not isinstance(context, torch.Tensor) or context.ndim != 3 or context.shape[0] != 1:
+        shape = list(context.shape) if isinstance(context, torch.Tensor) else type(context).__name__
+        raise ValueError(f"{input_name} must hold one prompt's text context [1, tokens, width], got {shape}; encode one prompt per input")
+    digested = options.get(DIGESTED_CONTEXT_KEY, options.get(EARLIER_DIGESTED_CONTEXT_KEY))
+    digest = options.get(DIGEST_KEY) if digested is context else None
+    if AUDIO_CONTEXT_KEY in options:
+        return PromptEncoding(context, options[AUDIO_CONTEXT_KEY], digest)
+    return StackedContext(context, unprocessed=bool(options.get(UNPROCESSED_KEY)), digest=digest)
 
 
 # --- LATENT ---------------------------------------------------------------------------------------

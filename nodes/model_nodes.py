@@ -33,6 +33,7 @@ from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALL
 from .fleet_admin import format_status, status_snapshot, stop_fleet, unload_models
 from .fleet_job import FleetJob, node_note, prompt_server
 from .layouts import DTYPES, MODEL_TYPE, make_model_handle, parse_gpus
+from .validation import refusal
 
 log = logging.getLogger("comfyui-mgpu")
 
@@ -199,7 +200,7 @@ class LoadCheckpointMGPU:
                 "parallel": (list(PARALLEL_PLANS), {"default": PARALLEL_PLANS[0], "tooltip": "How SP Sampler spreads a step over the GPUs: sp splits the video tokens (sequence parallel), guidance runs the guidance passes on different GPUs, hybrid does both, auto lets the planner choose from GPU count and size."}),
                 "dtype": (list(DTYPES), {"default": DTYPES[0], "tooltip": "Compute precision in the fleet. bfloat16 is what LTX-2 is made for; float32 doubles the memory and is for checking results."}),
                 "quantization": ([NO_QUANTIZATION, *QUANTIZATIONS], {"default": NO_QUANTIZATION, "tooltip": "fp8-cast keeps the transformer weights in float8 on every GPU (about half its memory) and upcasts them per layer, as the official --quantization fp8-cast; outputs differ slightly from bfloat16. Lightricks' -fp8 checkpoints load either way."}),
-                "residency": (list(RESIDENCY_POLICIES), {"default": RESIDENCY_POLICIES[0], "tooltip": "What stays on each GPU between jobs. auto keeps what fits the GPU and builds the rest per stage (Gemma first); all keeps everything (fastest warm runs, most memory); minimal keeps only the transformer."}),
+                "residency": (list(RESIDENCY_POLICIES), {"default": RESIDENCY_POLICIES[0], "tooltip": "What stays on each GPU between jobs. auto keeps what fits the GPU and builds the rest per stage (Gemma first); all keeps everything (fastest warm runs, most memory); minimal keeps only the transformer; sharded spreads the transformer's weights over the fleet's GPUs (1/N each: for GPUs too small to hold it whole, at the cost of gathering each block over the GPU links)."}),
                 "pipeline": (list(PIPELINES), {"default": PIPELINES[0], "tooltip": "The recipe the checkpoint is for. two-stage: the dev checkpoint, 40 (LTX-2.0) or 30 (LTX-2.3) guided steps of up to 4 passes each, then TDP Upscale with the distilled LoRA. distilled: the distilled checkpoint, 8 unguided steps, then 3 in stage 2, no LoRA (20x fewer stage-1 transformer passes). SP Sampler and TDP Upscale take this recipe's steps, sigmas and guidance."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
@@ -207,19 +208,21 @@ class LoadCheckpointMGPU:
 
     @classmethod
     def VALIDATE_INPUTS(cls, distilled_lora=None, dtype=None):
-        """ComfyUI runs this before queueing: float32 with the distilled LoRA would fail only in stage 2.
-        (Naming an input here skips ComfyUI's own choice check for it, so that is done here too; an
-        input fed by a link is None here.)"""
-        if dtype is not None and dtype not in DTYPES:
-            return f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}"
-        if distilled_lora is not None and distilled_lora not in (*EMBEDDED_ENTRIES, NO_FILE, *model_file_choices("loras")):
-            return f"distilled_lora {distilled_lora!r} is not in models/loras; pick one of the listed files, or (none)"
-        try:
-            if dtype is not None and distilled_lora is not None:
-                validate_dtype_with_loras(dtype, distilled_lora != NO_FILE)
-        except ValueError as error:
-            return str(error)
-        return True
+        """ComfyUI runs this before queueing: float32 with the distilled LoRA would fail only in stage 2;
+        the LoRA is the input at fault (validation.py). Naming an input here skips ComfyUI's own choice
+        check for it, so that is done here too; an input fed by a link is None here."""
+
+        def check_dtype(value):
+            if value not in DTYPES:
+                raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {value!r}")
+
+        def check_lora(value):
+            if value not in (*EMBEDDED_ENTRIES, NO_FILE, *model_file_choices("loras")):
+                raise ValueError(f"distilled_lora {value!r} is not in models/loras; pick one of the listed files, or (none)")
+            if dtype in DTYPES:
+                validate_dtype_with_loras(dtype, value != NO_FILE)
+
+        return refusal([("dtype", dtype, check_dtype), ("distilled_lora", distilled_lora, check_lora)])
 
     def load(self, ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, gpus, gemma_mode, parallel, dtype,
              quantization=NO_QUANTIZATION, residency=RESIDENCY_POLICIES[0], pipeline="two-stage", unique_id=None):  # fmt: skip

@@ -15,9 +15,25 @@ defaults and are sent as set: a user's explicit steps are never replaced behind 
 ``stg_blocks`` takes the checkpoint's own official block in the fleet. When steps or STG blocks hold
 the other version's official values (a 2.0 graph on a 2.3 checkpoint), SP Sampler says so on the
 node with this version's values (``version_default_notes``); the shipped 2.3 workflows carry 2.3's.
+
+What ComfyUI's own LTX-2 nodes feed in either acts as on stock nodes or is refused before any fleet
+work, naming the node and what to use instead: a CONDITIONING from MGPU Text Encode or from
+ComfyUI's LTX-2 text encoder is taken (``layouts``); LTXVConditioning's frame rate must be the
+node's (TDP Upscale takes it for a latent from native nodes that records none); keyframe guides
+(LTXVAddGuide), reference audio, masks, areas, ControlNets and timestep ranges in a conditioning,
+and a latent ``noise_mask`` that masks anything, are not applied and so refused
+(``check_conditioning_options``, ``check_noise_mask``): ComfyUI's own sampler over the fleet as a
+stock MODEL applies them. Audio latents of ComfyUI's length (LTXVEmptyLatentAudio rounds the
+duration up, ltx-core to nearest: one frame more at most) are taken and made: the fleet runs at
+ltx-core's length and the nodes drop or repeat the last frame at the boundary (``api.audio_latent_for_fleet``,
+``api.audio_latent_for_comfy``), so the pack's own results stay those of the official pipeline.
 """
 
 from __future__ import annotations
+
+import math
+
+import torch
 
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.api import parse_tiles
@@ -33,6 +49,7 @@ from mgpu_backend.ltx.schema import (
     TDP_UPSCALE_SIGMAS,
     VIDEO_SPATIAL_COMPRESSION,
     defaults_for,
+    pixel_geometry,
     stage2_default_sigmas,
     validate_generation,
     validate_upscale_sigmas,
@@ -40,6 +57,7 @@ from mgpu_backend.ltx.schema import (
 
 from .fleet_job import FleetJob, node_note
 from .layouts import (
+    FRAME_RATE_KEY,
     MODEL_TYPE,
     check_model_handle,
     conditioning_contexts,
@@ -50,6 +68,7 @@ from .layouts import (
     split_latent,
 )
 from .model_nodes import CATEGORY, spec_model_version
+from .validation import generation_check, refusal
 
 FROM_LOADER = "(from loader)"
 MAX_FRAMES = 1025  # the widget's range: about 40 s at 24 fps
@@ -116,6 +135,67 @@ DEFAULT_SIGMAS = ", ".join(map(str, TDP_UPSCALE_SIGMAS))
 DISTILLED_IGNORED = ("steps", "video_cfg", "audio_cfg", "stg_scale", "stg_blocks", "rescale", "modality_scale", "negative")
 
 
+STOCK_SAMPLER = "use ComfyUI's own sampler with Load Checkpoint (MGPU fleet)"
+"""What to use for what the MGPU sampling nodes do not apply: the fleet as a stock MODEL."""
+UNAPPLIED_CONDITIONING = {
+    "keyframe_idxs": ("a keyframe guide", "LTXVAddGuide"),
+    "guide_attention_entries": ("a keyframe guide", "LTXVAddGuide"),
+    "ref_audio": ("reference audio", "LTXVReferenceAudio"),
+    "control": ("a ControlNet", "the ControlNet apply node"),
+    "gligen": ("a GLIGEN box", "GLIGENTextBoxApply"),
+    "area": ("an area", "ConditioningSetArea"),
+    "mask": ("a mask", "ConditioningSetMask"),
+    "hooks": ("hooks", "the hook nodes"),
+}
+"""Conditioning options ComfyUI's nodes set that SP Sampler and TDP Upscale do not apply: (what it
+is, the node that sets it). A None value is an option cleared (LTXVCropGuides clears the guides)."""
+UNAPPLIED_DEFAULTS = {
+    "strength": (1.0, "a strength", "ConditioningSetAreaStrength"),
+    "start_percent": (0.0, "a timestep range", "ConditioningSetTimestepRange"),
+    "end_percent": (1.0, "a timestep range", "ConditioningSetTimestepRange"),
+}
+"""Options that are applied only at their default value: (default, what it is, the node that sets it)."""
+
+
+def check_conditioning_options(conditioning, input_name: str, node: str) -> float | None:
+    """Refuse a CONDITIONING carrying what ``node`` would silently drop; return the frame rate it
+    carries (LTXVConditioning's), which the node honours or refuses itself, or None."""
+    options = conditioning[0][1] if isinstance(conditioning, (list, tuple)) and conditioning and len(conditioning[0]) > 1 and isinstance(conditioning[0][1], dict) else {}  # fmt: skip
+    found = [(what, source) for key, (what, source) in UNAPPLIED_CONDITIONING.items() if options.get(key) is not None]
+    found += [(what, source) for key, (default, what, source) in UNAPPLIED_DEFAULTS.items() if options.get(key, default) != default]
+    if found:
+        what, source = found[0]
+        raise ValueError(
+            f"{node}: the {input_name} conditioning carries {what} from {source}, which {node} does not apply; "
+            f"{STOCK_SAMPLER}, or remove {source}"
+        )
+    rate = options.get(FRAME_RATE_KEY)
+    return None if rate is None else float(rate)
+
+
+def check_frame_rate(node: str, input_name: str, carried: float, rate: float, runs_at: str, remedy: str) -> None:
+    """Refuse a conditioning whose LTXVConditioning frame rate is not the rate ``node`` runs at."""
+    if math.isclose(carried, rate, rel_tol=1e-6):
+        return
+    raise ValueError(f"{node}: the {input_name} conditioning carries frame rate {carried:g} from LTXVConditioning, but {runs_at}; {remedy}")
+
+
+def check_noise_mask(latent: dict, input_name: str, node: str) -> None:
+    """Refuse a latent whose ``noise_mask`` keeps any part from being denoised (a mask of ones, as
+    LTXVConcatAVLatent fills one in, masks nothing and is what the node does anyway)."""
+    mask = latent.get("noise_mask")
+    if mask is None:
+        return
+    parts = mask.unbind() if getattr(mask, "is_nested", False) else [mask]
+    if all(bool(torch.all(part == 1.0)) for part in parts):
+        return
+    raise ValueError(
+        f"{node}: {input_name} carries a noise mask (from LTXVImgToVideoInplace, LTXVImgToVideo, LTXVAddGuide or "
+        f"SetLatentNoiseMask) that keeps part of the latent from being denoised, which {node} does not apply; for a "
+        f"first-frame image connect it to {node}'s image input instead, or {STOCK_SAMPLER}"
+    )
+
+
 class SPSampler:
     """Stage 1: generate video and audio from noise with full multimodal guidance."""
 
@@ -134,8 +214,8 @@ class SPSampler:
         return {
             "required": {
                 "model": (MODEL_TYPE, {"tooltip": "The model from Load Checkpoint MGPU."}),
-                "positive": ("CONDITIONING", {"tooltip": "Positive conditioning from MGPU Text Encode."}),
-                "negative": ("CONDITIONING", {"tooltip": "Negative conditioning from MGPU Text Encode."}),
+                "positive": ("CONDITIONING", {"tooltip": "Positive conditioning from MGPU Text Encode (or ComfyUI's LTX-2 text encoder). Keyframe guides, reference audio and masks on it are refused: they need ComfyUI's own sampler."}),
+                "negative": ("CONDITIONING", {"tooltip": "Negative conditioning from MGPU Text Encode (or ComfyUI's LTX-2 text encoder)."}),
                 "width": ("INT", {"default": OFFICIAL.stage1_width, "min": VIDEO_SPATIAL_COMPRESSION, "max": MAX_SIDE, "step": VIDEO_SPATIAL_COMPRESSION, "tooltip": "Width of this stage in pixels, a multiple of 32. In the two-stage graph TDP Upscale doubles it (768 gives a 1536 video), so the final width is a multiple of 64."}),
                 "height": ("INT", {"default": OFFICIAL.stage1_height, "min": VIDEO_SPATIAL_COMPRESSION, "max": MAX_SIDE, "step": VIDEO_SPATIAL_COMPRESSION, "tooltip": "Height of this stage in pixels, a multiple of 32. In the two-stage graph TDP Upscale doubles it (512 gives a 1024 video), so the final height is a multiple of 64."}),
                 "length": ("INT", {"default": OFFICIAL.num_frames, "min": 1, "max": MAX_FRAMES, "step": 8, "tooltip": "Number of frames, 8k+1 (the video VAE packs 8 frames per latent frame): 121 is 5 s at 24 fps."}),
@@ -159,16 +239,10 @@ class SPSampler:
 
     @classmethod
     def VALIDATE_INPUTS(cls, width=None, height=None, length=None, frame_rate=None, seed=None, steps=None, stg_blocks=None):
-        """ComfyUI runs this before queueing: a bad size or frame count is refused at once. An input fed
-        by a link has no value yet (None here) and is checked when the node runs."""
-        try:
-            if None not in (width, height, length):
-                validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate, seed=seed)
-            if stg_blocks is not None:
-                parse_stg_blocks(stg_blocks)
-        except ValueError as error:
-            return str(error)
-        return True
+        """ComfyUI runs this before queueing: a bad size or frame count is refused at once, under the
+        input at fault (validation.py). An input fed by a link is None here and checked when the node runs."""
+        values = {"width": width, "height": height, "length": length, "frame_rate": frame_rate, "seed": seed, "steps": steps}
+        return refusal([*((name, value, generation_check(name)) for name, value in values.items()), ("stg_blocks", stg_blocks, parse_stg_blocks)])
 
     def sample(self, model, positive, negative, width, height, length, frame_rate, seed, steps, video_cfg, audio_cfg, stg_scale, stg_blocks, rescale, modality_scale, parallel, image=None, compile_blocks=False, unique_id=None):
         handle = check_model_handle(model)
@@ -176,6 +250,12 @@ class SPSampler:
         distilled = pipeline == "distilled"
         validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate)
         blocks = parse_stg_blocks(stg_blocks)
+        used = {"positive": positive} if distilled else {"positive": positive, "negative": negative}  # distilled: no negative pass
+        for input_name, conditioning in used.items():
+            carried = check_conditioning_options(conditioning, input_name, "SP Sampler")
+            if carried is not None:
+                check_frame_rate("SP Sampler", input_name, carried, frame_rate, f"SP Sampler's frame_rate is {frame_rate:g}",
+                                 f"set SP Sampler's frame_rate to {carried:g} (it also sets how long the audio is) or LTXVConditioning's to {frame_rate:g}")  # fmt: skip
         positive_contexts = conditioning_contexts(positive, "positive")
         negative_contexts = None if distilled else conditioning_contexts(negative, "negative")
         shared = {"stg_scale": stg_scale, "rescale_scale": rescale, "modality_scale": modality_scale, "stg_blocks": blocks}
@@ -208,7 +288,7 @@ class SPSampler:
             pipeline=pipeline,
             dtype=handle["dtype"],
         )
-        return (make_av_latent(video_latent, audio_latent, frame_rate, stages=1),)
+        return (make_av_latent(video_latent, api.audio_latent_for_comfy(audio_latent, length, frame_rate), frame_rate, stages=1),)
 
 
 class TDPUpscale:
@@ -230,13 +310,13 @@ class TDPUpscale:
         return {
             "required": {
                 "model": (MODEL_TYPE, {"tooltip": "The model from Load Checkpoint MGPU; it needs the spatial upsampler and the distilled LoRA."}),
-                "av_latent": ("LATENT", {"tooltip": "The stage-1 AV LATENT from SP Sampler (or LTXVConcatAVLatent)."}),
-                "positive": ("CONDITIONING", {"tooltip": "Positive conditioning from MGPU Text Encode (stage 2 uses no negative prompt)."}),
+                "av_latent": ("LATENT", {"tooltip": "The stage-1 AV LATENT from SP Sampler (or LTXVConcatAVLatent; its audio at ComfyUI's or ltx-core's length). A noise mask that keeps frames (LTXVImgToVideoInplace) is refused: use the image input."}),
+                "positive": ("CONDITIONING", {"tooltip": "Positive conditioning from MGPU Text Encode or ComfyUI's LTX-2 text encoder (stage 2 uses no negative prompt)."}),
                 "seed": ("INT", {"default": OFFICIAL.seed, "min": 0, "max": SEED_MAX, "control_after_generate": True, "tooltip": "Seed of the noise added back at the first sigma."}),
                 "sigmas": ("STRING", {"default": "", "tooltip": f"Refinement schedule, strictly decreasing in [0, 1], comma separated. Empty: the loader's recipe (two-stage: {DEFAULT_SIGMAS}; distilled: the official tail {', '.join(map(str, stage2_default_sigmas('distilled')))}). Higher first sigma: more change. Starting at 1.0 is refused unless force_from_noise."}),
                 "tiles": ("STRING", {"default": "auto", "tooltip": "Tile counts as HxW (height x width), e.g. 2x2, or auto for a balanced split over the GPUs. More tiles than GPUs is fine."}),
                 "overlap": ("INT", {"default": TDP_OVERLAP, "min": 0, "max": 64, "tooltip": "Overlap between neighbouring tiles in latent cells (32 output pixels each). More overlap hides seams and costs time."}),
-                "frame_rate": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 120.0, "step": 0.01, "tooltip": "0: the frame rate SP Sampler recorded in the latent. Set it only for a latent from native nodes (the rate it was sampled at)."}),
+                "frame_rate": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 120.0, "step": 0.01, "tooltip": "0: the frame rate SP Sampler recorded in the latent (or, for a latent from native nodes, LTXVConditioning's on positive). Set it only for a latent from native nodes (the rate it was sampled at)."}),
                 "force_from_noise": ("BOOLEAN", {"default": False, "tooltip": "Allow sigmas starting at 1.0 (pure noise). Tiles then do not share one picture: only for experiments."}),
             },
             "optional": {
@@ -248,16 +328,9 @@ class TDPUpscale:
 
     @classmethod
     def VALIDATE_INPUTS(cls, sigmas=None, tiles=None, force_from_noise=None):
-        """ComfyUI runs this before queueing: a bad schedule or tiling is refused before stage 1 runs
-        (an input fed by a link is None here, checked when the node runs)."""
-        try:
-            if sigmas is not None:
-                parse_sigmas(sigmas, bool(force_from_noise))
-            if tiles is not None:
-                parse_tiles(tiles)
-        except ValueError as error:
-            return str(error)
-        return True
+        """ComfyUI runs this before queueing: a bad schedule or tiling is refused before stage 1 runs,
+        under the input at fault (an input fed by a link is None here, checked when the node runs)."""
+        return refusal([("sigmas", sigmas, lambda text: parse_sigmas(text, bool(force_from_noise))), ("tiles", tiles, parse_tiles)])
 
     def upscale(self, model, av_latent, positive, seed, sigmas, tiles, overlap, frame_rate, force_from_noise, image=None, stage2_parallel="auto", unique_id=None):
         handle = check_model_handle(model)
@@ -272,7 +345,16 @@ class TDPUpscale:
                 "av_latent has no audio: TDP Upscale takes the AV LATENT of SP Sampler "
                 "(or LTXVConcatAVLatent of a video and an audio latent)"
             )
-        rate = latent_frame_rate(av_latent, frame_rate, "av_latent")
+        check_noise_mask(av_latent, "av_latent", "TDP Upscale")
+        carried = check_conditioning_options(positive, "positive", "TDP Upscale")
+        if carried is not None and not frame_rate and not av_latent.get(FRAME_RATE_KEY):
+            rate = carried  # a latent from native nodes: LTXVConditioning's frame rate is the one it was made at
+        else:
+            rate = latent_frame_rate(av_latent, frame_rate, "av_latent")
+            if carried is not None:
+                check_frame_rate("TDP Upscale", "positive", carried, rate, f"av_latent is at {rate:g} fps",
+                                 f"set LTXVConditioning's frame_rate to {rate:g} or remove LTXVConditioning")  # fmt: skip
+        api.check_audio_latent_length(audio_latent, video_latent, rate, "TDP Upscale")
         positive_contexts = conditioning_contexts(positive, "positive")
         schedule, tile_counts = parse_sigmas(sigmas, force_from_noise, pipeline), parse_tiles(tiles)
         if stage2_parallel == "sp" and tile_counts is not None:
@@ -282,7 +364,7 @@ class TDPUpscale:
             api.upscale,
             spec,
             video_latent,
-            audio_latent,
+            api.audio_latent_for_fleet(audio_latent, video_latent, rate),
             positive_contexts,
             frame_rate=rate,
             seed=seed,
@@ -298,7 +380,8 @@ class TDPUpscale:
         )
         node_note(unique_id, fields.get("plan", "stage 2"))  # the plan's reason already says what stage 2 does with the audio
         if fields.get("stage2_parallel") == "sp":
-            return (make_av_latent(refined_video, refined_audio, rate, stages=2),)  # denoised over the whole latent: faithful
+            frames = pixel_geometry(*refined_video.shape[2:])[2]
+            return (make_av_latent(refined_video, api.audio_latent_for_comfy(refined_audio, frames, rate), rate, stages=2),)  # denoised over the whole latent: faithful
         # TDP must not change the audio (its audio is context only). Reusing the input tensor makes
         # that exact, whatever precision the round trip through the fleet used.
         return (make_av_latent(refined_video, audio_latent, rate, stages=2),)

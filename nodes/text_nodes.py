@@ -13,6 +13,7 @@ from mgpu_backend.ltx.schema import MAX_PROMPT_CHARS
 from .fleet_job import FleetJob
 from .layouts import MODEL_TYPE, check_model_handle, make_conditioning
 from .model_nodes import CATEGORY
+from .validation import refusal
 
 DEFAULT_PROMPT = (
     "A red fox trots through fresh snow in a quiet birch forest at dawn, its breath visible in the cold air. "
@@ -55,14 +56,19 @@ class MGPUTextEncode:
 
     @classmethod
     def VALIDATE_INPUTS(cls, positive=None, negative=None):
-        """ComfyUI runs this before queueing: an empty or overlong prompt is refused before any load
-        (a prompt fed by a link is None here, checked when the node runs)."""
-        if positive is not None and not positive.strip():
-            return EMPTY_PROMPT
-        longest = max((len(prompt) for prompt in (positive, negative) if prompt is not None), default=0)
-        if longest > MAX_PROMPT_CHARS:
-            return f"a prompt has {longest} characters; the limit is {MAX_PROMPT_CHARS}: shorten it"
-        return True
+        """ComfyUI runs this before queueing: an empty or overlong prompt is refused before any load,
+        under the prompt at fault (a prompt fed by a link is None here, checked when the node runs)."""
+
+        def check_length(prompt):
+            if len(prompt) > MAX_PROMPT_CHARS:
+                raise ValueError(f"a prompt has {len(prompt)} characters; the limit is {MAX_PROMPT_CHARS}: shorten it")
+
+        def check_positive(prompt):
+            if not prompt.strip():
+                raise ValueError(EMPTY_PROMPT)
+            check_length(prompt)
+
+        return refusal([("positive", positive, check_positive), ("negative", negative, check_length)])
 
     def encode(self, model, positive, negative, free_gemma=False, unique_id=None):
         handle = check_model_handle(model)

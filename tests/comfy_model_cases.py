@@ -43,14 +43,14 @@ def torch_threads(count: int):
         torch.set_num_threads(before)
 
 
-def import_comfy_or_skip():
-    """ComfyUI's ``comfy`` from COMFYUI_DIR on the CPU, as a rank imports it, or a skip that says why."""
+def import_comfy_or_skip(device: torch.device = torch.device("cpu")):
+    """ComfyUI's ``comfy`` from COMFYUI_DIR on ``device``, as a rank imports it, or a skip that says why."""
     if not COMFYUI_DIR:
         pytest.skip("set COMFYUI_DIR to a ComfyUI v0.20.1 checkout (and run under its Python) to test the ComfyUI engine")
     from mgpu_backend.comfy_model import runtime
 
     try:
-        comfy, _ = runtime.import_comfy(os.path.abspath(COMFYUI_DIR), torch.device("cpu"))
+        comfy, _ = runtime.import_comfy(os.path.abspath(COMFYUI_DIR), device)
     except ImportError as exc:
         pytest.skip(f"ComfyUI's requirements are not importable here ({exc}); run under /tmp/comfy-venv/bin/python")
     return comfy

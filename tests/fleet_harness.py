@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from mgpu_backend.fleet.client import FleetClient, FleetUnavailable
-from mgpu_backend.tools.processes import free_loopback_port, stop_process
+from mgpu_backend.tools.processes import free_loopback_port, process_alive, stop_process
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,27 +43,17 @@ def stop_server(process: subprocess.Popen) -> None:
     stop_process(process, grace_seconds=15)
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def wait_gone(pids: list[int], timeout: float = 30.0) -> list[int]:
     """Wait until none of ``pids`` is alive; return those still alive at the timeout."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [pid for pid in pids if pid_alive(pid)]
+        alive = [pid for pid in pids if process_alive(pid)]
         if not alive:
             return []
         time.sleep(0.2)
-    return [pid for pid in pids if pid_alive(pid)]
+    return [pid for pid in pids if process_alive(pid)]
 
 
 def token_of(socket_path: Path) -> str:

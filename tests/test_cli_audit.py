@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from mgpu_backend.fleet.addresses import Address, private_dir
+from mgpu_backend.fleet.addresses import Address, private_dir, user_socket_by_default
 from mgpu_backend.fleet.client import FleetClient
 from mgpu_backend.ltx.decode import fit_audio_to_video
 from mgpu_backend.ltx.schema import EMBEDDED_TINY, audio_sample_count
@@ -251,12 +251,14 @@ def test_queue_with_a_missing_workflow_file_says_so(tmp_path, capsys):
     assert "Traceback" not in err
 
 
-def test_the_readme_socket_example_is_the_default_socket_on_any_linux(monkeypatch):
+def test_the_readme_socket_example_is_the_command_lines_default_socket_on_any_linux(monkeypatch):
     lines = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("export MGPU_SOCKET=")]
     assert len(lines) == 1
     path = lines[0].split("=", 1)[1].split()[0].replace("$UID", str(os.getuid()))
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
-    assert Address.parse(path) == Address.parse(None) and Path(path).parent == private_dir()
+    monkeypatch.delenv("MGPU_SOCKET", raising=False)
+    with user_socket_by_default():
+        assert Address.parse(path) == Address.parse(None) and Path(path).parent == private_dir()
     assert Path(path).parent.parent == Path(tempfile.gettempdir())
 
 
@@ -266,24 +268,25 @@ def test_the_readme_socket_example_is_the_default_socket_on_any_linux(monkeypatc
 def test_nodes_validate_their_widgets_before_queueing():
     sampler, upscale, loader = NODES["MGPUSPSampler"], NODES["MGPUTDPUpscale"], NODES["MGPULoadCheckpoint"]
     assert sampler.VALIDATE_INPUTS(width=768, height=512, length=121, frame_rate=24.0, seed=10, steps=40, stg_blocks="") is True
+    # Each refusal names the one input at fault first: ComfyUI files it under every input of the signature.
     assert sampler.VALIDATE_INPUTS(width=768, height=512, length=120, frame_rate=24.0, seed=10, steps=40, stg_blocks="") == (
-        "frames must be 8k+1 (the video VAE packs 8 frames per latent frame after the first), got 120; use 121"
+        "length: frames must be 8k+1 (the video VAE packs 8 frames per latent frame after the first), got 120; use 121"
     )
-    assert sampler.VALIDATE_INPUTS(width=768, height=512, length=121, frame_rate=24.0, seed=10, steps=40, stg_blocks="x").startswith("stg_blocks must be")
+    assert sampler.VALIDATE_INPUTS(width=768, height=512, length=121, frame_rate=24.0, seed=10, steps=40, stg_blocks="x").startswith("stg_blocks: stg_blocks must be")
     assert upscale.VALIDATE_INPUTS(sigmas="0.625, 0.4, 0.0", tiles="auto", force_from_noise=False) is True
     assert upscale.VALIDATE_INPUTS(sigmas="0.1, 0.5, 0.0", tiles="auto", force_from_noise=False) == (
-        "sigmas must decrease strictly, got [0.1, 0.5, 0.0]; e.g. 0.909375, 0.725, 0.421875, 0.0"
+        "sigmas: sigmas must decrease strictly, got [0.1, 0.5, 0.0]; e.g. 0.909375, 0.725, 0.421875, 0.0"
     )
-    assert upscale.VALIDATE_INPUTS(sigmas="0.625, 0.4, 0.0", tiles="2", force_from_noise=False).startswith("tiles must be 'auto' or HxW")
+    assert upscale.VALIDATE_INPUTS(sigmas="0.625, 0.4, 0.0", tiles="2", force_from_noise=False).startswith("tiles: tiles must be 'auto' or HxW")
     assert sampler.VALIDATE_INPUTS(width=None, height=512, length=121, stg_blocks="") is True, "a linked input is checked when the node runs"
     encode = NODES["MGPUTextEncode"]
     assert encode.VALIDATE_INPUTS(positive=PROMPT, negative="") is True
-    assert encode.VALIDATE_INPUTS(positive="  ", negative="") == "the positive prompt is empty; describe the video and its sound"
-    assert encode.VALIDATE_INPUTS(positive="snow " * 5000, negative="") == "a prompt has 25000 characters; the limit is 20000: shorten it"
+    assert encode.VALIDATE_INPUTS(positive="  ", negative="") == "positive: the positive prompt is empty; describe the video and its sound"
+    assert encode.VALIDATE_INPUTS(positive="snow " * 5000, negative="") == "positive: a prompt has 25000 characters; the limit is 20000: shorten it"
     none = "(none)"
     assert loader.VALIDATE_INPUTS(distilled_lora=none, dtype="float32") is True
     assert loader.VALIDATE_INPUTS(distilled_lora="(embedded tiny LTX-2, random weights)", dtype="float32") == (
-        "dtype float32 cannot be used with the distilled LoRA (stage 2 of the two-stage job fuses it): ltx-core fuses LoRAs only "
+        "distilled_lora: dtype float32 cannot be used with the distilled LoRA (stage 2 of the two-stage job fuses it): ltx-core fuses LoRAs only "
         "into bfloat16 (or fp8-cast) weights; use dtype bfloat16 (optionally with quantization fp8-cast), or a model without LoRAs"
     )
 

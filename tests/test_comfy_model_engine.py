@@ -173,10 +173,24 @@ def test_a_patch_set_the_weights_do_not_carry_is_refused(fleet_1, tiny, calls):
         _forward(fleet_1, key, calls[0]["plain"], set_digest="deadbeef")
 
 
-def test_an_unknown_comfyui_version_is_refused_before_anything_is_imported(fleet_1, tiny, tmp_path):
+def test_a_comfyui_older_than_the_tested_releases_is_refused_before_anything_is_imported(fleet_1, tiny, tmp_path):
     other = tmp_path / "ComfyUI-0.19.0"
     other.mkdir()
     (other / "comfy").symlink_to(Path(cases.COMFYUI_DIR).resolve() / "comfy")
     (other / "comfyui_version.py").write_text('__version__ = "0.19.0"\n')
-    with pytest.raises(FleetError, match=r"ComfyUI 0.19.0 is not one the fleet's engine knows; supported: v0.20.1"):
+    with pytest.raises(FleetError, match=r"ComfyUI 0.19.0 is older than v0.20.1, the first release the fleet's engine was checked against"):
         run_job(fleet_1, "comfy.load", {"comfy_dir": str(other), "path": tiny[0], "loader": "checkpoint", "weight_dtype": "default"})
+
+
+@pytest.mark.slow
+def test_a_newer_comfyui_whose_ltx_code_the_plan_covers_runs(tmp_path_factory, tiny):
+    """A release after the tested ones is not refused by its number: the plan's structural checks decide
+    (here ComfyUI v0.20.1's own code under a newer version file)."""
+    newer = tmp_path_factory.mktemp("comfyui-newer")
+    for entry in Path(cases.COMFYUI_DIR).resolve().iterdir():
+        if entry.name != "comfyui_version.py":
+            (newer / entry.name).symlink_to(entry)
+    (newer / "comfyui_version.py").write_text('__version__ = "0.44.0"\n')
+    for fleet in module_fleet(tmp_path_factory, "comfy-engine-newer", 1):
+        fields = run_job(fleet, "comfy.load", {"comfy_dir": str(newer), "path": tiny[0], "loader": "checkpoint", "weight_dtype": "default"}).fields
+        assert fields["comfyui_version"] == "0.44.0" and fields["model_class"] == "LTXAVModel"

@@ -257,7 +257,7 @@ def test_bad_overrides_exit_2_before_anything_is_sent(capsys, assignment, messag
 
 
 def test_a_ui_workflow_is_refused_with_where_to_find_its_api_twin(capsys):
-    code = run_cli("queue", str(WORKFLOW.parent.parent / "ltx2_t2v_tiny.json"))
+    code = run_cli("queue", str(WORKFLOW.parent.parent / "LTX-2.0 Tiny Test — no download.json"))
     assert code == 2 and "is a UI workflow" in capsys.readouterr().err
 
 

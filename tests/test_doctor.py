@@ -159,7 +159,7 @@ def test_gpu_memory_advice_warns_below_48_gb_and_when_others_hold_the_memory(mon
     section = doctor.check_devices(DeviceSpec(gpus=(0, 1, 2)), free)
     gpu_lines = [line for line in section.lines if line.text.startswith("GPU ")]
     assert [line.level for line in gpu_lines] == ["WARN", "WARN", "OK"], [(l.level, l.text) for l in gpu_lines]
-    assert "MGPU is a latency tool, not a memory tool" in gpu_lines[0].text and "48.0 GB" in gpu_lines[0].fix
+    assert "residency 'sharded' spreads the transformer over the fleet's GPUs" in gpu_lines[0].text and "48.0 GB" in gpu_lines[0].fix
     assert "other processes hold 121.0 GB" in gpu_lines[1].text and "nvidia-smi" in gpu_lines[1].fix
     assert [gpu["free_bytes"] for gpu in section.data["gpus"]] == [23e9, 20e9, 139e9]
     assert section.status == "WARN"
@@ -173,6 +173,7 @@ def test_p2p_matrix_names_each_pair_without_access_and_gives_the_topology_fix(mo
     warn = [line for line in section.lines if line.level == "WARN"]
     assert len(warn) == 1 and "0->2, 2->0" in warn[0].text
     assert "nvidia-smi topo -m" in warn[0].fix and "NCCL_P2P_DISABLE=1" in warn[0].fix
+    assert warn[0].fix.startswith("The fleet runs without P2P: NCCL routes such pairs through host memory"), warn[0].fix
     assert "NO" in section.lines[0].detail
     assert doctor.check_p2p(DeviceSpec(gpus=(0,))).status == "SKIP"
 

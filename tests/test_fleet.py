@@ -334,7 +334,7 @@ def test_an_input_segment_that_cannot_be_mapped_fails_only_that_job(fleet):
         while (reply := protocol.recv_message(client.sock)).type == "accepted":
             pass
         assert reply.type == "error" and reply.fields["kind"] == "input_error"
-        assert "cannot map an input segment" in reply.fields["message"]
+        assert "cannot read input segment" in reply.fields["message"]
         assert client.status()["fleet_restarts"] == restarts
         assert client.run("count", {"steps": 2}).fields["total"] == 6
 

@@ -127,3 +127,30 @@ def test_the_denoise_step_is_read_from_the_schedule():
     options = {"sample_sigmas": torch.tensor([1.0, 0.9, 0.4, 0.0]), "sigmas": torch.tensor([0.4])}
     assert remote.denoise_step(options) == (3, 3)
     assert remote.denoise_step({}) == (0, 0)
+
+
+def test_a_kept_tensor_is_sent_once_then_named_and_the_keeper_holds_it():
+    kept_here = wire.KeptTensors(min_bytes=16, skip=("x",))
+    kept_there: dict[str, torch.Tensor] = {}
+    context, latent = torch.randn(1, 8, 4), torch.randn(1, 8, 4)
+    first, first_tensors = wire.pack({"x": latent, "context": context}, kept=kept_here)
+    assert len(first_tensors) == 2 and "$keep" in first["context"] and "$keep" not in first["x"]
+    assert torch.equal(wire.unpack(first, first_tensors, kept=kept_there)["context"], context)
+    second, second_tensors = wire.pack({"x": torch.randn(1, 8, 4), "context": context}, kept=kept_here)
+    assert len(second_tensors) == 1 and set(second["context"]) == {"$kept"}
+    assert torch.equal(wire.unpack(second, second_tensors, kept=kept_there)["context"], context)
+    context.add_(1)  # changed in place: a new tensor as far as keeping goes
+    third, third_tensors = wire.pack({"x": latent, "context": context}, kept=kept_here)
+    assert len(third_tensors) == 2
+
+
+def test_a_call_naming_a_tensor_the_keeper_lost_raises_missing_kept_tensor():
+    kept_here = wire.KeptTensors(min_bytes=16)
+    context = torch.randn(1, 8, 4)
+    wire.pack({"context": context}, kept=kept_here)
+    again, tensors = wire.pack({"context": context}, kept=kept_here)
+    with pytest.raises(wire.MissingKeptTensor):
+        wire.unpack(again, tensors, kept={})
+    kept_here.forget()
+    resent, tensors = wire.pack({"context": context}, kept=kept_here)
+    assert len(tensors) == 1

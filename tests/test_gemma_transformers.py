@@ -4,8 +4,11 @@ This file is also the script each interpreter runs: ``python tests/test_gemma_tr
 CHECKPOINT GEMMA_ROOT...`` writes the LTX-2 text contexts of ``PROMPTS`` for every Gemma source (a
 Hugging Face folder, ComfyUI's single file) to the safetensors file OUT, with the transformers version
 in its metadata. The test runs it with this interpreter and with the one named by
-``MGPU_TRANSFORMERS5_PYTHON`` (a venv with transformers 5; ``.ci/run`` makes one), and compares the
-two files bit for bit. Without a second interpreter of the other major version it is skipped.
+``MGPU_OTHER_TRANSFORMERS_PYTHON`` (a Python whose transformers is the other major version: a venv
+over this install with ``transformers>=4.52,<5`` beside a 5.x install, or ``transformers>=5`` beside a
+4.x one; ``.ci/run`` makes the 4.x one), and compares the two files bit for bit. Without such a
+second interpreter it is skipped, except in CI (``CI`` set to true), where that skip is a failure:
+CI must run both versions.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ PROMPTS = [
     "<start_of_turn>user Rain drums on a tin roof at 3:45<end_of_turn>",
 ]
 REPO = Path(__file__).resolve().parents[1]
-OTHER_PYTHON_ENV = "MGPU_TRANSFORMERS5_PYTHON"
+OTHER_PYTHON_ENV = "MGPU_OTHER_TRANSFORMERS_PYTHON"
 
 
 def write_encodings(out: str, checkpoint_path: str, gemma_roots: list[str]) -> None:
@@ -74,18 +77,26 @@ def _major(python: str) -> int:
     return int(completed.stdout.strip().split(".")[0])
 
 
+def skip_outside_ci(reason: str) -> None:
+    """Skip with ``reason``; in CI, fail with it: there the comparison must run."""
+    if os.environ.get("CI", "").lower() in ("true", "1", "yes"):
+        pytest.fail(f"CI must compare transformers 4 and 5, but: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
 def test_encodings_are_bitwise_equal_under_transformers_4_and_5(tmp_path):
     import torch
 
     other = os.environ.get(OTHER_PYTHON_ENV)
     if not other:
-        pytest.skip(
-            f"set {OTHER_PYTHON_ENV} to a Python with transformers 5 (python -m venv --system-site-packages /tmp/tf5 && "
-            "/tmp/tf5/bin/pip install 'transformers>=5'; .ci/run does this)"
+        wanted = "'transformers>=4.52,<5'" if _major(sys.executable) >= 5 else "'transformers>=5'"
+        skip_outside_ci(
+            f"set {OTHER_PYTHON_ENV} to a Python with the other transformers major version (python -m venv "
+            f"--system-site-packages /tmp/tf-other && /tmp/tf-other/bin/pip install {wanted}; .ci/run does this)"
         )
     pythons = {_major(sys.executable): sys.executable, _major(other): other}
     if set(pythons) != {4, 5}:
-        pytest.skip(f"{sys.executable} and {other} both run transformers {sorted(pythons)}: nothing to compare")
+        skip_outside_ci(f"{sys.executable} and {other} run transformers majors {sorted(pythons)}, not 4 and 5: nothing to compare")
     bundle = tiny.make_tiny_bundle(tmp_path / "tiny")
     comfy_file = gemma_folder_to_comfy_file(bundle.gemma_root, str(tmp_path / "gemma_3_tiny_comfy.safetensors"))
     version_4, encodings_4 = _run(pythons[4], tmp_path / "tf4.safetensors", bundle, comfy_file)

@@ -22,6 +22,7 @@ PACK_DIR = Path(__file__).resolve().parent.parent
 CATEGORY = "MGPU/LTX-2"
 DISPLAY_NAMES = {
     "Load Checkpoint MGPU", "MGPU Text Encode", "SP Sampler", "TDP Upscale", "Distributed VAE Decode", "MGPU Fleet Control",
+    "Load Checkpoint (MGPU fleet)", "Load Diffusion Model (MGPU fleet)",
 }  # fmt: skip
 WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN"}
 
@@ -96,7 +97,7 @@ def tiny_handle(**overrides):
     return layouts.make_model_handle({**spec, **overrides}, dtype="float32", gemma_mode="sharded", parallel="sp", gpus="all")
 
 
-def av_latent(frames: int = 2, height: int = 2, width: int = 3, audio_frames: int = 7, frame_rate=24.0):
+def av_latent(frames: int = 2, height: int = 2, width: int = 3, audio_frames: int = 9, frame_rate=24.0):
     generator = torch.Generator().manual_seed(frames * 100 + width)
     video = torch.randn(1, 128, frames, height, width, generator=generator)
     audio = torch.randn(1, 8, audio_frames, 16, generator=generator)
@@ -213,11 +214,13 @@ def test_text_encode_returns_two_conditionings_carrying_both_contexts_and_their_
     node("MGPUTextEncode").encode(handle, "a fox in snow", "", free_gemma=True, unique_id="2")
     assert fake_api["encode"].calls[1][1]["free_gemma"] is True
     for conditioning, encoding, prompt in ((positive_cond, positive, "a fox in snow"), (negative_cond, negative, "")):
-        assert len(conditioning) == 1 and conditioning[0][0] is encoding.video_context
-        assert conditioning[0][1] == {"mgpu_audio_context": encoding.audio_context, "mgpu_prompt": prompt,
-                                      "mgpu_prompt_digest": encoding.digest, "mgpu_digested_video_context": encoding.video_context}  # fmt: skip
+        ((context, options),) = conditioning
+        # ComfyUI's LTX-2 layout: [1, 5, 32 video + 16 audio], what a stock sampler's LTXAV model reads
+        assert context.shape == (1, 5, 48)
+        assert torch.equal(context[..., :32], encoding.video_context) and torch.equal(context[..., 32:], encoding.audio_context)
+        assert options == {"mgpu_prompt": prompt, "mgpu_prompt_digest": encoding.digest, "mgpu_digested_context": context}
         got = layouts.conditioning_contexts(conditioning, "x")
-        assert got.video_context is encoding.video_context and got.audio_context is encoding.audio_context
+        assert isinstance(got, api.StackedContext) and got.context is context and not got.unprocessed
         assert got.digest == encoding.digest
 
 
@@ -227,7 +230,7 @@ def test_a_conditioning_whose_video_context_a_native_node_replaced_loses_its_dig
     assert layouts.conditioning_contexts(positive, "positive").digest == f"{1:064x}"
     got = layouts.conditioning_contexts(averaged, "positive")
     assert got.digest is None, "the fleet's contexts of the digest are not this tensor: send the tensor itself"
-    assert got.video_context is averaged[0][0]
+    assert got.context is averaged[0][0]
 
 
 def test_sp_sampler_maps_every_input_onto_api_sample_and_returns_a_concat_av_latent(fake_api):
@@ -240,8 +243,7 @@ def test_sp_sampler_maps_every_input_onto_api_sample_and_returns_a_concat_av_lat
     ((args, kwargs),) = fake_api["sample"].calls
     assert args[0] == tiny_handle()["spec"]
     for encoding, conditioning in ((args[1], positive), (args[2], negative)):
-        assert encoding.video_context is conditioning[0][0] and encoding.audio_context is conditioning[0][1]["mgpu_audio_context"]
-        assert encoding.digest == conditioning[0][1]["mgpu_prompt_digest"]
+        assert encoding.context is conditioning[0][0] and encoding.digest == conditioning[0][1]["mgpu_prompt_digest"]
     expected = {"width": 96, "height": 64, "num_frames": 9, "frame_rate": 25.0, "seed": 7, "steps": 3, "parallel": "sp", "dtype": "float32", "compile_blocks": False}
     assert {key: kwargs[key] for key in expected} == expected
     assert kwargs["video_guidance"] == api.Guidance(cfg_scale=3.5, stg_scale=1.0, rescale_scale=0.5, modality_scale=2.0, stg_blocks=(1,))
@@ -268,7 +270,7 @@ def test_tdp_upscale_passes_the_input_audio_through_unchanged(fake_api):
     positive = mgpu_conditioning(3)
     (result,) = node("MGPUTDPUpscale").upscale(tiny_handle(), latent, positive, **{**UPSCALE_INPUTS, "tiles": "2x3"}, unique_id="6")
     ((args, kwargs),) = fake_api["upscale"].calls
-    assert args[1] is video and args[2] is audio and args[3].video_context is positive[0][0] and args[3].digest == f"{3:064x}"
+    assert args[1] is video and args[2] is audio and args[3].context is positive[0][0] and args[3].digest == f"{3:064x}"
     expected = {"frame_rate": 24.0, "seed": 11, "sigmas": (0.625, 0.4, 0.0), "tiles": (2, 3), "overlap": 2, "force_from_noise": False, "image": None}
     assert {key: kwargs[key] for key in expected} == expected
     out_video, out_audio = result["samples"].unbind()
@@ -373,14 +375,15 @@ def test_sp_sampler_refuses_bad_inputs_before_calling_the_fleet(fake_api, overri
     assert fake_api["sample"].calls == []
 
 
-def test_native_conditioning_is_refused_with_what_to_connect(fake_api):
-    native = [[torch.zeros(1, 5, 32), {"pooled_output": None}]]
-    with pytest.raises(ValueError, match="native text encoder.*use|'MGPU Text Encode'"):
-        node("MGPUSPSampler").sample(tiny_handle(), native, mgpu_conditioning(2), **SAMPLER_INPUTS)
+def test_stock_conditioning_reaches_the_fleet_in_comfyuis_layout_and_combined_ones_are_refused(fake_api):
+    fake_api["sample"].result = (torch.zeros(1, 128, 2, 2, 3), torch.zeros(1, 8, 9, 16))
+    stock = [[torch.zeros(1, 5, 48), {"pooled_output": None, "unprocessed_ltxav_embeds": True}]]
+    node("MGPUSPSampler").sample(tiny_handle(), stock, mgpu_conditioning(2), **SAMPLER_INPUTS)
+    assert fake_api["sample"].calls[0][0][1] == api.StackedContext(stock[0][0], unprocessed=True, digest=None)
     combined = mgpu_conditioning(1) + mgpu_conditioning(2)
     with pytest.raises(ValueError, match="holds 2 conditionings"):
         node("MGPUSPSampler").sample(tiny_handle(), mgpu_conditioning(1), combined, **SAMPLER_INPUTS)
-    assert fake_api["sample"].calls == []
+    assert len(fake_api["sample"].calls) == 1
 
 
 @pytest.mark.parametrize(
@@ -776,7 +779,9 @@ def test_tdp_upscale_with_a_distilled_model_needs_no_lora_runs_the_official_tail
     (sp_result,) = node("MGPUTDPUpscale").upscale(distilled_handle(), latent, mgpu_conditioning(3), **inputs, stage2_parallel="sp")
     kwargs = fake_api["upscale"].calls[0][1]
     assert kwargs["pipeline"] == "distilled" and kwargs["parallel"] == "sp" and kwargs["sigmas"] == official_stage_2_sigmas()
-    assert torch.equal(sp_result["samples"].unbind()[1], refined_audio), "under SP the fleet's re-denoised audio is the result"
+    sp_audio = sp_result["samples"].unbind()[1]
+    assert torch.equal(sp_audio[:, :, :9], refined_audio), "under SP the fleet's re-denoised audio is the result"
+    assert sp_audio.shape[2] == 10 and torch.equal(sp_audio[:, :, 9], refined_audio[:, :, 8]), "at ComfyUI's length: 9 frames at 24 fps take 10"
     (tdp_result,) = node("MGPUTDPUpscale").upscale(distilled_handle(), latent, mgpu_conditioning(3), **inputs, stage2_parallel="tdp")
     assert torch.equal(tdp_result["samples"].unbind()[1], audio), "under TDP the stage-1 audio passes through"
     with pytest.raises(ValueError, match="needs spatial_upsampler;"):

@@ -142,11 +142,13 @@ def ui_to_api(graph: dict) -> dict:
 
 
 def test_every_ui_graph_has_an_api_twin_and_they_describe_the_same_prompt():
-    assert sorted(path.name for path in UI_FILES) == sorted(path.name for path in API_FILES)
-    for ui_path in UI_FILES:
-        api_prompt = read(WORKFLOWS / "api" / ui_path.name)
-        stripped = {node_id: {"class_type": node["class_type"], "inputs": node["inputs"]} for node_id, node in api_prompt.items()}
-        assert ui_to_api(read(ui_path)) == stripped, f"{ui_path.name} and api/{ui_path.name} disagree"
+    # The UI file is named by its template title, the API twin by the example's short name.
+    assert sorted(UI_FILES) == sorted(builder.ui_path(name) for name in builder.EXAMPLES)
+    assert sorted(API_FILES) == sorted(builder.api_path(name) for name in builder.EXAMPLES)
+    for name in builder.EXAMPLES:
+        ui_path, api_path = builder.ui_path(name), builder.api_path(name)
+        stripped = {node_id: {"class_type": node["class_type"], "inputs": node["inputs"]} for node_id, node in read(api_path).items()}
+        assert ui_to_api(read(ui_path)) == stripped, f"{ui_path.name} and api/{api_path.name} disagree"
 
 
 # --- API prompts ----------------------------------------------------------------------------------------
@@ -211,11 +213,14 @@ def test_graphs_end_in_native_create_video_and_save_video_fed_by_our_image_and_a
 OFFICIAL_FILES = {
     ("2.0", "two-stage"): ("ltx-2-19b-dev.safetensors", "ltx-2-19b-distilled-lora-384.safetensors", "ltx-2-spatial-upscaler-x2-1.0.safetensors"),
     ("2.0", "distilled"): ("ltx-2-19b-distilled.safetensors", "(none)", "ltx-2-spatial-upscaler-x2-1.0.safetensors"),
-    ("2.3", "two-stage"): ("ltx-2.3-22b-dev.safetensors", "ltx-2.3-22b-distilled-lora-384-1.1.safetensors", "ltx-2.3-spatial-upscaler-x2-1.1.safetensors"),
-    ("2.3", "distilled"): ("ltx-2.3-22b-distilled-1.1.safetensors", "(none)", "ltx-2.3-spatial-upscaler-x2-1.1.safetensors"),
+    # LTX-2.3: the files ComfyUI's own LTX-2.3 templates name (its fp8 checkpoints, the 1.0 LoRA).
+    ("2.3", "two-stage"): ("ltx-2.3-22b-dev-fp8.safetensors", "ltx-2.3-22b-distilled-lora-384.safetensors", "ltx-2.3-spatial-upscaler-x2-1.1.safetensors"),
+    ("2.3", "distilled"): ("ltx-2.3-22b-distilled-fp8.safetensors", "(none)", "ltx-2.3-spatial-upscaler-x2-1.1.safetensors"),
 }
 OFFICIAL_REPOS = {"2.0": "https://huggingface.co/Lightricks/LTX-2/resolve/main/", "2.3": "https://huggingface.co/Lightricks/LTX-2.3/resolve/main/"}
-COMFY_GEMMA = ("gemma_3_12B_it.safetensors", "https://huggingface.co/Comfy-Org/ltx-2/resolve/main/split_files/text_encoders/gemma_3_12B_it.safetensors")
+FP8_REPO = "https://huggingface.co/Lightricks/LTX-2.3-fp8/resolve/main/"
+COMFY_TEXT_ENCODERS = "https://huggingface.co/Comfy-Org/ltx-2/resolve/main/split_files/text_encoders/"
+COMFY_GEMMA = {"2.0": "gemma_3_12B_it.safetensors", "2.3": "gemma_3_12B_it_fp4_mixed.safetensors"}
 EMBEDDED_ENTRIES = {"2.0": "(embedded tiny LTX-2, random weights)", "2.3": "(embedded tiny LTX-2.3, random weights)"}
 
 
@@ -228,7 +233,7 @@ def test_every_version_and_pipeline_has_t2v_and_i2v_examples_and_each_version_a_
     covered = {(example.version, example.pipeline, example.image) for example in builder.EXAMPLES.values() if not example.tiny}
     assert covered == {(version, pipeline, image) for version, pipeline in OFFICIAL_FILES for image in (False, True)}
     assert sorted(example.version for example in builder.EXAMPLES.values() if example.tiny) == ["2.0", "2.3"]
-    assert sorted(path.stem for path in UI_FILES) == sorted(builder.EXAMPLES)
+    assert sorted(UI_FILES) == sorted(builder.ui_path(name) for name in builder.EXAMPLES)
 
 
 @pytest.mark.parametrize("name", sorted(builder.EXAMPLES))
@@ -239,14 +244,17 @@ def test_loader_names_the_official_files_of_the_examples_version_with_their_down
     if example.tiny:
         assert set(files) | {loader["gemma"]} == {EMBEDDED_ENTRIES[example.version]}
     else:
-        assert files == OFFICIAL_FILES[(example.version, example.pipeline)] and loader["gemma"] == COMFY_GEMMA[0]
+        assert files == OFFICIAL_FILES[(example.version, example.pipeline)] and loader["gemma"] == COMFY_GEMMA[example.version]
     assert loader["pipeline"] == example.pipeline
-    (ui_loader,) = [node for node in read(WORKFLOWS / f"{name}.json")["nodes"] if node["type"] == "MGPULoadCheckpoint"]
+    (ui_loader,) = [node for node in read(builder.ui_path(name))["nodes"] if node["type"] == "MGPULoadCheckpoint"]
     expected = [] if example.tiny else [name_ for name_ in (*files, loader["gemma"]) if name_ != "(none)"]
     models = ui_loader["properties"].get("models", [])
     assert [model["name"] for model in models] == expected
     for model in models:
-        url = COMFY_GEMMA[1] if model["name"] == COMFY_GEMMA[0] else OFFICIAL_REPOS[example.version] + model["name"]
+        if model["name"] == COMFY_GEMMA[example.version]:
+            url = COMFY_TEXT_ENCODERS + model["name"]
+        else:
+            url = (FP8_REPO if model["name"].endswith("-fp8.safetensors") else OFFICIAL_REPOS[example.version]) + model["name"]
         assert model["url"] == url, model
 
 
@@ -321,7 +329,7 @@ def test_tiny_prompts_are_small_enough_for_cpu_ranks():
 def test_shipped_files_are_what_make_workflows_writes():
     for name in builder.WORKFLOWS:
         ui, api_prompt = builder.build(name, SCHEMAS)
-        assert read(WORKFLOWS / f"{name}.json") == ui, f"workflows/{name}.json is stale: run python workflows/make_workflows.py"
+        assert read(builder.ui_path(name)) == ui, f"workflows/{builder.ui_path(name).name} is stale: run python workflows/make_workflows.py"
         assert read(WORKFLOWS / "api" / f"{name}.json") == api_prompt, f"workflows/api/{name}.json is stale"
 
 
@@ -407,7 +415,8 @@ def test_every_template_has_a_small_jpeg_thumbnail_that_the_script_draws_from_it
     assert data[:3] == b"\xff\xd8\xff" and 2_000 <= len(data) <= 40_000, len(data)
     shipped = Image.open(io.BytesIO(data))
     assert shipped.format == "JPEG" and shipped.size == builder.THUMBNAIL_SIZE
-    drawn = Image.open(io.BytesIO(builder.render_thumbnail(read(path), builder.EXAMPLES[path.stem])))
+    (slug,) = [name for name in builder.EXAMPLES if builder.ui_path(name) == path]
+    drawn = Image.open(io.BytesIO(builder.render_thumbnail(read(path), builder.EXAMPLES[slug])))
     # Compared by pixels, not bytes: another JPEG encoder build may write other bytes for the same picture.
     difference = ImageStat.Stat(ImageChops.difference(shipped.convert("RGB"), drawn.convert("RGB"))).mean
     assert max(difference) < 2.0, f"{thumbnail.name} is stale (mean difference {difference}): run python workflows/make_workflows.py"
@@ -416,7 +425,7 @@ def test_every_template_has_a_small_jpeg_thumbnail_that_the_script_draws_from_it
 def test_thumbnails_tell_the_versions_apart():
     from PIL import Image, ImageChops, ImageStat
 
-    first, second = (Image.open(WORKFLOWS / f"{name}.jpg").convert("RGB") for name in ("ltx2_t2v_two_stage", "ltx23_t2v_two_stage"))
+    first, second = (Image.open(builder.ui_path(name).with_suffix(".jpg")).convert("RGB") for name in ("ltx2_t2v_two_stage", "ltx23_t2v_two_stage"))
     assert max(ImageStat.Stat(ImageChops.difference(first, second)).mean) > 2.0
     assert sorted(path.stem for path in WORKFLOWS.glob("*.jpg")) == sorted(path.stem for path in UI_FILES), "a thumbnail without its template"
 

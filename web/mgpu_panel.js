@@ -3,7 +3,9 @@
 //
 // It reads GET /mgpu/status (polled while the panel is open) and the "mgpu.status" websocket events
 // the MGPU nodes send on every fleet progress step; the buttons call POST /mgpu/restart and
-// POST /mgpu/unload. It only displays and asks: it never starts the fleet or queues work.
+// POST /mgpu/unload. It only displays and asks: it never starts the fleet or queues work. What it
+// says about a fleet that is not running is the server's one sentence (nodes/fleet_admin.py), the
+// same the MGPU Fleet Control node prints. Its look follows ComfyUI's theme (its CSS variables).
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
@@ -30,24 +32,58 @@ function element(tag, style = {}, text = "") {
   return node;
 }
 
+// ComfyUI's theme variables (frontend 1.43), with the older names as fallbacks.
+const PANEL_CSS = `
+.mgpu-panel { padding: 10px; font-size: 12px; line-height: 1.5; color: var(--base-foreground, var(--fg-color)); }
+.mgpu-panel .mgpu-title { font-weight: 600; font-size: 13px; }
+.mgpu-panel .mgpu-buttons { display: flex; flex-wrap: wrap; gap: 6px; margin: 8px 0; }
+.mgpu-panel button {
+  font: inherit; cursor: pointer; padding: 4px 10px; border-radius: 6px;
+  color: var(--base-foreground, var(--input-text));
+  background: var(--secondary-background, var(--comfy-input-bg));
+  border: 1px solid var(--border-color, transparent);
+}
+.mgpu-panel button:hover:not(:disabled) { background: var(--secondary-background-hover, var(--comfy-menu-bg)); }
+.mgpu-panel button:disabled { opacity: 0.5; cursor: default; }
+.mgpu-panel .mgpu-body { font-family: monospace; }
+.mgpu-panel .mgpu-state { color: var(--descrip-text, inherit); }
+`;
+
+function addPanelStyle() {
+  if (document.getElementById("mgpu-panel-style")) return;
+  const style = element("style");
+  style.id = "mgpu-panel-style";
+  style.textContent = PANEL_CSS;
+  document.head.append(style);
+}
+
 class FleetPanel {
   constructor() {
     this.status = null;
     this.lastProgress = null;
     this.message = "";
-    this.root = element("div", { padding: "8px", fontFamily: "monospace", fontSize: "12px", lineHeight: "1.5" });
+    addPanelStyle();
+    this.root = element("div");
+    this.root.className = "mgpu-panel";
     this.body = element("div");
-    const buttons = element("div", { display: "flex", gap: "6px", margin: "8px 0" });
-    buttons.append(
+    this.body.className = "mgpu-body";
+    const buttons = element("div");
+    buttons.className = "mgpu-buttons";
+    this.buttons = [
+
       this.button("Refresh", () => this.refresh()),
       this.button("Unload models", () => this.action("/mgpu/unload", "Unloading models...")),
       this.button("Restart fleet", () => this.action("/mgpu/restart", "Stopping the fleet...")),
-    );
-    this.root.append(element("div", { fontWeight: "bold" }, "MGPU fleet (LTX-2)"), buttons, this.body);
+    ];
+    buttons.append(...this.buttons);
+    const title = element("div", {}, "MGPU fleet (LTX-2)");
+    title.className = "mgpu-title";
+    this.root.append(title, buttons, this.body);
   }
 
   button(label, onClick) {
-    const node = element("button", { padding: "2px 8px", cursor: "pointer" }, label);
+    const node = element("button", {}, label);
+    node.type = "button";
     node.addEventListener("click", onClick);
     return node;
   }
@@ -64,12 +100,15 @@ class FleetPanel {
 
   async action(route, pending) {
     this.message = pending;
+    this.buttons.forEach((button) => (button.disabled = true));
     this.render();
     try {
       const response = await api.fetchApi(route, { method: "POST" });
       this.message = (await response.json()).message;
     } catch (error) {
       this.message = `${route} failed: ${error}`;
+    } finally {
+      this.buttons.forEach((button) => (button.disabled = false));
     }
     await this.refresh();
   }
@@ -85,8 +124,7 @@ class FleetPanel {
     if (!status) {
       lines.push("loading...");
     } else if (!status.running) {
-      lines.push(`fleet not running. ${status.message ?? ""}`);
-      lines.push("It starts with the first MGPU node.");
+      lines.push(status.message);
     } else {
       lines.push(`${status.devices}, server pid ${status.server_pid}, up ${status.uptime_seconds} s`);
       for (const rank of status.ranks ?? []) {

@@ -1,21 +1,27 @@
 """Writes the shipped example workflows: each graph once, as a UI file (drag-and-drop, also listed in
-ComfyUI's template browser under this pack) with its thumbnail ``NAME.jpg`` next to it, and as its
-API twin in ``api/`` (headless queueing: ``python -m mgpu_backend queue workflows/api/NAME.json``).
+ComfyUI's template browser under this pack) with its thumbnail next to it, and as its API twin in
+``api/`` (headless queueing: ``python -m mgpu_backend queue workflows/api/SLUG.json``).
+
+``TEMPLATES`` is the one table of them: short name (the API twin's file), example, the title users
+see and search for in the template browser (the UI file's and thumbnail's name, see ``Template``),
+and a one-line description; its order is the browser's (web/template_order.json, written here).
 
 Every example is one model version (LTX-2.0 or LTX-2.3) and one pipeline (two-stage or distilled):
 its widget values are ``DEFAULTS[(version, pipeline)]`` of ``mgpu_backend.ltx.schema`` (the tiny
 examples shrink only size, frames and steps), and its loader names that version's official files
 (``MODEL_FILES``) with ComfyUI's model metadata (``properties.models``: name, Hugging Face url,
-models folder), so ComfyUI offers to download what is missing.
+models folder), so ComfyUI offers to download what is missing. Node places and sizes come from
+``LAYOUT``, which holds in the classic canvas and with "Nodes 2.0" on.
 
 ComfyUI serves a pack's template folder as it is (app/custom_node_manager.py: ``workflows/`` is one
-of the folder names it reads) and its frontend shows ``NAME.jpg`` as the template's thumbnail; the
+of the folder names it reads) and its frontend shows ``TITLE.jpg`` as the template's thumbnail; the
 thumbnails are drawn here from the graph itself (``render_thumbnail``), so they are reproducible.
 
 Run ``python workflows/make_workflows.py`` after changing a node's inputs; tests/test_workflows.py
-checks the written files against the node definitions and each UI graph against its API twin.
-``NATIVE_NODES`` lists the ComfyUI core nodes the graphs use, as /work/comfyui (January 2026)
-defines them; the e2e test checks it against a running ComfyUI's /object_info.
+checks the written files against the node definitions and each UI graph against its API twin, and
+tests/e2e/test_browser_ui.py loads each UI graph in ComfyUI's frontend. ``NATIVE_NODES`` lists the
+ComfyUI core nodes the graphs use, as /work/comfyui (January 2026) defines them; the e2e test checks
+it against a running ComfyUI's /object_info.
 
 This script only writes JSON and JPEG files; it never runs a workflow.
 """
@@ -83,9 +89,12 @@ LOADER_FILE_INPUTS = ("ckpt_name", "distilled_lora", "spatial_upsampler", "gemma
 
 LTX_2_FILES = "https://huggingface.co/Lightricks/LTX-2/resolve/main/"
 LTX_2_3_FILES = "https://huggingface.co/Lightricks/LTX-2.3/resolve/main/"
+LTX_2_3_FP8_FILES = "https://huggingface.co/Lightricks/LTX-2.3-fp8/resolve/main/"
 COMFY_TEXT_ENCODERS = "https://huggingface.co/Comfy-Org/ltx-2/resolve/main/split_files/text_encoders/"
-# ComfyUI's single-file Gemma (bf16), as its own LTX-2 templates name it; LTX-2.0 and LTX-2.3 share it.
+# ComfyUI's single-file Gemma, as its own templates name it: bf16 in its LTX-2 templates, fp4_mixed
+# (dequantized to bf16 on load) in its LTX-2.3 ones.
 GEMMA = "gemma_3_12B_it.safetensors"
+GEMMA_FP4_MIXED = "gemma_3_12B_it_fp4_mixed.safetensors"
 
 MODEL_FILES = {
     ("2.0", "two-stage"): {
@@ -96,15 +105,16 @@ MODEL_FILES = {
         "ckpt_name": "ltx-2-19b-distilled.safetensors", "distilled_lora": NO_FILE,
         "spatial_upsampler": "ltx-2-spatial-upscaler-x2-1.0.safetensors", "gemma": GEMMA,
     },
-    # The 1.1 release of LTX-2.3 (Lightricks/LTX-2.3), as docs/techniques.md and the loader's
-    # messages name it; the 1.0 files (no "-1.1" in the name) fill the same roles.
+    # The files of ComfyUI's own LTX-2.3 templates, so one download serves both: Lightricks' fp8
+    # checkpoints (Lightricks/LTX-2.3-fp8), the 1.0 distilled LoRA and the 1.1 upsampler. The bf16
+    # checkpoints and the 1.1 LoRA of Lightricks/LTX-2.3 fill the same roles (docs/model-files.md).
     ("2.3", "two-stage"): {
-        "ckpt_name": "ltx-2.3-22b-dev.safetensors", "distilled_lora": "ltx-2.3-22b-distilled-lora-384-1.1.safetensors",
-        "spatial_upsampler": "ltx-2.3-spatial-upscaler-x2-1.1.safetensors", "gemma": GEMMA,
+        "ckpt_name": "ltx-2.3-22b-dev-fp8.safetensors", "distilled_lora": "ltx-2.3-22b-distilled-lora-384.safetensors",
+        "spatial_upsampler": "ltx-2.3-spatial-upscaler-x2-1.1.safetensors", "gemma": GEMMA_FP4_MIXED,
     },
     ("2.3", "distilled"): {
-        "ckpt_name": "ltx-2.3-22b-distilled-1.1.safetensors", "distilled_lora": NO_FILE,
-        "spatial_upsampler": "ltx-2.3-spatial-upscaler-x2-1.1.safetensors", "gemma": GEMMA,
+        "ckpt_name": "ltx-2.3-22b-distilled-fp8.safetensors", "distilled_lora": NO_FILE,
+        "spatial_upsampler": "ltx-2.3-spatial-upscaler-x2-1.1.safetensors", "gemma": GEMMA_FP4_MIXED,
     },
 }  # fmt: skip
 """The official files each model version's pipeline loads, per loader input."""
@@ -113,8 +123,19 @@ MODEL_FILES = {
 # loader node's ``properties.models``, as in ComfyUI's own LTX-2 templates (comfyui-workflow-templates).
 MODEL_FOLDERS = {"ckpt_name": "checkpoints", "distilled_lora": "loras", "spatial_upsampler": "latent_upscale_models", "gemma": "text_encoders"}
 FILE_BASES = {"2.0": LTX_2_FILES, "2.3": LTX_2_3_FILES}
+
+
+def file_source(version: str, input_name: str, name: str) -> str:
+    """The Hugging Face address of one official file: Gemma from Comfy-Org, fp8 checkpoints from their own repository."""
+    if input_name == "gemma":
+        return COMFY_TEXT_ENCODERS + name
+    if name.endswith("-fp8.safetensors"):
+        return LTX_2_3_FP8_FILES + name
+    return FILE_BASES[version] + name
+
+
 MODEL_SOURCES = {
-    name: (COMFY_TEXT_ENCODERS + name if input_name == "gemma" else FILE_BASES[version] + name, MODEL_FOLDERS[input_name])
+    name: (file_source(version, input_name, name), MODEL_FOLDERS[input_name])
     for (version, _pipeline), files in MODEL_FILES.items() for input_name, name in files.items() if name != NO_FILE
 }  # fmt: skip
 NODE_TITLE_HEIGHT = 30  # the frontend draws a node's title bar above its ``pos``
@@ -240,6 +261,20 @@ def execution_order(nodes: list[Node]) -> list[int]:
     return placed
 
 
+# Where the graph first shows: all of it, inside a 1600x1000 window below ComfyUI's top bars and
+# right of its sidebar (screen = (canvas position + offset) * scale).
+VIEW_ORIGIN, VIEW_SIZE = (80, 110), (1480, 840)
+
+
+def initial_view(ui_nodes: list[dict]) -> dict:
+    left = min(node["pos"][0] for node in ui_nodes)
+    top = min(node["pos"][1] for node in ui_nodes) - NODE_TITLE_HEIGHT
+    right = max(node["pos"][0] + node["size"][0] for node in ui_nodes)
+    bottom = max(node["pos"][1] + node["size"][1] for node in ui_nodes)
+    scale = round(min(1.0, VIEW_SIZE[0] / (right - left), VIEW_SIZE[1] / (bottom - top)), 2)
+    return {"scale": scale, "offset": [round(VIEW_ORIGIN[0] / scale - left), round(VIEW_ORIGIN[1] / scale - top)]}
+
+
 def to_ui(nodes: list[Node], schemas: dict, description: str = "", workflow_name: str = "") -> dict:
     links, link_ids = [], {}
     for node in nodes:
@@ -306,7 +341,7 @@ def to_ui(nodes: list[Node], schemas: dict, description: str = "", workflow_name
         "links": links,
         "groups": [],
         "config": {},
-        "extra": {"ds": {"scale": 0.75, "offset": [40, 40]}, "description": description},
+        "extra": {"ds": initial_view(ui_nodes), "description": description},
         "version": 0.4,
     }
 
@@ -380,12 +415,56 @@ def sampler_widgets(example: Example) -> dict:
     return widgets
 
 
+@dataclass(frozen=True)
+class Box:
+    """A node's place on the canvas: ``pos`` is below the title bar (NODE_TITLE_HEIGHT above it)."""
+
+    x: int
+    y: int
+    width: int
+    height: int
+
+    @property
+    def pos(self) -> tuple[int, int]:
+        return (self.x, self.y)
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return (self.width, self.height)
+
+    def below(self, height: int, width: int | None = None, gap: int = 60) -> Box:
+        """The box under this one, clear of its bottom edge and of the next title bar."""
+        return Box(self.x, self.y + self.height + gap, width or self.width, height)
+
+    def right(self, width: int, height: int, gap: int = 40) -> Box:
+        return Box(self.x + self.width + gap, self.y, width, height)
+
+
+# Sizes hold each node as ComfyUI's frontend 1.43 draws it in both modes: classic (LiteGraph) and
+# "Nodes 2.0" (Vue), which draws widgets taller (e.g. the loader's 13 widgets need 515 px there). The
+# loader is wide enough for its combo labels and file names to show whole; TDP Upscale leaves room
+# under its widgets for the stage-2 plan it prints there; MGPU Text Encode for several prompt lines.
+# The output column stacks decode, Create Video and Save Video, so the whole graph shows at a zoom
+# (initial_view) where the classic canvas still draws text. tests/e2e/test_browser_ui.py loads every
+# workflow in both modes and fails on any overlap.
+_LOADER = Box(40, 60, 500, 540)
+_TEXT = _LOADER.right(440, 520)
+_SAMPLER = _TEXT.right(360, 640)
+_UPSCALE = _SAMPLER.right(400, 560)
+_DECODE = _UPSCALE.right(480, 240)
+_CREATE = _DECODE.below(120)
+_FRAME_RATE = _LOADER.below(90, width=300)
+LAYOUT = {
+    "loader": _LOADER, "text": _TEXT, "sampler": _SAMPLER, "upscale": _UPSCALE, "decode": _DECODE, "create": _CREATE,
+    "save": _CREATE.below(560), "frame_rate": _FRAME_RATE, "image": _TEXT.below(420), "note": _FRAME_RATE.below(420, width=_LOADER.width),
+}  # fmt: skip
+
+
 def two_stage_graph(example: Example, prefix: str) -> list[Node]:
     recipe, files = example.recipe, example.files
     default_positive, negative = default_prompts()
     sampler = sampler_widgets(example)
     width, height = sampler["width"], sampler["height"]
-    x = 40
     listed = ", ".join(f"{MODEL_SOURCES[name][1]}/{name}" for name in files.values() if name in MODEL_SOURCES)
     note = NOTE_TWO_STAGE.format(version=example.version, stage1=f"{width}x{height}", final=f"{2 * width}x{2 * height}", recipe=recipe_text(recipe, example.tiny),
                                  files=listed or "none (the embedded bundle)", embedded=embedded_entry(example.version))  # fmt: skip
@@ -393,27 +472,27 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
     sigmas = ", ".join(map(str, stage2_default_sigmas(example.pipeline))) if example.pipeline == "two-stage" else ""
     overlap = TINY_SIZE["overlap"] if example.tiny else TDP_OVERLAP
     nodes = [
-        Node(1, "MGPULoadCheckpoint", (x, 60), {**files, "distilled_lora_strength": DISTILLED_LORA_STRENGTH, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto",
-                                                "dtype": "bfloat16", "quantization": "none", "residency": "auto", "pipeline": example.pipeline},
-             size=(380, 380), models=model_metadata(files)),
-        Node(2, "MGPUTextEncode", (x + 420, 60), {"positive": IMAGE_PROMPT if example.image else default_positive, "negative": negative, "free_gemma": False},
-             {"model": (1, 0)}, size=(420, 360)),
-        Node(3, "PrimitiveFloat", (x, 490), {"value": recipe.frame_rate}, size=(260, 60), title="Frame rate"),
-        Node(4, "MGPUSPSampler", (x + 880, 60), sampler, {"model": (1, 0), "positive": (2, 0), "negative": (2, 1), "frame_rate": (3, 0)}, size=(340, 480)),
+        Node(1, "MGPULoadCheckpoint", LAYOUT["loader"].pos, {**files, "distilled_lora_strength": DISTILLED_LORA_STRENGTH, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto",
+                                                  "dtype": "bfloat16", "quantization": "none", "residency": "auto", "pipeline": example.pipeline},
+             size=LAYOUT["loader"].size, models=model_metadata(files)),
+        Node(2, "MGPUTextEncode", LAYOUT["text"].pos, {"positive": IMAGE_PROMPT if example.image else default_positive, "negative": negative, "free_gemma": False},
+             {"model": (1, 0)}, size=LAYOUT["text"].size),
+        Node(3, "PrimitiveFloat", LAYOUT["frame_rate"].pos, {"value": recipe.frame_rate}, size=LAYOUT["frame_rate"].size, title="Frame rate"),
+        Node(4, "MGPUSPSampler", LAYOUT["sampler"].pos, sampler, {"model": (1, 0), "positive": (2, 0), "negative": (2, 1), "frame_rate": (3, 0)}, size=LAYOUT["sampler"].size),
         Node(
-            5, "MGPUTDPUpscale", (x + 1260, 60),
+            5, "MGPUTDPUpscale", LAYOUT["upscale"].pos,
             {"seed": recipe.seed, "sigmas": sigmas, "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False, "stage2_parallel": "auto"},
-            {"model": (1, 0), "av_latent": (4, 0), "positive": (2, 0)}, size=(340, 330),
+            {"model": (1, 0), "av_latent": (4, 0), "positive": (2, 0)}, size=LAYOUT["upscale"].size,
         ),
-        Node(6, "MGPUDistributedVAEDecode", (x + 1640, 60), {"seed": recipe.seed, "spatial_tile_pixels": DECODE_SPATIAL_TILE_PIXELS,
-                                                                   "temporal_tile_frames": DECODE_TEMPORAL_TILE_FRAMES},
-             {"model": (1, 0), "av_latent": (5, 0)}, size=(340, 200)),
-        Node(7, "CreateVideo", (x + 1640, 320), {"fps": recipe.frame_rate}, {"images": (6, 0), "audio": (6, 1), "fps": (3, 0)}, size=(300, 100)),
-        Node(8, "SaveVideo", (x + 2020, 60), {"filename_prefix": prefix, "format": "mp4", "codec": "h264"}, {"video": (7, 0)}, size=(480, 520)),
-        Node(9, "MarkdownNote", (x, 880), {"text": note}, size=(800, 320)),
+        Node(6, "MGPUDistributedVAEDecode", LAYOUT["decode"].pos, {"seed": recipe.seed, "spatial_tile_pixels": DECODE_SPATIAL_TILE_PIXELS,
+                                                        "temporal_tile_frames": DECODE_TEMPORAL_TILE_FRAMES},
+             {"model": (1, 0), "av_latent": (5, 0)}, size=LAYOUT["decode"].size),
+        Node(7, "CreateVideo", LAYOUT["create"].pos, {"fps": recipe.frame_rate}, {"images": (6, 0), "audio": (6, 1), "fps": (3, 0)}, size=LAYOUT["create"].size),
+        Node(8, "SaveVideo", LAYOUT["save"].pos, {"filename_prefix": prefix, "format": "mp4", "codec": "h264"}, {"video": (7, 0)}, size=LAYOUT["save"].size),
+        Node(9, "MarkdownNote", LAYOUT["note"].pos, {"text": note}, size=LAYOUT["note"].size),
     ]  # fmt: skip
     if example.image:
-        nodes.append(Node(10, "LoadImage", (x + 420, 460), {"image": "example.png", "upload": "image"}, size=(320, 360)))
+        nodes.append(Node(10, "LoadImage", LAYOUT["image"].pos, {"image": "example.png", "upload": "image"}, size=LAYOUT["image"].size))
         nodes[3].links["image"] = (10, 0)
         nodes[4].links["image"] = (10, 0)
     return nodes
@@ -432,42 +511,80 @@ def default_prompts() -> tuple[str, str]:
     return text_nodes.DEFAULT_PROMPT, text_nodes.DEFAULT_NEGATIVE_PROMPT
 
 
-EXAMPLES = {
-    "ltx2_t2v_two_stage": Example("2.0", "two-stage"),
-    "ltx2_i2v_two_stage": Example("2.0", "two-stage", image=True),
-    "ltx2_t2v_distilled": Example("2.0", "distilled"),
-    "ltx2_i2v_distilled": Example("2.0", "distilled", image=True),
+@dataclass(frozen=True)
+class Template:
+    """One entry of ComfyUI's template browser: the example it shows and the words users search for.
+
+    ComfyUI v0.20.1 lists a pack's templates by file name only (``GET /workflow_templates``) and its
+    frontend (1.43.18) uses that name as the card's title, as its description (``-`` and ``_`` read
+    as spaces) and as the only text its template search matches: so the UI file is named by
+    ``title``, short enough for the card's one-line title (about 33 characters at 1600 px) and led by
+    the words users search for (LTX-2.3, image to video). ``slug`` names the API twin
+    (``workflows/api/SLUG.json``), short for command lines.
+    ``description`` is the graph's ``extra.description`` (shown by frontends that read it)."""
+
+    slug: str
+    example: Example
+    title: str
+    description: str
+
+    @property
+    def file_stem(self) -> str:
+        unsafe = sorted(set(self.title) & set(TITLE_UNSAFE_CHARACTERS))
+        assert not unsafe, f"template title {self.title!r} has {unsafe}: not allowed in file names or template URLs"
+        return self.title
+
+
+# Not allowed in a Windows file name, or changing the meaning of the template's URL (# ? %).
+TITLE_UNSAFE_CHARACTERS = '<>:"/\\|?*#%'
+
+# In the order the template browser lists them (web/mgpu_panel.js orders the pack's templates by
+# web/template_order.json): the no-download ones first, then LTX-2.3, then LTX-2.0.
+TEMPLATES = [
     # The embedded random-weight bundles at a tiny size: try the whole graph with no download; the
     # e2e test queues the 2.0 one.
-    "ltx2_t2v_tiny": Example("2.0", "two-stage", tiny=True),
-    "ltx23_t2v_two_stage": Example("2.3", "two-stage"),
-    "ltx23_i2v_two_stage": Example("2.3", "two-stage", image=True),
-    "ltx23_t2v_distilled": Example("2.3", "distilled"),
-    "ltx23_i2v_distilled": Example("2.3", "distilled", image=True),
-    "ltx23_t2v_tiny": Example("2.3", "two-stage", tiny=True),
-}
+    Template("ltx23_t2v_tiny", Example("2.3", "two-stage", tiny=True), "LTX-2.3 Tiny Test — no download",
+             "Try the whole LTX-2.3 two-stage graph with no download: the embedded tiny random-weight bundle (the output is noise)."),
+    Template("ltx2_t2v_tiny", Example("2.0", "two-stage", tiny=True), "LTX-2.0 Tiny Test — no download",
+             "Try the whole LTX-2.0 two-stage graph with no download: the embedded tiny random-weight bundle (the output is noise)."),
+    Template("ltx23_t2v_two_stage", Example("2.3", "two-stage"), "LTX-2.3 Text to Video (two-stage)",
+             "LTX-2.3 text to video on all GPUs, two-stage recipe (30 steps, STG block 28): 1536x1024, 121 frames with audio."),
+    Template("ltx23_i2v_two_stage", Example("2.3", "two-stage", image=True), "LTX-2.3 Image to Video (two-stage)",
+             "LTX-2.3 image to video on all GPUs, two-stage recipe: the image is the first frame; 1536x1024, 121 frames with audio."),
+    Template("ltx23_t2v_distilled", Example("2.3", "distilled"), "LTX-2.3 Text to Video (distilled)",
+             "LTX-2.3 text to video on all GPUs, distilled recipe: 8 + 3 unguided steps; 1536x1024, 121 frames with audio."),
+    Template("ltx23_i2v_distilled", Example("2.3", "distilled", image=True), "LTX-2.3 Image to Video (distilled)",
+             "LTX-2.3 image to video on all GPUs, distilled recipe: the image is the first frame; 8 + 3 unguided steps."),
+    Template("ltx2_t2v_two_stage", Example("2.0", "two-stage"), "LTX-2.0 Text to Video (two-stage)",
+             "LTX-2.0 text to video on all GPUs, two-stage recipe: 768x512 sampled, 1536x1024 out, 121 frames with audio."),
+    Template("ltx2_i2v_two_stage", Example("2.0", "two-stage", image=True), "LTX-2.0 Image to Video (two-stage)",
+             "LTX-2.0 image to video on all GPUs, two-stage recipe: the image is the first frame; 1536x1024, 121 frames with audio."),
+    Template("ltx2_t2v_distilled", Example("2.0", "distilled"), "LTX-2.0 Text to Video (distilled)",
+             "LTX-2.0 text to video on all GPUs, distilled recipe: 8 + 3 unguided steps; 1536x1024, 121 frames with audio."),
+    Template("ltx2_i2v_distilled", Example("2.0", "distilled", image=True), "LTX-2.0 Image to Video (distilled)",
+             "LTX-2.0 image to video on all GPUs, distilled recipe: the image is the first frame; 8 + 3 unguided steps."),
+]  # fmt: skip
+TEMPLATE_BY_SLUG = {template.slug: template for template in TEMPLATES}
+EXAMPLES = {template.slug: template.example for template in TEMPLATES}
+assert len(TEMPLATE_BY_SLUG) == len(TEMPLATES) and len({template.title for template in TEMPLATES}) == len(TEMPLATES)
 assert {(example.version, example.pipeline) for example in EXAMPLES.values()} == set(DEFAULTS) and set(MODEL_FILES) == set(DEFAULTS)
 assert sorted({example.version for example in EXAMPLES.values()}) == sorted(MODEL_VERSIONS)
 WORKFLOWS = {name: (lambda name=name: two_stage_graph(EXAMPLES[name], f"video/{name}_mgpu")) for name in EXAMPLES}
+TEMPLATE_ORDER_FILE = PACK_DIR / "web" / "template_order.json"
 
 
-DESCRIPTIONS = {
-    "ltx2_t2v_two_stage": "LTX-2.0 text to video on all GPUs, two-stage recipe: 768x512 sampled, 1536x1024 out, 121 frames with audio.",
-    "ltx2_i2v_two_stage": "LTX-2.0 image to video on all GPUs, two-stage recipe: the image is the first frame; 1536x1024, 121 frames with audio.",
-    "ltx2_t2v_distilled": "LTX-2.0 text to video on all GPUs, distilled recipe: 8 + 3 unguided steps; 1536x1024, 121 frames with audio.",
-    "ltx2_i2v_distilled": "LTX-2.0 image to video on all GPUs, distilled recipe: the image is the first frame; 8 + 3 unguided steps.",
-    "ltx2_t2v_tiny": "The whole LTX-2.0 two-stage graph on the embedded tiny random-weight bundle (no download; the output is noise).",
-    "ltx23_t2v_two_stage": "LTX-2.3 text to video on all GPUs, two-stage recipe (30 steps, STG block 28): 1536x1024, 121 frames with audio.",
-    "ltx23_i2v_two_stage": "LTX-2.3 image to video on all GPUs, two-stage recipe: the image is the first frame; 1536x1024, 121 frames with audio.",
-    "ltx23_t2v_distilled": "LTX-2.3 text to video on all GPUs, distilled recipe: 8 + 3 unguided steps; 1536x1024, 121 frames with audio.",
-    "ltx23_i2v_distilled": "LTX-2.3 image to video on all GPUs, distilled recipe: the image is the first frame; 8 + 3 unguided steps.",
-    "ltx23_t2v_tiny": "The whole LTX-2.3 two-stage graph on the embedded tiny random-weight bundle (no download; the output is noise).",
-}
+def ui_path(slug: str) -> Path:
+    """The UI file of one example, as the template browser lists it (its thumbnail: the same stem, .jpg)."""
+    return HERE / f"{TEMPLATE_BY_SLUG[slug].file_stem}.json"
+
+
+def api_path(slug: str) -> Path:
+    return HERE / "api" / f"{slug}.json"
 
 
 def build(name: str, schemas: dict) -> tuple[dict, dict]:
     nodes = WORKFLOWS[name]()
-    return to_ui(nodes, schemas, DESCRIPTIONS[name], name), to_api(nodes, schemas)
+    return to_ui(nodes, schemas, TEMPLATE_BY_SLUG[name].description, name), to_api(nodes, schemas)
 
 
 # --- thumbnails -------------------------------------------------------------------------------------
@@ -531,15 +648,23 @@ def render_thumbnail(ui_graph: dict, example: Example) -> bytes:
     return out.getvalue()
 
 
+def template_order() -> list[str]:
+    """The template browser's order of the pack's templates (their file names), for web/mgpu_panel.js:
+    ComfyUI lists them in the order its server's directory listing happens to give."""
+    return [template.file_stem for template in TEMPLATES]
+
+
 def main() -> None:
     schemas = node_schemas()
     (HERE / "api").mkdir(exist_ok=True)
     for name in WORKFLOWS:
         ui, api = build(name, schemas)
-        (HERE / f"{name}.json").write_text(json.dumps(ui, indent=2) + "\n")
-        (HERE / "api" / f"{name}.json").write_text(json.dumps(api, indent=2) + "\n")
-        (HERE / f"{name}.jpg").write_bytes(render_thumbnail(ui, EXAMPLES[name]))
-        print(f"wrote workflows/{name}.json, workflows/{name}.jpg and workflows/api/{name}.json")
+        ui_path(name).write_text(json.dumps(ui, indent=2, ensure_ascii=False) + "\n")
+        api_path(name).write_text(json.dumps(api, indent=2) + "\n")
+        ui_path(name).with_suffix(".jpg").write_bytes(render_thumbnail(ui, EXAMPLES[name]))
+        print(f"wrote workflows/{ui_path(name).name}, its .jpg and workflows/api/{name}.json")
+    TEMPLATE_ORDER_FILE.write_text(json.dumps(template_order(), indent=2, ensure_ascii=False) + "\n")
+    print(f"wrote {TEMPLATE_ORDER_FILE.relative_to(PACK_DIR)}")
 
 
 if __name__ == "__main__":

@@ -93,24 +93,30 @@ def materialize_random_(module: torch.nn.Module, device: torch.device, dtype: to
     generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, tensor in _named_tensors(module):
-            if not tensor.is_floating_point():
-                continue
-            rule = weight_rule(name, tuple(tensor.shape))
-            if rule == "positive":
-                tensor.uniform_(0.5, 1.5, generator=generator)
-            elif rule == "scale":
-                tensor.fill_(1000.0)
-            elif rule == "uniform":
-                tensor.uniform_(-1.0, 1.0, generator=generator)
-            elif rule in ("matrix", "lora_b"):
-                tensor.normal_(0.0, math.prod(tensor.shape[1:]) ** -0.5, generator=generator)
-            elif rule in ("gain", "gemma_gain"):
-                tensor.fill_(1.0)
-            else:
-                tensor.normal_(0.0, 0.02, generator=generator)
+            if tensor.is_floating_point():
+                fill_random_(tensor, weight_rule(name, tuple(tensor.shape)), generator)
     leftover = [name for name, tensor in _named_tensors(module) if tensor.is_meta]
     assert not leftover, f"tensors left on the meta device: {leftover[:5]}"
     return module.eval()
+
+
+def fill_random_(tensor: torch.Tensor, rule: str, generator: torch.Generator, fan_in: int | None = None) -> torch.Tensor:
+    """Fill ``tensor`` in place with ``rule``'s distribution (``materialize_random_``'s variant of
+    ``weight_rule``). ``fan_in``: a matrix's input width when ``tensor`` is only some of its rows
+    (a weight shard), else read from its shape."""
+    if rule == "positive":
+        tensor.uniform_(0.5, 1.5, generator=generator)
+    elif rule == "scale":
+        tensor.fill_(1000.0)
+    elif rule == "uniform":
+        tensor.uniform_(-1.0, 1.0, generator=generator)
+    elif rule in ("matrix", "lora_b"):
+        tensor.normal_(0.0, (fan_in or math.prod(tensor.shape[1:])) ** -0.5, generator=generator)
+    elif rule in ("gain", "gemma_gain"):
+        tensor.fill_(1.0)
+    else:
+        tensor.normal_(0.0, 0.02, generator=generator)
+    return tensor
 
 
 def _named_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

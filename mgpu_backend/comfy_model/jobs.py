@@ -31,12 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections import OrderedDict
 import time
 from typing import Any
 
 import torch
 
 from mgpu_backend.comfy_model import plan, runtime, wire
+from mgpu_backend.comfy_model.captured_blocks import capture_blocks
 from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.sequence_parallel import valid_sp_degrees
@@ -48,6 +50,10 @@ GROUPS = "comfy_groups"
 HONOURED_OPTIONS = frozenset({"run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn", "cond_or_uncond", "sigmas", "sample_sigmas", "prefetch_dynamic_vbars"})
 """transformer_options the rank passes to ComfyUI's model. ``prefetch_dynamic_vbars`` is recomputed
 from the rank's own patcher (as ``BaseModel._apply_model`` does); the others go through as sent."""
+CUDA_GRAPHS_VARIABLE = "MGPU_COMFY_CUDA_GRAPHS"
+KEPT = "comfy_kept_tensors"
+KEPT_TENSORS = 32
+KEPT_BYTES = 2 << 30
 CALL_KEYS = frozenset({"x", "timestep", "context", "transformer_options", "kwargs"})
 
 
@@ -168,6 +174,8 @@ def patch_model(ctx: JobContext, args: dict, tensors: dict):
             raise runtime.ComfyInputError(f"the weight patches are malformed: {exc}") from exc
         if set_digest != loaded.set_digest:
             loaded.set_digest = ""  # half-patched weights match no set until this one is on
+            # ComfyUI's patching puts new weight tensors in place: graphs recorded on the old ones must go
+            release_parallelism(loaded)
             runtime.apply_patches(comfy, loaded, rebuilt, ctx.device)
             loaded.set_digest = set_digest
     ctx.step("comfy.patch_model", 1, 1)
@@ -233,12 +241,40 @@ def _gathered_batch(value: Any, comm: Comm) -> Any:
     raise TypeError(f"ComfyUI's model returned a {type(value).__name__}")
 
 
-def _call(args: dict, tensors: dict) -> dict:
+class KeptOnDevice(OrderedDict):
+    """The tensors a ComfyUI process asked the ranks to keep between denoiser calls (its text context,
+    masks, guide indices: the same every step), on the rank's device, the least recently used dropped
+    beyond ``KEPT_TENSORS`` entries or ``KEPT_BYTES``. Stored as copies: never views of an input segment."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+
+    def __setitem__(self, token: str, tensor: torch.Tensor) -> None:
+        super().__setitem__(token, tensor.to(self.device, copy=True))
+        while len(self) > KEPT_TENSORS or (len(self) > 1 and sum(kept.numel() * kept.element_size() for kept in self.values()) > KEPT_BYTES):
+            self.popitem(last=False)
+
+    def __getitem__(self, token: str) -> torch.Tensor:
+        self.move_to_end(token)
+        return super().__getitem__(token)
+
+
+def _kept(ctx: JobContext) -> KeptOnDevice:
+    kept = ctx.state.get(KEPT)
+    if kept is None:
+        kept = ctx.state[KEPT] = KeptOnDevice(ctx.device)
+    return kept
+
+
+def _call(args: dict, tensors: dict, kept: KeptOnDevice) -> dict:
     count = args.get("count")
-    if not isinstance(count, int) or isinstance(count, bool) or not 0 < count <= wire.MAX_PACKED_TENSORS:
-        raise JobInputError(f"count must be the number of call tensors (1 to {wire.MAX_PACKED_TENSORS}), got {count!r}")
+    if not isinstance(count, int) or isinstance(count, bool) or not 0 <= count <= wire.MAX_PACKED_TENSORS:
+        raise JobInputError(f"count must be the number of call tensors (0 to {wire.MAX_PACKED_TENSORS}), got {count!r}")
     try:
-        call = wire.unpack(args.get("call"), wire.tensors_in_order(tensors, count))
+        call = wire.unpack(args.get("call"), wire.tensors_in_order(tensors, count), kept=kept)
+    except wire.MissingKeptTensor:
+        raise JobInputError(f"{wire.KEPT_MISSING}: the call names a tensor the fleet no longer keeps; send it again") from None
     except ValueError as exc:
         raise JobInputError(f"the denoiser call is malformed: {exc}") from exc
     if not isinstance(call, dict) or set(call) != CALL_KEYS:
@@ -264,27 +300,44 @@ def _batch_size(x: Any) -> int:
     return (x[0] if isinstance(x, list) else x).shape[0]
 
 
+def cuda_graphs_on() -> bool:
+    """CUDA-graph replay of the blocks on GPU ranks: on unless MGPU_COMFY_CUDA_GRAPHS=0."""
+    return os.environ.get(CUDA_GRAPHS_VARIABLE, "1").strip() != "0"
+
+
+def release_parallelism(loaded: runtime.LoadedModel) -> None:
+    """Take the captured blocks and the SP plan off the model instance, outermost first."""
+    if loaded.captured is not None:
+        loaded.captured.remove()
+        loaded.captured = None
+    if loaded.plan is not None:
+        loaded.plan.remove()
+        loaded.plan = None
+
+
 @job("comfy.forward")
 def forward(ctx: JobContext, args: dict, tensors: dict):
     """One call of ComfyUI's diffusion model, sequence-parallel over the fleet (split by batch over groups)."""
     loaded = _resident(ctx, args)
     _check_set(loaded, args)
-    call = _call(args, tensors)
+    call = _call(args, tensors, _kept(ctx))
     model = loaded.diffusion_model
     video_heads, audio_heads = plan.head_counts(model)
     batch = _batch_size(call["x"])
     groups = batch_groups(batch, ctx.world_size, valid_sp_degrees(video_heads, audio_heads))
     sp_comm, across_comm = _group_comms(ctx, groups)
     if loaded.plan is None or loaded.plan.comm is not sp_comm:
-        if loaded.plan is not None:
-            loaded.plan.remove()
+        release_parallelism(loaded)
         loaded.plan = plan.apply_plan(model, sp_comm, video_query_exchange=ctx.device.type == "cpu")
+        if ctx.device.type == "cuda" and cuda_graphs_on():
+            loaded.captured = capture_blocks(model, sp_comm)
 
     group = ctx.rank // (ctx.world_size // groups)
     share = batch // groups
     call = _to_device(_batch_slice(call, batch, group * share, (group + 1) * share), ctx.device)
     options = {**call["transformer_options"], "prefetch_dynamic_vbars": loaded.patcher.is_dynamic()}
     loaded.plan.cancel_point = lambda step, total: ctx.step("comfy.forward", step, total)
+    replays = loaded.captured.replays if loaded.captured is not None else 0
     started = time.perf_counter()
     try:
         out = model(call["x"], call["timestep"], context=call["context"], control=None, transformer_options=options, **call["kwargs"])
@@ -302,6 +355,7 @@ def forward(ctx: JobContext, args: dict, tensors: dict):
         "rank_seconds": [round(value, 6) for value in rank_seconds.tolist()],
         "batch_groups": groups,
         "sp_degree": sp_comm.world_size,
+        "blocks": "cuda graph" if loaded.captured is not None and loaded.captured.replays > replays else "eager",
     }, wire.tensors_by_name(out_tensors)
 
 
@@ -328,8 +382,8 @@ def unload(ctx: JobContext, args: dict, tensors: dict):
     """Drop the ComfyUI model and the weight-patch tensors; the fleet stays up."""
     models = ctx.state.pop(MODELS, {})
     for loaded in models.values():
-        if loaded.plan is not None:
-            loaded.plan.remove()
+        release_parallelism(loaded)
     held = ctx.state.pop(PATCH_TENSORS, {})
+    ctx.state.pop(KEPT, None)
     ctx.step("comfy.unload", 1, 1)
     return {"unloaded": len(models), "patch_tensors_dropped": len(held)}, {}

@@ -260,7 +260,9 @@ def apply_plan(diffusion_model: torch.nn.Module, comm: Comm, video_query_exchang
     points = list(range(0, len(blocks), stride))
     for number, index in enumerate(points, start=1):
         def cancel_hook(module, args, _number=number, _total=len(points)):
-            if applied.cancel_point is not None:
+            # Not while a CUDA graph records the blocks: a cancel point synchronises the device. Every
+            # rank of the group records at once, so they all skip alike; a replay runs no hook at all.
+            if applied.cancel_point is not None and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
                 applied.cancel_point(_number, _total)
 
         applied.handles.append(blocks[index].register_forward_pre_hook(cancel_hook))

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from mgpu_backend.comfy_model import wire
+from mgpu_backend.fleet.client import FleetError
 
 log = logging.getLogger("comfyui-mgpu")
 
@@ -153,6 +154,8 @@ class FleetLink:
         self.fleet_pid: int | None = None
         self.node_id: str | None = None
         self.last_rank_seconds: list[float] = []
+        self.last_blocks = ""  # how the ranks ran the transformer blocks in the last call: "cuda graph" or "eager"
+        self.kept = wire.KeptTensors(skip=("x", "timestep"))  # what the ranks keep between calls: text context, masks
         self.on_forward = None  # on_forward(event): each denoiser call's step and per-rank seconds, for the UI
         self._lock = threading.RLock()
 
@@ -170,6 +173,7 @@ class FleetLink:
         pid = api.fleet().server_pid
         if pid != self.fleet_pid:
             self.fleet_pid, self.model_key, self.set_digest, self.sent_digests = pid, None, "", set()
+            self.kept.forget()
             return True
         return False
 
@@ -220,18 +224,28 @@ class FleetLink:
         self.sent_digests.update(batch)
 
     def forward(self, call: dict, should_cancel=None) -> torch.Tensor:
-        try:
-            packed, tensors = wire.pack(call)
-        except wire.UnsupportedValue as exc:
-            raise UnsupportedModelPatch(f"a denoiser input cannot be sent to the MGPU fleet: {exc}") from None
-        device = tensors[0].device if tensors else torch.device("cpu")
+        device = call["x"][0].device if isinstance(call["x"], (list, tuple)) else call["x"].device
         with self._lock:
             if self._fleet_changed() or self.model_key is None:
                 raise UnsupportedModelPatch("the MGPU fleet restarted during sampling; run the graph again")
-            args = {"model_key": self.model_key, "set_digest": self.set_digest, "call": packed, "count": len(tensors)}
-            result = self._run("comfy.forward", args, wire.tensors_by_name([t.detach().cpu() for t in tensors]), should_cancel)
+            try:
+                result = self._forward_once(call, should_cancel)
+            except FleetError as exc:
+                if wire.KEPT_MISSING not in str(exc):
+                    raise
+                self.kept.forget()  # the ranks lost what they kept (a rank was replaced): send everything again
+                result = self._forward_once(call, should_cancel)
         self.last_rank_seconds = [float(seconds) for seconds in result.fields.get("rank_seconds", [])]
+        self.last_blocks = str(result.fields.get("blocks", ""))
         return _to_device(wire.unpack(result.fields["out"], wire.tensors_in_order(result.tensors, int(result.fields["count"]))), device)
+
+    def _forward_once(self, call: dict, should_cancel):
+        try:
+            packed, tensors = wire.pack(call, kept=self.kept)
+        except wire.UnsupportedValue as exc:
+            raise UnsupportedModelPatch(f"a denoiser input cannot be sent to the MGPU fleet: {exc}") from None
+        args = {"model_key": self.model_key, "set_digest": self.set_digest, "call": packed, "count": len(tensors)}
+        return self._run("comfy.forward", args, wire.tensors_by_name([tensor.detach().cpu() for tensor in tensors]), should_cancel)
 
     def text_embeds(self, context: torch.Tensor, unprocessed: bool) -> torch.Tensor:
         with self._lock:

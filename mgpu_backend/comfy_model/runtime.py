@@ -2,8 +2,10 @@
 
 A rank imports ComfyUI from the checkout that started the fleet (``comfy_dir``), never a copy of
 its code of our own: the LTX model that runs in the fleet is the one ComfyUI's users run. Before
-anything of ComfyUI is imported, the checkout's ``comfyui_version.py`` is read and a version this
-engine was not built against is refused (``SUPPORTED_COMFYUI_VERSIONS``); then ComfyUI is told not
+anything of ComfyUI is imported, the checkout's ``comfyui_version.py`` is read and a release older than
+the first one this engine was checked against is refused (``TESTED_COMFYUI_VERSIONS``); a newer one
+is taken on trust of the plan, whose structural checks (``plan.check_code``) decide before any weight
+is loaded, and logged as untested. Then ComfyUI is told not
 to parse the rank's argv (``comfy.options.args_parsing = False``) and, on a CPU rank, to run on the
 CPU (``args.cpu``), before ``comfy.model_management`` picks its device.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import logging
 import os
 import re
 import sys
@@ -32,8 +35,11 @@ import torch
 
 from mgpu_backend.comfy_model import wire
 
-SUPPORTED_COMFYUI_VERSIONS = ("0.20.1",)
-"""The ComfyUI releases whose LTX code this engine's plan was checked against (``plan.py``)."""
+log = logging.getLogger(__name__)
+
+TESTED_COMFYUI_VERSIONS = ("0.20.1",)
+"""The ComfyUI releases whose LTX code this engine's plan was checked against (``plan.py``), oldest
+first. Older releases are refused; newer ones run when the plan's structural checks pass."""
 
 LOADERS = ("checkpoint", "diffusion_model")
 WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")
@@ -57,13 +63,26 @@ def comfyui_version(comfy_dir: Path) -> str:
     return found.group(1)
 
 
+def _release(version: str) -> tuple[int, ...]:
+    numbers = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+    if numbers is None:
+        raise ComfyInputError(f"ComfyUI's version {version!r} is not a release number (major.minor.patch)")
+    return tuple(int(number) for number in numbers.groups())
+
+
 def check_comfyui_version(version: str) -> None:
-    if version not in SUPPORTED_COMFYUI_VERSIONS:
+    """Refuse a ComfyUI older than the first tested release; log a newer untested one (its LTX code
+    is then checked structurally by the plan before anything is loaded)."""
+    oldest = TESTED_COMFYUI_VERSIONS[0]
+    if _release(version) < _release(oldest):
         raise ComfyInputError(
-            f"ComfyUI {version} is not one the fleet's engine knows; supported: "
-            f"{', '.join('v' + known for known in SUPPORTED_COMFYUI_VERSIONS)}. Run the fleet from a supported "
-            "ComfyUI, or update comfyui-mgpu"
+            f"ComfyUI {version} is older than v{oldest}, the first release the fleet's engine was checked against "
+            f"(tested: {', '.join('v' + known for known in TESTED_COMFYUI_VERSIONS)}); update ComfyUI, or use the pack's own "
+            "nodes (Load Checkpoint MGPU), which run without it"
         )
+    if version not in TESTED_COMFYUI_VERSIONS:
+        log.info("ComfyUI %s is newer than the releases the fleet's engine was tested with (%s): its LTX code is checked "
+                 "structurally before loading", version, ", ".join(TESTED_COMFYUI_VERSIONS))
 
 
 def import_comfy(comfy_dir: str, device: torch.device) -> tuple[ModuleType, str]:
@@ -126,6 +145,7 @@ class LoadedModel:
     patcher: Any  # comfy.model_patcher.ModelPatcher
     set_digest: str = ""  # "" = no patches
     plan: Any = None  # plan.AppliedPlan, made on first forward
+    captured: Any = None  # captured_blocks.CapturedBlocks around the plan's blocks, on CUDA ranks
     groups: dict = field(default_factory=dict)  # (batch groups) -> (SP comm, cross-group comm)
 
     @property

@@ -21,14 +21,17 @@ from __future__ import annotations
 
 import hashlib
 import math
+import secrets
+import weakref
 from typing import Any
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 TENSOR_KEY = "$tensor"
 TUPLE_KEY = "$tuple"
 DIGEST_KEY = "$digest"
+KEEP_KEY = "$keep"
+KEPT_KEY = "$kept"
 ADAPTER_KEY = "$adapter"
 MAX_PACK_DEPTH = 16
 MAX_PACKED_TENSORS = 64
@@ -64,17 +67,75 @@ class UnsupportedValue(TypeError):
         super().__init__(f"{path or 'the value'} is a {what} from {module}, which cannot be sent to the fleet")
 
 
-def pack(value: Any, path: str = "") -> tuple[Any, list[torch.Tensor]]:
-    """``value`` as (JSON, tensors). Tensors are sent as they are (device and all): the caller moves them."""
+def pack(value: Any, path: str = "", kept: KeptTensors | None = None) -> tuple[Any, list[torch.Tensor]]:
+    """``value`` as (JSON, tensors). Tensors are sent as they are (device and all): the caller moves them.
+
+    With ``kept``, a tensor the other side already keeps is named (``{"$kept": token}``) instead of
+    sent, and one worth keeping is sent once with the token to keep it under (``"$keep"``)."""
     tensors: list[torch.Tensor] = []
 
     def by_index(tensor: torch.Tensor, where: str) -> dict:
+        token, known = kept.token(tensor, where) if kept is not None else (None, False)
+        if known:
+            return {KEPT_KEY: token}
         if len(tensors) >= MAX_PACKED_TENSORS:
             raise ValueError(f"{where}: more than {MAX_PACKED_TENSORS} tensors in one call")
         tensors.append(tensor)
-        return {TENSOR_KEY: len(tensors) - 1}
+        return {TENSOR_KEY: len(tensors) - 1} if token is None else {TENSOR_KEY: len(tensors) - 1, KEEP_KEY: token}
 
     return _pack(value, path, by_index, 0), tensors
+
+
+class KeptTensors:
+    """The sender's record of the tensors the other side keeps between calls, so that a denoiser call
+    sends the text context, masks and guide indices once per sampling run instead of every step.
+
+    A tensor is known by its object (and its version counter: an in-place change makes it new); only
+    tensors of at least ``min_bytes``, and none under the ``skip`` paths (the latent: new every step),
+    are kept. ``forget`` is for when the other side lost them."""
+
+    def __init__(self, min_bytes: int = 1 << 16, skip: tuple[str, ...] = ()) -> None:
+        self.min_bytes, self.skip = min_bytes, skip
+        self._tokens = TensorMemo()
+
+    def token(self, tensor: torch.Tensor, path: str = "") -> tuple[str | None, bool]:
+        """(token, already kept over there); (None, False) for a tensor not worth keeping."""
+        if tensor.numel() * tensor.element_size() < self.min_bytes or path.startswith(self.skip):
+            return None, False
+        known = self._tokens.get(tensor)
+        if known is not None:
+            return known, True
+        token = secrets.token_hex(8)
+        self._tokens.put(tensor, token)
+        return token, False
+
+    def forget(self) -> None:
+        self._tokens = TensorMemo()
+
+
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter; 0 for an inference tensor, which has none and cannot be
+    changed outside inference mode (ComfyUI loads LoRAs and runs its nodes under inference_mode)."""
+    return 0 if tensor.is_inference() else tensor._version
+
+
+class TensorMemo:
+    """A value remembered per tensor object while it lives and is not changed in place (its version
+    counter). Keyed by identity: a tensor's ``==`` compares elements, so it cannot key a dict itself."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[weakref.ref, int, Any]] = {}
+
+    def get(self, tensor: torch.Tensor) -> Any:
+        entry = self._entries.get(id(tensor))
+        if entry is None or entry[0]() is not tensor or entry[1] != _version(tensor):
+            return None
+        return entry[2]
+
+    def put(self, tensor: torch.Tensor, value: Any) -> None:
+        key = id(tensor)
+        entries = self._entries
+        self._entries[key] = (weakref.ref(tensor, lambda _, key=key: entries.pop(key, None)), _version(tensor), value)
 
 
 def _pack(value: Any, path: str, tensor_ref, depth: int) -> Any:
@@ -118,15 +179,38 @@ def _is_weight_adapter(value: Any) -> bool:
     return type(value).__module__.startswith("comfy.weight_adapter") and hasattr(value, "weights") and hasattr(value, "loaded_keys")
 
 
-def unpack(packed: Any, tensors: list[torch.Tensor] | dict[str, torch.Tensor], depth: int = 0, make_adapter=None) -> Any:
+KEPT_MISSING = "kept tensor missing"
+"""The words of a fleet error when a call names a tensor the ranks no longer keep: the sender then
+forgets what it believed kept and sends the call again whole."""
+
+
+class MissingKeptTensor(KeyError):
+    """A call names a kept tensor this side no longer holds (the fleet restarted or dropped it)."""
+
+
+def unpack(packed: Any, tensors: list[torch.Tensor] | dict[str, torch.Tensor], depth: int = 0, make_adapter=None,
+           kept: dict[str, torch.Tensor] | None = None) -> Any:  # fmt: skip
     """The value ``pack`` (``tensors``: a list) or ``pack_patches`` (``tensors``: by digest) was given,
     from its JSON and tensors, checked: a bad reference is a ValueError. ``make_adapter(class name,
-    loaded_keys, weights)`` rebuilds a weight adapter; without it an adapter is refused."""
+    loaded_keys, weights)`` rebuilds a weight adapter; without it an adapter is refused. ``kept``: the
+    tensors this side keeps by token; a ``"$keep"`` tensor is added to it, a ``"$kept"`` one read from it
+    (``MissingKeptTensor`` when absent)."""
     if depth > MAX_PACK_DEPTH:
         raise ValueError("packed value nested too deeply")
     if isinstance(packed, list):
-        return [unpack(item, tensors, depth + 1, make_adapter) for item in packed]
+        return [unpack(item, tensors, depth + 1, make_adapter, kept) for item in packed]
     if isinstance(packed, dict):
+        if set(packed) == {KEPT_KEY}:
+            token = packed[KEPT_KEY]
+            if kept is None or not isinstance(token, str) or token not in kept:
+                raise MissingKeptTensor(token)
+            return kept[token]
+        if set(packed) == {TENSOR_KEY, KEEP_KEY}:
+            token = packed[KEEP_KEY]
+            if kept is None or not isinstance(token, str) or not 0 < len(token) <= 64:
+                raise ValueError(f"a tensor to keep needs a token of at most 64 characters, got {token!r}")
+            kept[token] = unpack({TENSOR_KEY: packed[TENSOR_KEY]}, tensors, depth + 1)
+            return kept[token]  # as the keeper stores it (it may move it to its device)
         if set(packed) == {DIGEST_KEY}:
             digest = packed[DIGEST_KEY]
             if not isinstance(tensors, dict) or not isinstance(digest, str) or digest not in tensors:
@@ -138,7 +222,7 @@ def unpack(packed: Any, tensors: list[torch.Tensor] | dict[str, torch.Tensor], d
             keys = packed["loaded_keys"]
             if not isinstance(keys, list) or not all(isinstance(key, str) for key in keys):
                 raise ValueError("a weight adapter's loaded_keys must be a list of names")
-            return make_adapter(packed[ADAPTER_KEY], set(keys), unpack(packed["weights"], tensors, depth + 1, make_adapter))
+            return make_adapter(packed[ADAPTER_KEY], set(keys), unpack(packed["weights"], tensors, depth + 1, make_adapter, kept))
         if set(packed) == {TENSOR_KEY}:
             index = packed[TENSOR_KEY]
             if not isinstance(tensors, list) or not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(tensors):
@@ -148,8 +232,8 @@ def unpack(packed: Any, tensors: list[torch.Tensor] | dict[str, torch.Tensor], d
             items = packed[TUPLE_KEY]
             if not isinstance(items, list):
                 raise ValueError("a packed tuple must hold a list")
-            return tuple(unpack(item, tensors, depth + 1, make_adapter) for item in items)
-        return {key: unpack(item, tensors, depth + 1, make_adapter) for key, item in packed.items()}
+            return tuple(unpack(item, tensors, depth + 1, make_adapter, kept) for item in items)
+        return {key: unpack(item, tensors, depth + 1, make_adapter, kept) for key, item in packed.items()}
     if packed is None or isinstance(packed, (bool, int, float, str)):
         return packed
     raise ValueError(f"packed value holds a {type(packed).__name__}")
@@ -222,24 +306,21 @@ def patch_set_digest(entries: list[dict]) -> str:
 
 # -- content digests -------------------------------------------------------------------------------
 
-_digests: "WeakIdKeyDictionary[torch.Tensor, tuple[int, str]]" = WeakIdKeyDictionary()
-"""By identity: a WeakKeyDictionary compares a tensor key with ``==``, which is elementwise, so its
-second lookup of a tensor raises."""
+_digests = TensorMemo()
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
     """A digest of the tensor's dtype, shape and bytes. Remembered per tensor object (and its
     version counter), so a LoRA that stays loaded in ComfyUI is hashed once, not every graph."""
-    version = 0 if tensor.is_inference() else tensor._version  # ComfyUI loads LoRAs under inference_mode: no counter
     known = _digests.get(tensor)
-    if known is not None and known[0] == version:
-        return known[1]
+    if known is not None:
+        return known
     hasher = hashlib.blake2b(digest_size=20)
     hasher.update(f"{BLOB_DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype))}{tuple(tensor.shape)}".encode())
     flat = tensor.detach().contiguous().cpu().reshape(-1)
     hasher.update(flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b"")
     digest = hasher.hexdigest()
-    _digests[tensor] = (version, digest)
+    _digests.put(tensor, digest)
     return digest
 
 

@@ -1,11 +1,28 @@
 """Where the fleet listens, and the token that proves client and server to each other.
 
-Default: a Unix socket ``fleet.sock`` in a private directory (mode 0700, owned by the user) under
-``$XDG_RUNTIME_DIR/comfyui-mgpu`` or ``/tmp/comfyui-mgpu-<uid>``; the socket itself is 0600 and the
-token sits beside it in ``fleet.sock.token`` (0600). ``MGPU_SOCKET`` or ``--socket`` name another
-path. Where Unix sockets are unavailable, ``tcp://127.0.0.1:PORT`` listens on loopback only, with
-the token in the same private directory. Never listen on anything but loopback. The token itself
-never travels: the handshake exchanges HMAC proofs of it (``protocol.handshake_proof``).
+Every fleet lives in a private directory (mode 0700, owned by the user) under
+``$XDG_RUNTIME_DIR/comfyui-mgpu`` or ``/tmp/comfyui-mgpu-<uid>``: its Unix socket (0600), the token
+beside it in ``<socket>.token`` (0600) and the log of a fleet a client started, ``server.log``.
+
+Which socket, when none is named (``--socket``, ``MGPU_SOCKET`` or ``api.configure``):
+
+- In ComfyUI, or any other program that uses the library: one fleet per process, at
+  ``process-<pid>/fleet.sock`` in the private directory. A ComfyUI's pid is stable for as long as it
+  runs, and the fleet it starts is tied to that pid (it ends when ComfyUI does), so the name names
+  exactly one fleet; two ComfyUIs running at once have two pids, hence two fleets, each on the
+  devices its own ComfyUI asked for, and stopping one never touches the other's jobs. The panel and
+  the Fleet Control node of a ComfyUI find its fleet the same way. (A base directory or port would
+  not do: two ComfyUIs may share a base directory, and a ComfyUI restarted on the same port could
+  meet the previous one's fleet on its way out.)
+- On the command line (``python -m mgpu_backend serve | status | stop | generate``): the per-user
+  socket ``fleet.sock`` in the private directory, so that ``serve`` in one shell and ``generate`` or
+  ``status`` in another meet (``cli.main`` runs every sub-command in ``user_socket_by_default``).
+
+Attaching to another process's fleet happens only when its socket is named (``MGPU_SOCKET``, or
+``--socket``: ``process_fleets()`` lists those of running processes for ``status``). Where Unix
+sockets are unavailable, ``tcp://127.0.0.1:PORT`` listens on loopback only, with the token in the
+private directory. Never listen on anything but loopback. The token itself never travels: the
+handshake exchanges HMAC proofs of it (``protocol.handshake_proof``).
 """
 
 from __future__ import annotations
@@ -14,10 +31,15 @@ import os
 import secrets
 import stat
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 ENV_SOCKET = "MGPU_SOCKET"
+SOCKET_NAME = "fleet.sock"
+PROCESS_FOLDER_PREFIX = "process-"
+_user_socket_is_default = False
 
 
 class AddressError(Exception):
@@ -31,9 +53,54 @@ def private_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"comfyui-mgpu-{os.getuid()}"
 
 
+def user_socket() -> Path:
+    """The command line's default socket: one per user."""
+    return private_dir() / SOCKET_NAME
+
+
+def process_socket(pid: int | None = None) -> Path:
+    """The default socket of process ``pid`` (default: this one): its own fleet."""
+    return private_dir() / f"{PROCESS_FOLDER_PREFIX}{os.getpid() if pid is None else pid}" / SOCKET_NAME
+
+
+@contextmanager
+def user_socket_by_default() -> Iterator[None]:
+    """Within it, the per-user socket is the default instead of this process's own: the command line."""
+    global _user_socket_is_default
+    saved, _user_socket_is_default = _user_socket_is_default, True
+    try:
+        yield
+    finally:
+        _user_socket_is_default = saved
+
+
+def default_socket() -> str:
+    """``MGPU_SOCKET`` when set, else this process's default (see the module docstring)."""
+    return os.environ.get(ENV_SOCKET) or str(user_socket() if _user_socket_is_default else process_socket())
+
+
+def process_fleets() -> list[tuple[int, Path, str]]:
+    """``(pid, socket, command line on one line)`` of every per-process fleet socket in the private
+    directory whose process still runs, for people looking for a ComfyUI's fleet."""
+    found = []
+    for socket_path in sorted(private_dir().glob(f"{PROCESS_FOLDER_PREFIX}*/{SOCKET_NAME}")):
+        pid_text = socket_path.parent.name[len(PROCESS_FOLDER_PREFIX) :]
+        if not pid_text.isdigit():
+            continue
+        try:
+            command = " ".join(Path(f"/proc/{pid_text}/cmdline").read_bytes().decode(errors="replace").replace("\0", " ").split())
+        except OSError:
+            continue  # that process is gone: its fleet is on its way out
+        found.append((int(pid_text), socket_path, command))
+    return found
+
+
 def ensure_private_dir(path: Path) -> Path:
-    """Create ``path`` 0700 or check that an existing one is ours and closed to others."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Create ``path`` 0700 (and any missing parent, 0700 too) or check that an existing one is ours
+    and closed to others."""
+    if not path.parent.exists():
+        ensure_private_dir(path.parent)
+    path.mkdir(mode=0o700, exist_ok=True)
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode):
         raise AddressError(f"{path} is not a directory")
@@ -55,7 +122,7 @@ class Address:
 
     @classmethod
     def parse(cls, text: str | None) -> Address:
-        text = text or os.environ.get(ENV_SOCKET) or str(private_dir() / "fleet.sock")
+        text = text or default_socket()
         if text.startswith("tcp://"):
             host, _, port = text[len("tcp://") :].rpartition(":")
             if host not in ("127.0.0.1", "localhost"):
@@ -74,6 +141,11 @@ class Address:
     @property
     def directory(self) -> Path:
         return self.token_path.parent
+
+    @property
+    def log_path(self) -> Path:
+        """Where a fleet a client started writes its log."""
+        return self.directory / "server.log"
 
     def __str__(self) -> str:
         return str(self.unix_path) if self.unix_path is not None else f"tcp://127.0.0.1:{self.tcp_port}"

@@ -1,13 +1,16 @@
 """The client the ComfyUI nodes and the CLI use to reach the fleet server.
 
-``FleetClient.connect()`` attaches to the server at ``MGPU_SOCKET`` (or the default private socket)
-and, if none answers and ``autostart`` is on, starts one with ``python -m mgpu_backend serve`` in a
-new session, tied to this process: when this process dies, that server exits with its ranks.
+``FleetClient.connect()`` attaches to the server at ``MGPU_SOCKET`` (or this process's default
+socket: its own fleet in ComfyUI, the per-user one on the command line; see ``addresses``) and, if
+none answers and ``autostart`` is on, starts one with ``python -m mgpu_backend serve`` in a new
+session, tied to this process: when this process dies, that server exits with its ranks.
 ``run()`` submits a job and streams its events to callbacks; ``should_cancel`` is polled while the
 job runs (ComfyUI's interrupt) and turns into a cancel that stops every rank at the same step.
 The handshake is mutual: the server proves it holds the token before the client does, so a program
 squatting on the address never receives a job. Socket failures reach callers as one readable
-``FleetUnavailable``. Nothing here imports ComfyUI or unpickles anything.
+``FleetUnavailable`` that says what happened when the client can tell: the server is shutting down
+(it says so, or it removed its token before closing), it died, or its token file was removed under
+it. Nothing here imports ComfyUI or unpickles anything.
 """
 
 from __future__ import annotations
@@ -30,11 +33,15 @@ from mgpu_backend import PACKAGE_ROOT
 from mgpu_backend.fleet import addresses, protocol, shm
 from mgpu_backend.fleet.addresses import Address, ensure_private_dir, read_token
 from mgpu_backend.fleet.protocol import Message
+from mgpu_backend.tools.processes import peer_pid, process_alive
 
 START_TIMEOUT_SECONDS = float(os.environ.get("MGPU_START_TIMEOUT", "300"))
 POLL_SECONDS = 0.1
 HANDSHAKE_SECONDS = 30.0  # the server allows 10 s; a client on a loaded machine waits a little longer
 DRAIN_SECONDS = 10.0  # after an abandoned job: how long to wait for its cancel before closing instead
+TOKEN_WAIT_SECONDS = 2.0  # a server writes its token just after it starts listening
+DEATH_WAIT_SECONDS = 1.0  # a dying process closes its sockets a moment before it is gone
+SHUTDOWN_KIND = "shutdown"  # the error kind a stopping server ends its clients' jobs with
 
 
 class FleetError(Exception):
@@ -89,7 +96,8 @@ class FleetClient:
     ) -> FleetClient:
         """Attach to the server, starting one bound to this process if none answers and allowed.
 
-        With ``MGPU_SOCKET`` set (a server started by hand), nothing is ever started.
+        With ``MGPU_SOCKET`` set (a server started by hand), nothing is ever started. ``address``
+        None: ``MGPU_SOCKET`` or this process's default socket (``addresses.default_socket``).
         """
         try:
             addr = Address.parse(address)
@@ -98,10 +106,12 @@ class FleetClient:
         try:
             return cls._attach(addr)
         except (FileNotFoundError, ConnectionRefusedError):
-            if not autostart or os.environ.get("MGPU_SOCKET"):
-                raise FleetUnavailable(
-                    f"no fleet server answers at {addr}; start one with 'python -m mgpu_backend serve'"
-                ) from None
+            if not autostart or os.environ.get(addresses.ENV_SOCKET):
+                if addr.unix_path == addresses.process_socket() and not os.environ.get(addresses.ENV_SOCKET):
+                    start = "this process's own fleet socket: its first fleet job (in ComfyUI: the first MGPU node) starts one there"
+                else:
+                    start = "start one with 'python -m mgpu_backend serve'"
+                raise FleetUnavailable(f"no fleet server answers at {addr}; {start}") from None
         try:
             ensure_private_dir(addr.directory)
         except (addresses.AddressError, OSError) as exc:
@@ -117,8 +127,7 @@ class FleetClient:
             last_refusal = ""
             while time.monotonic() < deadline:
                 if process.poll() is not None:
-                    log = addr.directory / "server.log"
-                    raise FleetUnavailable(f"the fleet server exited with code {process.returncode} while starting; see {log}")
+                    raise FleetUnavailable(f"the fleet server exited with code {process.returncode} while starting; see {addr.log_path}")
                 try:
                     return cls._attach(addr)
                 except (FileNotFoundError, ConnectionRefusedError):
@@ -142,8 +151,7 @@ class FleetClient:
             command += ["--rank-timeout", str(rank_timeout)]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-        log_path = addr.directory / "server.log"
-        log_file = open(log_path, "ab")  # noqa: SIM115 - handed to the child
+        log_file = open(addr.log_path, "ab")  # noqa: SIM115 - handed to the child
         return subprocess.Popen(
             command, env=env, start_new_session=True, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT
         )
@@ -161,7 +169,7 @@ class FleetClient:
         protocol.tune_socket(sock)
         try:
             sock.connect(target)
-            token = read_token(addr.token_path)
+            token = cls._token(sock, addr)
             server_pid = cls._handshake(sock, addr, token)
         except (FileNotFoundError, ConnectionRefusedError):
             sock.close()
@@ -179,6 +187,31 @@ class FleetClient:
             sock.close()
             raise
         return cls(sock, addr, server_pid)
+
+    @staticmethod
+    def _token(sock: socket.socket, addr: Address) -> str:
+        """The token of the server ``sock`` reached. A server writes it just after it starts
+        listening, so a missing one is waited for a moment; missing after that, it was removed under
+        a running server, which no client can then attach to: FleetUnavailable saying so (never
+        FileNotFoundError, which would have the caller start a second server on the same address)."""
+        deadline = time.monotonic() + TOKEN_WAIT_SECONDS
+        while True:
+            try:
+                return read_token(addr.token_path)
+            except FileNotFoundError:
+                if time.monotonic() >= deadline:
+                    break
+                time.sleep(0.05)
+        pid = peer_pid(sock)
+        if pid is not None:
+            listener, stop = f"a fleet server (pid {pid})", f"Stop it with 'kill {pid}' (it stops its ranks and removes its socket)"
+        else:  # a TCP port: the pid is not known, nor that the listener is a fleet server at all
+            listener = "a process"
+            stop = f"Stop the process listening on port {addr.tcp_port} (find it with 'ss -ltnp sport = :{addr.tcp_port}')"
+        raise FleetUnavailable(
+            f"{listener} listens at {addr}, but the fleet's token file {addr.token_path} is missing (removed while the server "
+            f"ran), so no client can attach to it. {stop}; a fresh fleet can then start there"
+        )
 
     @staticmethod
     def _handshake(sock: socket.socket, addr: Address, token: str) -> int:
@@ -222,11 +255,27 @@ class FleetClient:
 
     # -- the wire, with every failure turned into FleetUnavailable ------------------------------
     def _lost(self, exc: BaseException) -> FleetUnavailable:
+        """The connection broke: say why when it can be told. A stopping server removes its token
+        before it closes its connections; a server that died leaves it in place."""
+        self.close()
+        if not self.address.token_path.exists():
+            return self._shutting_down()
+        if _exits_within(self.server_pid, DEATH_WAIT_SECONDS):
+            return FleetUnavailable(
+                f"the fleet server at {self.address} (pid {self.server_pid}) died ({_reason(exc)}); "
+                f"its log: {self.address.log_path}. {RUN_AGAIN}"
+            )
+        return FleetUnavailable(
+            f"lost the connection to the fleet server at {self.address} ({_reason(exc)}). {RUN_AGAIN}; "
+            f"see 'python -m mgpu_backend status' and {self.address.log_path}"
+        )
+
+    def _shutting_down(self) -> FleetUnavailable:
         self.close()
         return FleetUnavailable(
-            f"lost the connection to the fleet server at {self.address} ({_reason(exc)}): it stopped or was restarted. "
-            f"Run again (a fleet this process started is started anew); see 'python -m mgpu_backend status' "
-            f"and {self.address.directory / 'server.log'}"
+            f"the fleet server at {self.address} is shutting down (it was told to stop: 'python -m mgpu_backend stop', "
+            f"the MGPU Fleet Control node, or a signal), so the job ended before it finished. {RUN_AGAIN}",
+            SHUTDOWN_KIND,
         )
 
     def _send(self, message: Message) -> None:
@@ -247,6 +296,8 @@ class FleetClient:
     def _discard(self, message: Message) -> None:
         """Drop a message that is not for the caller (a previous job's), freeing any segment it names."""
         if message.type == "error" and message.job is None:
+            if message.fields.get("kind") == SHUTDOWN_KIND:
+                raise self._shutting_down()
             self.close()
             raise FleetUnavailable(f"the fleet server closed the connection: {message.fields.get('message')}")
         if message.shm:
@@ -332,6 +383,8 @@ class FleetClient:
                 elif message.type == "error":
                     finished = True
                     kind = message.fields.get("kind", "error")
+                    if kind == SHUTDOWN_KIND:
+                        raise self._shutting_down()
                     error_type = FleetCancelled if kind == "cancelled" else FleetError
                     fields = message.fields
                     raise error_type(fields.get("message", "job failed"), kind, fields.get("rank"), fields.get("traceback"))
@@ -386,6 +439,23 @@ class FleetClient:
         except (OSError, ValueError, protocol.ConnectionClosed, protocol.ProtocolError):
             pass
         self.close()
+
+
+RUN_AGAIN = "Run again: a fleet this process started is started anew (one started by hand: start it again with 'python -m mgpu_backend serve')"
+
+
+
+
+
+
+def _exits_within(pid: int, seconds: float) -> bool:
+    """Whether ``pid`` is gone now or within ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while process_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _reason(exc: BaseException) -> str:

@@ -17,8 +17,14 @@ when all ranks report ``done``. What can go wrong, and what it costs:
   step; a cancel still stops it at its next step boundary.
 
 A rank is started with ``python -m mgpu_backend rank`` from a clean ``__main__``, never forked from
-the server, and never outlives it (it exits when its socket to the server closes). ``stop`` ends
-every rank and never starts one again; segments a failed job's ranks created are unlinked.
+the server, and never outlives it: it exits when its socket to the server closes, and the kernel
+kills it when the server thread that started it ends (``PR_SET_PDEATHSIG``), stopped or not; ranks
+are therefore started only from the server's long-lived threads (its main thread and job loop).
+``stop`` ends every rank and never starts one again; segments a failed job's ranks created are
+unlinked. Ranks form their groups over loopback only (``GLOO_SOCKET_IFNAME=lo``), whatever the host
+name resolves to, on a file rendezvous in a private temporary folder that keeps only the current
+generation's store and is removed with the fleet. A rank that dies or stops while the ranks form
+their groups ends the wait at once: the others cannot form a group without it.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mgpu_backend import PACKAGE_ROOT
-from mgpu_backend.fleet import protocol, shm
+from mgpu_backend.fleet import protocol, shared_gpu, shm
 from mgpu_backend.fleet.protocol import Message
 
 log = logging.getLogger("mgpu.fleet")
@@ -49,6 +55,8 @@ BREAK_TIMEOUT_SECONDS = 30.0  # how long a surviving rank gets to leave its grou
 BUSY_CPU_SECONDS = 0.05  # main-thread CPU time between two heartbeats that counts as working
 SILENT_AT_HANG_SECONDS = 3.0  # when a job hangs, a rank silent this long is the stopped one
 LOG_COLLAPSE_SECONDS = 1.0  # how long a log line waits for the same line from the other ranks
+SERVER_PID_ENV = "MGPU_SERVER_PID"  # a rank exits at once if its parent is no longer this process
+FLEET_DIR_ENV = "MGPU_FLEET_DIR"  # the server's private folder
 
 
 @dataclass(frozen=True)
@@ -57,6 +65,7 @@ class DeviceSpec:
 
     gpus: tuple[int, ...] = ()
     cpu_ranks: int = 0
+    ranks_per_gpu: int = 1  # above 1: that many ranks on each GPU, over gloo (``shared_gpu``)
 
     def __post_init__(self) -> None:
         if bool(self.gpus) == bool(self.cpu_ranks):
@@ -66,10 +75,12 @@ class DeviceSpec:
 
     @property
     def world_size(self) -> int:
-        return len(self.gpus) or self.cpu_ranks
+        return len(self.gpus) * self.ranks_per_gpu or self.cpu_ranks
 
     def describe(self) -> str:
-        return f"GPUs {','.join(map(str, self.gpus))}" if self.gpus else f"{self.cpu_ranks} CPU rank(s)"
+        if not self.gpus:
+            return f"{self.cpu_ranks} CPU rank(s)"
+        return f"GPUs {','.join(map(str, self.gpus))}" + (f"; {shared_gpu.describe(self.ranks_per_gpu)}" if self.ranks_per_gpu > 1 else "")
 
     def visible_device_ids(self, environ: dict | None = None) -> list[str]:
         """CUDA_VISIBLE_DEVICES for the ranks. ``gpus`` index the GPUs this process sees, so under
@@ -105,9 +116,10 @@ class DeviceSpec:
             raise ValueError("use --gpus or --cpu-ranks, not both")
         if cpu_ranks:
             return cls(cpu_ranks=cpu_ranks)
+        per_gpu = shared_gpu.shared_gpu_ranks()
         if gpus and gpus != "all":
             try:
-                return cls(gpus=tuple(int(gpu) for gpu in gpus.split(",")))
+                return cls(gpus=tuple(int(gpu) for gpu in gpus.split(",")), ranks_per_gpu=per_gpu)
             except ValueError:
                 raise ValueError(f"--gpus takes a list like 0,1,2,3 or 'all'; got {gpus!r}") from None
         import torch
@@ -117,7 +129,7 @@ class DeviceSpec:
             if gpus == "all":
                 raise ValueError("no CUDA GPU is visible; use --cpu-ranks N to run on the CPU")
             return cls(cpu_ranks=1)
-        return cls(gpus=tuple(range(count)))
+        return cls(gpus=tuple(range(count)), ranks_per_gpu=per_gpu)
 
 
 class JobFailed(Exception):
@@ -200,8 +212,19 @@ class JobLog:
 
 
 class Fleet:
-    def __init__(self, devices: DeviceSpec, rank_timeout: float = 600.0, owner_pid: int | None = None, heartbeat_timeout: float | None = None):
+    def __init__(
+        self,
+        devices: DeviceSpec,
+        rank_timeout: float = 600.0,
+        owner_pid: int | None = None,
+        heartbeat_timeout: float | None = None,
+        private_dir: str | os.PathLike | None = None,
+        held_segments: Callable[[], set[str]] = set,
+    ):
         self.devices = devices
+        self.private_dir = private_dir  # the server's private folder; the ranks' self-test jobs read files only there
+        # Segments named after owner_pid that the caller holds (jobs' inputs): never a failed job's to unlink.
+        self.held_segments = held_segments
         self.rank_timeout = rank_timeout
         # A rank silent this long is stopped (SIGSTOP) or frozen, whatever the other ranks do.
         self.heartbeat_timeout = heartbeat_timeout or max(10.0, min(rank_timeout, 60.0))
@@ -222,11 +245,25 @@ class Fleet:
         self.generation += 1
         return os.path.join(self._store_dir.name, f"store-{self.generation}")
 
+    def _drop_old_stores(self) -> None:
+        """Remove the rendezvous files of earlier generations: every rank now uses the current one."""
+        current = f"store-{self.generation}"
+        for name in os.listdir(self._store_dir.name):
+            if name != current:
+                try:
+                    os.unlink(os.path.join(self._store_dir.name, name))
+                except OSError:
+                    pass
+
     def _spawn(self, rank: int, store_path: str) -> RankProcess:
         parent_sock, child_sock = (protocol.tune_socket(end) for end in socket.socketpair())
-        device = f"cuda:{rank}" if self.devices.gpus else "cpu"
+        device = f"cuda:{rank // self.devices.ranks_per_gpu}" if self.devices.gpus else "cpu"
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["GLOO_SOCKET_IFNAME"] = "lo"  # gloo binds to what the host name resolves to otherwise
+        env[SERVER_PID_ENV] = str(os.getpid())
+        if self.private_dir is not None:
+            env[FLEET_DIR_ENV] = str(self.private_dir)
         if self.devices.gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices.visible_device_ids())
             env.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -251,28 +288,43 @@ class Fleet:
     def start(self) -> None:
         store_path = self._new_store()
         self.ranks = [self._spawn(rank, store_path) for rank in range(self.devices.world_size)]
-        late = self._collect({rank: "ready" for rank in range(len(self.ranks))}, READY_TIMEOUT_SECONDS)
+        late = self._collect({rank: "ready" for rank in range(len(self.ranks))}, READY_TIMEOUT_SECONDS, together=True)
         if late:
             self.stop_ranks(self.ranks)
             raise JobFailed(f"{ranks_label(late)} did not start within {READY_TIMEOUT_SECONDS:.0f} s; see the server log", rank=late[0])
+        self._drop_old_stores()
         log.info("fleet up: %s, %d rank(s)", self.devices.describe(), len(self.ranks))
 
-    def _collect(self, expected: dict[int, str], timeout: float) -> list[int]:
+    def _collect(self, expected: dict[int, str], timeout: float, together: bool = False) -> list[int]:
         """Wait until each rank sent the message type ``expected[rank]``; return the ranks that did
-        not in time or died. Other messages (the end of a broken job) are dropped."""
+        not in time or died. Other messages (the end of a broken job) are dropped.
+
+        ``together``: the ranks are forming groups, which none can do without every other, so the
+        first rank that dies or is stopped ends the wait; all still pending are returned.
+        """
         pending = dict(expected)
         deadline = time.monotonic() + timeout
         failed: list[int] = []
         while pending:
+            if together:
+                lost = [rank for rank in pending if self.ranks[rank].process.poll() is not None or self.ranks[rank].process_state() in ("T", "t", "Z", "X")]
+                if lost:
+                    log.warning("%s died or stopped while the ranks formed their groups", ranks_label(lost))
+                    return sorted(pending)
             try:
-                rank, message = self._next_event(max(0.05, deadline - time.monotonic()))
+                rank, message = self._next_event(min(1.0, max(0.05, deadline - time.monotonic())))
             except queue.Empty:
-                break
+                if time.monotonic() >= deadline:
+                    break
+                continue
             if rank not in pending:
                 continue
             if message is None:
                 failed.append(rank)
                 del pending[rank]
+                if together:
+                    log.warning("rank %d died while the ranks formed their groups", rank)
+                    return sorted([*failed, *pending])
             elif message.type == pending[rank]:
                 if message.type == "ready":
                     self.ranks[rank].info.update(message.fields)
@@ -295,6 +347,7 @@ class Fleet:
             everyone = list(self._spawned)
         self.stop_ranks(everyone)
         self.ranks = []
+        self._store_dir.cleanup()
 
     def stop_ranks(self, ranks: list[RankProcess]) -> None:
         for rank in ranks:
@@ -359,10 +412,11 @@ class Fleet:
         for rank in survivors:
             self._order(rank, "regroup", {"store": store_path, "replaced": sorted(kill)})
         expected = {rank: "ready" if rank in kill else "regrouped" for rank in range(len(self.ranks))}
-        late = self._collect(expected, READY_TIMEOUT_SECONDS)
+        late = self._collect(expected, READY_TIMEOUT_SECONDS, together=True)
         if late:
             self.restart(f"{ranks_label(late)} did not rejoin after: {reason}")
             return "every rank was restarted (the next job reloads the model)"
+        self._drop_old_stores()
         self.regroups += 1
         if not kill:
             return "the ranks kept their weights"
@@ -446,7 +500,7 @@ class Fleet:
             return self._run_job(job_id, op, args, tensors, input_segments, on_event)
         except JobFailed:
             # A result that never reached the client, or frames a dead rank left behind.
-            for segment in shm.segments_of(self.owner_pid) - before:
+            for segment in shm.segments_of(self.owner_pid) - before - self.held_segments():
                 shm.unlink_segment(segment)
             raise
 

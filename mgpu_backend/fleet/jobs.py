@@ -79,7 +79,9 @@ class JobContext:
     control: Comm  # gloo, CPU tensors: cancel flags and job relay
     state: dict[str, Any]  # lives as long as the rank process: loaded models, caches
     emit: Callable[[str, dict[str, Any]], None]  # send an event to the server
-    cancel_requested: Callable[[], bool]  # rank 0 only knows; the others always say False
+    # Every rank hears a cancel from the server, not all at the same moment: poll it to cut a long
+    # step short, but stop only in ``step``, where the ranks agree.
+    cancel_requested: Callable[[], bool]
     job_id: str = ""
     owner_pid: int = 0  # the server's pid: shared-memory segments are named after it
     shared_outputs: dict[str, tuple[torch.Tensor, dict]] = field(default_factory=dict)

@@ -15,12 +15,16 @@ with it ``state`` (the resident model), survives all of this; when ranks were re
 keeps only the entries the job modules declared safe to keep (``jobs.keep_across_replacement``).
 
 A rank exits when the server's end of its socket closes (from the first moment, before it joins any
-group), so a rank never outlives its server. Its log records reach the server and the submitting
-client as ``log`` events. This loop stays short and boring: jobs live in ``jobs`` modules.
+group), and the kernel kills it when the server dies (``PR_SET_PDEATHSIG``, which also reaches a
+stopped rank that could not read its socket), so a rank never outlives its server. A job's input
+segments are unmapped before the rank reports the job done. Its log records reach the server and
+the submitting client as ``log`` events. This loop stays short and boring: jobs live in ``jobs``
+modules.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import logging
 import os
@@ -37,8 +41,10 @@ import torch
 import torch.distributed as dist
 
 from mgpu_backend.fleet import protocol, shm
+from mgpu_backend.fleet.controller import SERVER_PID_ENV
 from mgpu_backend.fleet.jobs import JOBS, KEPT_ACROSS_REPLACEMENT, JobCancelled, JobContext, JobInputError, load_job_modules
 from mgpu_backend.fleet.protocol import Message
+from mgpu_backend.fleet.shared_gpu import peer_access_line, shared_gpu_ranks
 from mgpu_backend.parallel.comm import Comm
 
 HEARTBEAT_SECONDS = 1.0
@@ -154,7 +160,8 @@ class Rank:
     # -- process groups ---------------------------------------------------------------------------
     def join_groups(self, store_path: str) -> None:
         store = dist.FileStore(store_path, self.world_size)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        # Ranks sharing a GPU talk over gloo with CUDA tensors: NCCL refuses two ranks on one GPU.
+        backend = "nccl" if self.device.type == "cuda" and shared_gpu_ranks() == 1 else "gloo"
         dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world_size)
         # Job relay and cancel flags travel on CPU over gloo, also when the compute group is NCCL.
         # Its long timeout lets ranks 1..N-1 wait for the next job as long as the fleet stays idle.
@@ -344,6 +351,7 @@ class Rank:
             owner_pid=self.owner_pid,
         )
         started = time.perf_counter()
+        fields = tensors = None
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # the peak reported at 'done' is this job's
         try:
@@ -366,6 +374,9 @@ class Rank:
         except Exception as exc:  # noqa: BLE001 - every failure is reported with its traceback
             status = {"status": "error", "message": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
         ctx.discard_shared_outputs()
+        # Unmap this job's inputs now, not when the next job replaces them: the tensors are their
+        # mappings' last references (a job keeps what it needs in ``state``).
+        message.tensors, self.input_segments, fields, tensors = {}, {}, None, None
         status["seconds"] = round(time.perf_counter() - started, 6)
         status["memory"] = device_memory(self.device)
         self.emit("done", status)
@@ -410,7 +421,24 @@ def memory_fraction(environ) -> float | None:
     return value
 
 
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_server(environ) -> None:
+    """Have the kernel SIGKILL this rank when the thread of the server that started it ends, and
+    exit now if the server is already gone (it may have died before this line ran)."""
+    server_pid = environ.get(SERVER_PID_ENV)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the socket to the server still ends the rank
+        return
+    if server_pid and os.getppid() != int(server_pid):
+        os._exit(0)
+
+
 def main(rank: int, world_size: int, fd: int, device: str, store_path: str, owner_pid: int) -> None:
+    die_with_server(os.environ)
     # Ctrl-C on a foreground server reaches the whole process group; the server alone decides how
     # its ranks end (a rank that died of it would be taken for a fault and replaced).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -426,4 +454,6 @@ def main(rank: int, world_size: int, fd: int, device: str, store_path: str, owne
     root = logging.getLogger()
     root.setLevel(logging.INFO)
     root.addHandler(ServerLogHandler(rank_process))
+    if rank == 0 and torch_device.type == "cuda" and (line := peer_access_line(torch.cuda.device_count(), torch.cuda.can_device_access_peer)):
+        logging.getLogger(__name__).warning(line)
     rank_process.run()

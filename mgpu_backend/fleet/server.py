@@ -10,9 +10,22 @@ client goes through that connection's bounded outbox, drained by its own writer 
 that stops reading never blocks the job loop (it is dropped when its outbox overflows, and its
 jobs cancelled); handshakes have a total deadline; connections, jobs per client and queued bytes
 are capped. A client sees and cancels only its own jobs and may name only shared-memory segments
-it created. The server exits when told to, after its idle timeout, or when the process that
-launched it dies, takes its ranks with it and unlinks every segment it knows of. It never
-unpickles and never listens beyond loopback.
+it created. The server exits when told to, after its idle timeout, or once the process that
+launched it is gone and no client or job is left; it takes its ranks with it and unlinks every
+segment it knows of. It never unpickles and never listens beyond loopback.
+
+Connections are admitted in two stages, so that no one without the token can keep the owner out:
+at most MAX_PENDING_HANDSHAKES connections may be in their handshake at once (a new one drops the
+oldest, and each has HANDSHAKE_SECONDS in all), and only a connection that proved the token takes
+one of the MAX_CONNECTIONS authenticated places. On a Unix socket one process may hold at most
+MAX_CONNECTIONS_PER_PROCESS of them, so a single runaway process leaves room for the others, and
+the process that launched the fleet (``--parent-pid``: ComfyUI) has OWNER_RESERVED_CONNECTIONS
+places beyond the cap that nobody else can take.
+
+The server takes a submit's input segments from the client: it copies each into a segment of its
+own (``shm.take_segment``) and unlinks the client's, so the ranks only ever map memory no client
+can shorten under them (a SIGBUS would kill a rank), and a queued job holds only server segments,
+which leave with the job when it is cancelled or its client goes away.
 """
 
 from __future__ import annotations
@@ -22,24 +35,27 @@ import errno
 import itertools
 import logging
 import os
-import queue
 import secrets
 import signal
 import socket
-import struct
+import stat
 import threading
 import time
 from dataclasses import dataclass, field
 
 from mgpu_backend.fleet import protocol, shm
-from mgpu_backend.fleet.addresses import Address, ensure_private_dir, write_token
+from mgpu_backend.fleet.addresses import Address, AddressError, ensure_private_dir, write_token
 from mgpu_backend.fleet.controller import DeviceSpec, Fleet, JobFailed
 from mgpu_backend.fleet.protocol import Message
+from mgpu_backend.tools.processes import peer_pid, process_alive
 
 log = logging.getLogger("mgpu.server")
 
 HANDSHAKE_SECONDS = 10.0  # hello to welcome, in total, however the bytes trickle in
-MAX_CONNECTIONS = 64  # open connections, authenticated or not; one more is refused with a reply
+MAX_PENDING_HANDSHAKES = 16  # connections not yet authenticated; one more drops the oldest of them
+MAX_CONNECTIONS = 64  # authenticated connections; one more is refused with a reply
+MAX_CONNECTIONS_PER_PROCESS = 16  # authenticated connections of one peer process (Unix sockets)
+OWNER_RESERVED_CONNECTIONS = 4  # places beyond MAX_CONNECTIONS only the launching process may take
 MAX_QUEUED_JOBS = 64  # waiting in the queue, all clients together
 MAX_JOBS_PER_CLIENT = 8  # queued plus running, per connection
 MAX_QUEUED_INLINE_BYTES = 4 << 30  # inline tensor bytes held by waiting jobs, all clients together
@@ -47,9 +63,17 @@ MAX_READING_BYTES = 4 << 30  # bytes of frames being read at once, all clients t
 # Bytes waiting to be written to one client: a frame queued while more than this already waits
 # drops the client. So a large inline result (up to protocol.MAX_PAYLOAD_BYTES) always gets in.
 MAX_OUTBOX_BYTES = int(os.environ.get("MGPU_OUTBOX_BYTES", 64 << 20))
+# Result bytes in segments a client was handed and has not acknowledged: past this, its next job
+# is refused until it acknowledges (FleetClient does so as soon as it has mapped a result).
+MAX_UNACKNOWLEDGED_BYTES = int(os.environ.get("MGPU_UNACKNOWLEDGED_BYTES", 4 << 30))
+SHUTDOWN_TEXT = "the fleet server is shutting down; the job was stopped. Start the fleet again and resubmit"
 FLUSH_SECONDS = 5.0  # how long a closing connection may take to deliver its last error reply
 SHUTDOWN_GRACE_SECONDS = 10.0  # how long a running job gets to stop at its next step when the server exits
 ACCEPT_RETRY_SECONDS = 0.2  # pause after a failed accept (out of file descriptors) before the next
+
+
+class StoppedDuringStartUp(Exception):
+    """SIGTERM or SIGINT arrived while the ranks were starting."""
 
 
 @dataclass
@@ -59,12 +83,11 @@ class Job:
     args: dict
     tensors: dict
     input_segments: list[dict]
-    client: ClientConnection
+    client: ClientConnection  # input_segments are the server's copies (shm.take_segment)
     submitted: float = field(default_factory=time.time)
     stage: str = ""
     step: int = 0
     total: int = 0
-    cancelled: bool = False
 
     @property
     def inline_bytes(self) -> int:
@@ -84,7 +107,10 @@ class ClientConnection:
         self.finishing = False  # deliver what is queued, then stop
         self.closed = False  # stop at once, discard what is queued
         self.pending_segments: dict[str, list[str]] = {}  # job id -> result segments not yet acknowledged
-        self.peer_pid = _peer_pid(sock)
+        self.pending_bytes: dict[str, int] = {}  # job id -> bytes of those segments
+        self.authenticated = False
+        self.opened = time.monotonic()
+        self.peer_pid = peer_pid(sock)
         self.writer = threading.Thread(target=self._write_loop, daemon=True, name="client-writer")
         self.writer.start()
 
@@ -138,12 +164,18 @@ class ClientConnection:
         except OSError:
             pass
 
-    def close(self) -> None:
-        """Deliver what is queued (an error reply) for up to FLUSH_SECONDS, then close the socket."""
+    def finish(self) -> None:
+        """Accept nothing more; the writer delivers what is queued, then stops."""
         with self.lock:
             self.finishing = True
             self.wakeup.notify_all()
-        self.writer.join(timeout=FLUSH_SECONDS)
+
+    def close(self, deadline: float | None = None) -> None:
+        """Deliver what is queued (an error reply) until ``deadline`` (default: FLUSH_SECONDS from
+        now), then close the socket."""
+        deadline = time.monotonic() + FLUSH_SECONDS if deadline is None else deadline
+        self.finish()
+        self.writer.join(timeout=max(0.0, deadline - time.monotonic()))
         self.drop()
         self.writer.join(timeout=FLUSH_SECONDS)
         try:
@@ -163,9 +195,9 @@ class Server:
     ) -> None:
         self.address, self.devices = address, devices
         self.idle_timeout, self.parent_pid = idle_timeout, parent_pid
-        self.fleet = Fleet(devices, rank_timeout=rank_timeout)
-        self.jobs: queue.Queue[Job | None] = queue.Queue(maxsize=MAX_QUEUED_JOBS)
-        self.queued: list[Job] = []
+        self.fleet = Fleet(devices, rank_timeout=rank_timeout, private_dir=address.directory, held_segments=self._input_copies)
+        self.queued: list[Job] = []  # waiting, first in first out; the job loop takes the first
+        self.copying: list[Job] = []  # submits whose input segments are being copied
         self.queued_inline_bytes = 0
         self.current: Job | None = None
         self.no_job_running = threading.Event()
@@ -175,7 +207,10 @@ class Server:
         self.reading = protocol.ByteBudget(MAX_READING_BYTES)
         self.job_ids = itertools.count(1)
         self.lock = threading.Lock()
+        self.queue_changed = threading.Condition(self.lock)
         self.stopping = threading.Event()
+        self.parent_gone = False  # the launching process is gone: exit once no client and no job is left
+        self.socket_identity: tuple[int, int] | None = None  # (device, inode) of the socket this server bound
         self.last_activity = time.monotonic()
         self.started = time.time()
         self.completed = 0
@@ -187,11 +222,20 @@ class Server:
         ensure_private_dir(self.address.directory)
         if self.address.unix_path is not None:
             path = self.address.unix_path
-            if path.exists():
+            try:
+                existing = path.lstat()
+            except FileNotFoundError:
+                existing = None
+            if existing is not None and not stat.S_ISSOCK(existing.st_mode):
+                raise AddressError(f"{path} exists and is not a socket, so it was left as it is")
+            if existing is not None:
                 probe = socket.socket(socket.AF_UNIX)
                 try:
                     probe.connect(str(path))
-                    raise RuntimeError(f"a fleet server already listens on {path}; stop it with 'python -m mgpu_backend stop'")
+                    owner = peer_pid(probe)
+                    remedy = (f"stop it with 'python -m mgpu_backend stop --socket {path}'" if self.address.token_path.exists()
+                              else f"its token file is gone, so only 'kill {owner}' stops it" if owner else "its token file is gone: stop that process")
+                    raise RuntimeError(f"a fleet server{f' (pid {owner})' if owner else ''} already listens on {path}; {remedy}")
                 except (ConnectionRefusedError, FileNotFoundError):
                     path.unlink()
                 finally:
@@ -206,6 +250,8 @@ class Server:
             finally:
                 os.umask(old_umask)
             os.chmod(path, 0o600)
+            bound = path.lstat()
+            self.socket_identity = (bound.st_dev, bound.st_ino)
         else:
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -224,19 +270,35 @@ class Server:
         # connect meanwhile wait in the backlog until the ranks are ready.
         if self.listener is None:
             self.listen()
+        starting = True
+
+        def on_signal(*_) -> None:
+            self.stopping.set()
+            if starting:  # the ranks may take minutes to come up: stop waiting for them now
+                raise StoppedDuringStartUp
+
         try:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, on_signal)
+                signal.signal(signal.SIGINT, on_signal)
             self.fleet.start()
+            starting = False
+            if self.stopping.is_set():
+                return
             log.info("serving on %s (pid %d)", self.address, os.getpid())
             for target in (self._accept_loop, self._job_loop, self._watchdog):
                 threading.Thread(target=target, daemon=True, name=target.__name__).start()
-            signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
-            signal.signal(signal.SIGINT, lambda *_: self.stopping.set())
             print(f"mgpu fleet server ready on {self.address} with {self.devices.describe()}", flush=True)
             self.stopping.wait()
+        except StoppedDuringStartUp:
+            log.info("stopped while the ranks were starting")
         finally:
+            starting = False
             self.shutdown()
 
     def shutdown(self) -> None:
+        """Tell every client with a job that the server is going, stop the running job at its
+        next step, end the ranks, close every connection and unlink every segment."""
         log.info("shutting down")
         self.stopping.set()
         if self.listener is not None:
@@ -245,36 +307,54 @@ class Server:
             except OSError:
                 pass
             self.listener.close()
-        if self.address.unix_path is not None:
-            self.address.unix_path.unlink(missing_ok=True)
-        self.address.token_path.unlink(missing_ok=True)
+        if self.address.unix_path is not None and self.socket_identity is not None:
+            try:
+                now = self.address.unix_path.lstat()
+                if (now.st_dev, now.st_ino) == self.socket_identity:  # never a file someone put there since
+                    self.address.unix_path.unlink()
+            except FileNotFoundError:
+                pass
+        if self.token:
+            self.address.token_path.unlink(missing_ok=True)
         with self.lock:
             connections = list(self.connections)
-            for job in self.queued:
-                job.cancelled = True
+            waiting, self.queued = self.queued, []
+            self.queued_inline_bytes = 0
             running = self.current
-        for client in connections:
-            client.drop()
+            self.queue_changed.notify_all()
+        for job in [*waiting, *([running] if running else [])]:
+            job.client.send(Message("error", {"message": SHUTDOWN_TEXT, "kind": "shutdown"}, job=job.id))
+        for client in connections:  # nothing more is queued for them; what is queued goes out
+            client.finish()
+        for job in waiting:
+            self._discard_inputs(job)
         if running is not None:
             # Let the job stop at its next step first: ranks killed under a running job would look
             # like a rank death, and the fleet would start new ranks while the server exits.
             self.fleet.cancel(running.id)
             self.no_job_running.wait(SHUTDOWN_GRACE_SECONDS)
         self.fleet.stop()
-        with self.lock:  # inputs of waiting and running jobs, unacknowledged results, the ranks' segments
+        deadline = time.monotonic() + FLUSH_SECONDS
+        for client in connections:
+            client.close(deadline)
+        with self.lock:  # unacknowledged results and whatever a client still held
             segments = list(self.segment_owners)
-            for job in self.queued + ([self.current] if self.current else []):
-                segments += [desc["segment"] for desc in job.input_segments if desc["segment"] in self.segment_owners]
             self.segment_owners.clear()
         for segment in segments:
             shm.unlink_segment(segment)
-        shm.unlink_created_by(os.getpid())
+        shm.unlink_created_by(os.getpid())  # the server's input copies, the ranks' segments
 
     def _watchdog(self) -> None:
         while not self.stopping.wait(1.0):
-            if self.parent_pid is not None and not _process_alive(self.parent_pid):
-                log.info("launching process %d is gone; exiting", self.parent_pid)
-                self.stopping.set()
+            if self.parent_pid is not None and not self.parent_gone and not process_alive(self.parent_pid):
+                self.parent_gone = True
+                log.info("launching process %d is gone; exiting once no client and no job is left", self.parent_pid)
+            if self.parent_gone:
+                with self.lock:
+                    unused = self.current is None and not self.queued and not any(client.authenticated for client in self.connections)
+                if unused:
+                    log.info("no client and no job left after the launching process; exiting")
+                    self.stopping.set()
             busy = self.current is not None or self.queued
             if busy:
                 self.last_activity = time.monotonic()
@@ -307,23 +387,16 @@ class Server:
                 sock.close()
 
     def _admit(self, sock: socket.socket) -> None:
-        with self.lock:
-            full = len(self.connections) >= MAX_CONNECTIONS
-        if full:
-            # The refusal fits in the socket's buffer: sent without blocking, never waited for.
-            text = f"the fleet server already has {MAX_CONNECTIONS} connections open; close unused clients and retry"
-            try:
-                sock.setblocking(False)
-                for buffer in protocol.encode(Message("error", {"message": text, "kind": "busy"})):
-                    sock.send(buffer)
-            except OSError:
-                pass
-            sock.close()
-            return
+        """Serve a new connection; when MAX_PENDING_HANDSHAKES others are still in their
+        handshake, the oldest of them is dropped to make room (it had its chance)."""
         protocol.tune_socket(sock)
         client = ClientConnection(sock, self)
         with self.lock:
+            pending = [other for other in self.connections if not other.authenticated and not other.closed]
+            oldest = min(pending, key=lambda other: other.opened) if len(pending) >= MAX_PENDING_HANDSHAKES else None
             self.connections.add(client)
+        if oldest is not None:
+            oldest.drop()
         try:
             threading.Thread(target=self._serve_client, args=(client,), daemon=True, name="client-reader").start()
         except BaseException:
@@ -376,8 +449,29 @@ class Server:
         if auth.type != "auth" or not protocol.proof_matches(auth.fields.get("proof"), expected):
             client.send(Message("error", {"message": "authentication failed: wrong token", "kind": "auth"}))
             return False
+        with self.lock:
+            refusal = self._connection_refusal(client)
+            client.authenticated = refusal is None
+        if refusal:
+            client.send(Message("error", {"message": refusal, "kind": "busy"}))
+            return False
         client.send(Message("welcome", {"version": protocol.PROTOCOL_VERSION, "server_pid": os.getpid()}))
         return True
+
+    def _connection_refusal(self, client: ClientConnection) -> str | None:
+        """Why an authenticated ``client`` gets no place (call with the lock held), or None."""
+        others = [other for other in self.connections if other.authenticated and other is not client]
+        if client.peer_pid is not None:
+            same_process = sum(1 for other in others if other.peer_pid == client.peer_pid)
+            if same_process >= MAX_CONNECTIONS_PER_PROCESS:
+                return (
+                    f"process {client.peer_pid} already has {MAX_CONNECTIONS_PER_PROCESS} connections open to the fleet server; "
+                    "close unused clients and retry"
+                )
+        owner = client.peer_pid is not None and client.peer_pid == self.parent_pid
+        if len(others) >= MAX_CONNECTIONS + (OWNER_RESERVED_CONNECTIONS if owner else 0):
+            return f"the fleet server already has {MAX_CONNECTIONS} connections open; close unused clients and retry"
+        return None
 
     def _handle(self, client: ClientConnection, message: Message) -> None:
         self.last_activity = time.monotonic()
@@ -386,12 +480,7 @@ class Server:
         elif message.type == "cancel":
             self.cancel(client, message.job or "")
         elif message.type == "ack":
-            with self.lock:
-                segments = client.pending_segments.pop(message.job or "", [])
-                for segment in segments:
-                    self.segment_owners.pop(segment, None)
-            for segment in segments:  # read by now; unlinked here as well, in case the client did not
-                shm.unlink_segment(segment)
+            self._free_results(client, message.job or "")
         elif message.type == "status":
             client.send(Message("status", self.status(client)))
         elif message.type == "shutdown":
@@ -414,30 +503,69 @@ class Server:
             return refuse("submit needs an 'op' string and an 'args' object", "input_error")
         if op not in self.fleet.known_jobs:
             return refuse(f"unknown job type {op!r}; known: {', '.join(self.fleet.known_jobs)}", "input_error")
-        job = Job(job_id, op, args, message.tensors, message.shm, client)
+        job = Job(job_id, op, args, message.tensors, [], client)
         with self.lock:
-            problem, kind = self._claim_inputs(client, message.shm), "input_error"
-            running = int(self.current is not None and self.current.client is client)
-            mine = running + sum(1 for queued in self.queued if queued.client is client)
-            if problem:
-                pass
-            elif mine >= MAX_JOBS_PER_CLIENT:
-                problem, kind = f"this client already has {MAX_JOBS_PER_CLIENT} jobs queued or running; wait for one to finish", "busy"
-            elif self.queued_inline_bytes + job.inline_bytes > MAX_QUEUED_INLINE_BYTES:
-                held = self.queued_inline_bytes / 2**30
-                problem, kind = f"the queue already holds {held:.1f} GiB of inline tensors; retry later", "busy"
-            else:
-                try:
-                    self.jobs.put_nowait(job)
-                except queue.Full:
-                    problem, kind = f"the queue is full ({MAX_QUEUED_JOBS} jobs); retry later", "busy"
+            problem = self._claim_inputs(client, message.shm)
+            kind = "input_error" if problem else None
+            if not problem:
+                problem, kind = self._queue_refusal(job)
+        if problem:
+            return refuse(problem, kind)
+        # The server's own copies (what the ranks map can no longer change under them), each held
+        # under its name before it exists, so that no cleanup can take it half-made.
+        with self.lock:
+            self.copying.append(job)
+        try:
+            for descriptor in message.shm:
+                copy = {**descriptor, "segment": shm.new_segment_name()}
+                with self.lock:
+                    job.input_segments.append(copy)
+                shm.take_segment(descriptor, copy["segment"])
+        except (OSError, protocol.ProtocolError) as exc:
+            with self.lock:
+                self.copying.remove(job)
+            self._discard_inputs(job)
+            return refuse(f"cannot read input segment {descriptor['segment']}: {exc}", "input_error")
+        self._release_inputs(client, message.shm)
+        with self.lock:
+            self.copying.remove(job)
+            problem, kind = self._queue_refusal(job)  # the queue may have filled during the copy
             if not problem:
                 self.queued.append(job)
                 self.queued_inline_bytes += job.inline_bytes
                 position = len(self.queued)
+                self.queue_changed.notify_all()
         if problem:
+            self._discard_inputs(job)
             return refuse(problem, kind)
         client.send(Message("accepted", {**reply, "position": position}, job=job_id))
+
+    def _queue_refusal(self, job: Job) -> tuple[str | None, str | None]:
+        """Why ``job`` cannot join the queue now, and the error kind; (None, None) when it can (call
+        with the lock held)."""
+        client = job.client
+        running = int(self.current is not None and self.current.client is client)
+        mine = running + sum(1 for queued in self.queued if queued.client is client)
+        if self.stopping.is_set():
+            return SHUTDOWN_TEXT, "shutdown"
+        if mine >= MAX_JOBS_PER_CLIENT:
+            return f"this client already has {MAX_JOBS_PER_CLIENT} jobs queued or running; wait for one to finish", "busy"
+        if len(self.queued) >= MAX_QUEUED_JOBS:
+            return f"the queue is full ({MAX_QUEUED_JOBS} jobs); retry later", "busy"
+        if self.queued_inline_bytes + job.inline_bytes > MAX_QUEUED_INLINE_BYTES:
+            return f"the queue already holds {self.queued_inline_bytes / 2**30:.1f} GiB of inline tensors; retry later", "busy"
+        problem = self._unacknowledged_refusal(client)
+        return (problem, "busy") if problem else (None, None)
+
+    @staticmethod
+    def _unacknowledged_refusal(client: ClientConnection) -> str | None:
+        held = sum(client.pending_bytes.values())
+        if held <= MAX_UNACKNOWLEDGED_BYTES:
+            return None
+        return (
+            f"this client holds {held / 2**20:.0f} MiB of results it has not acknowledged (at most {MAX_UNACKNOWLEDGED_BYTES / 2**20:.0f} MiB); "
+            "read them and send 'ack' for each job (FleetClient does) before running more"
+        )
 
     def _claim_inputs(self, client: ClientConnection, descriptors: list[dict]) -> str | None:
         """Tie a submit's input segments to ``client``, or say why one is not its to name (call
@@ -458,14 +586,14 @@ class Server:
             self.segment_owners[name] = client
         return None
 
-    def _release_inputs(self, client: ClientConnection, descriptors: list[dict], keep: set[str] = frozenset()) -> None:
-        """Unlink the input segments of a refused or finished job except those in ``keep``: only
-        those ``client`` may name, never another's that it merely named."""
+    def _release_inputs(self, client: ClientConnection, descriptors: list[dict]) -> None:
+        """Unlink the client's input segments a submit named, once copied or refused: only those
+        ``client`` may name, never another's that it merely named."""
         mine = []
         with self.lock:
             for descriptor in descriptors:
                 name = descriptor.get("segment")
-                if name in keep or not shm.is_segment_name(name):
+                if not shm.is_segment_name(name):
                     continue
                 owner, creator = self.segment_owners.get(name), shm.segment_creator(name)
                 if owner is client or (owner is None and creator != os.getpid() and client.peer_pid in (None, creator)):
@@ -475,47 +603,82 @@ class Server:
             shm.unlink_segment(name)
 
     def _forget_client(self, client: ClientConnection) -> None:
-        """A client that goes away cancels its queued and running jobs and frees its results."""
+        """A client that goes away takes its queued jobs (and their segments) out of the queue at
+        once, cancels its running job and frees its results."""
         with self.lock:
             self.connections.discard(client)
-            for job in self.queued:
-                if job.client is client:
-                    job.cancelled = True
+            waiting = self._unqueue(lambda job: job.client is client)
             if self.current is not None and self.current.client is client:
                 self.fleet.cancel(self.current.id)
-            segments = [segment for segments in client.pending_segments.values() for segment in segments]
-            client.pending_segments.clear()
+        for job in waiting:
+            self._discard_inputs(job)
+        for job_id in list(client.pending_segments):
+            self._free_results(client, job_id)
+
+    def cancel(self, client: ClientConnection, job_id: str) -> None:
+        """Cancel ``job_id`` if ``client`` submitted it: a queued job leaves the queue at once with
+        its reply, a running one stops at its next step. Any other id is ignored, so that no one
+        learns whether another client's job exists."""
+        with self.lock:
+            waiting = self._unqueue(lambda job: job.id == job_id and job.client is client)
+            if self.current is not None and self.current.id == job_id and self.current.client is client:
+                self.fleet.cancel(job_id)
+        for job in waiting:
+            self._discard_inputs(job)
+            client.send(Message("error", {"message": "cancelled before it started", "kind": "cancelled"}, job=job.id))
+
+    def _unqueue(self, which) -> list[Job]:
+        """Take the queued jobs ``which(job)`` selects out of the queue (call with the lock held)."""
+        taken = [job for job in self.queued if which(job)]
+        if taken:
+            self.queued = [job for job in self.queued if not which(job)]
+            self.queued_inline_bytes -= sum(job.inline_bytes for job in taken)
+            for job in taken:
+                job.tensors = {}
+        return taken
+
+    def _input_copies(self) -> set[str]:
+        """The server's copies of the inputs of every job not yet finished, copies in progress included."""
+        with self.lock:
+            jobs = [*self.queued, *self.copying, *([self.current] if self.current else [])]
+            return {descriptor["segment"] for job in jobs for descriptor in job.input_segments}
+
+    def _discard_inputs(self, job: Job, keep: set[str] = frozenset()) -> None:
+        """Unlink the server's copies of ``job``'s input segments, except those in ``keep``."""
+        for descriptor in job.input_segments:
+            if descriptor["segment"] not in keep:
+                shm.unlink_segment(descriptor["segment"])
+
+    def _free_results(self, client: ClientConnection, job_id: str) -> None:
+        """The client read job ``job_id``'s result segments, or never will: unlink them (also
+        when the client did, in case it did not)."""
+        with self.lock:
+            segments = client.pending_segments.pop(job_id, [])
+            client.pending_bytes.pop(job_id, None)
             for segment in segments:
                 self.segment_owners.pop(segment, None)
         for segment in segments:
             shm.unlink_segment(segment)
 
-    def cancel(self, client: ClientConnection, job_id: str) -> None:
-        """Cancel ``job_id`` if ``client`` submitted it; any other id is ignored, so that no one
-        learns whether another client's job exists."""
-        with self.lock:
-            for job in self.queued:
-                if job.id == job_id and job.client is client:
-                    job.cancelled = True
-            if self.current is not None and self.current.id == job_id and self.current.client is client:
-                self.fleet.cancel(job_id)
-
     # -- the job loop -------------------------------------------------------------------------------
     def _job_loop(self) -> None:
         """Run queued jobs one at a time, forever: nothing one job does ends the loop."""
-        while not self.stopping.is_set():
-            job = self.jobs.get()
+        while True:
+            with self.lock:
+                while not self.queued and not self.stopping.is_set():
+                    self.queue_changed.wait()
+                if self.stopping.is_set():
+                    return
+                job = self.queued.pop(0)
+                self.queued_inline_bytes -= job.inline_bytes
+                refusal = self._unacknowledged_refusal(job.client)
+                if refusal is None:
+                    self.current = job
+                    self.no_job_running.clear()
             try:
-                with self.lock:
-                    self.queued.remove(job)
-                    self.queued_inline_bytes -= job.inline_bytes
-                    job.cancelled = job.cancelled or self.stopping.is_set()
-                    if not job.cancelled:
-                        self.current = job
-                        self.no_job_running.clear()
-                if job.cancelled:
-                    self._release_inputs(job.client, job.input_segments)
-                    job.client.send(Message("error", {"message": "cancelled before it started", "kind": "cancelled"}, job=job.id))
+                if refusal is not None:
+                    self._discard_inputs(job)
+                    job.client.send(Message("error", {"message": refusal, "kind": "busy"}, job=job.id))
                     continue
                 self._run(job)
             except Exception:  # noqa: BLE001 - a bug in one job's bookkeeping must not stop the queue
@@ -532,7 +695,7 @@ class Server:
         try:
             final, handed_back = self._run_on_fleet(job)
         finally:  # the job's inputs, except those now a result segment the client unlinks
-            self._release_inputs(job.client, job.input_segments, keep=handed_back)
+            self._discard_inputs(job, keep=handed_back)
             self._finish(job)
         if final is not None:
             self._deliver(job, final)
@@ -563,18 +726,13 @@ class Server:
         if segments:
             with self.lock:  # the client's until it acknowledges (or goes away): no other may name them
                 job.client.pending_segments[job.id] = segments
+                job.client.pending_bytes[job.id] = sum(desc.get("nbytes", 0) for desc in result.shm)
                 self.segment_owners.update(dict.fromkeys(segments, job.client))
         return Message("result", result.fields, result.tensors, job=job.id, shm=result.shm), set(segments)
 
     def _deliver(self, job: Job, final: Message) -> None:
-        if job.client.send(final):
-            return
-        with self.lock:  # the client is gone: nobody will read or acknowledge the result
-            segments = job.client.pending_segments.pop(job.id, [])
-            for segment in segments:
-                self.segment_owners.pop(segment, None)
-        for segment in segments:
-            shm.unlink_segment(segment)
+        if not job.client.send(final):  # the client is gone: nobody will read or acknowledge the result
+            self._free_results(job.client, job.id)
 
     def status(self, client: ClientConnection | None = None) -> dict:
         """The fleet's state as ``client`` may see it: another client's job shows its op and
@@ -603,27 +761,5 @@ class Server:
             }
 
 
-def _process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie is dead for our purposes
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
-
-def _peer_pid(sock: socket.socket) -> int | None:
-    """The pid of the process at the other end of a Unix socket (Linux), else None."""
-    if sock.family != socket.AF_UNIX or not hasattr(socket, "SO_PEERCRED"):
-        return None
-    try:
-        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    except OSError:
-        return None
-    return pid or None

@@ -8,6 +8,12 @@ tensor, and unlinks it. The server also unlinks every segment of a job when the 
 away, and sweeps segments left by server processes that no longer exist, so a crash of either side
 never leaks memory. Only the owner's uid can open a segment.
 
+A mapping of a file that another process shortens faults (SIGBUS) at the first page past the new
+end, so no fleet process ever maps a segment a client can still change: the server copies each
+input segment into one of its own with ``take_segment`` (system calls, no mapping: a shortened
+segment is an error there) and the ranks map only that copy. Every open refuses what is not a
+regular file (a directory, a FIFO that would block the reader) before reading anything.
+
 This module never unpickles; a segment holds raw tensor bytes described by a validated descriptor.
 """
 
@@ -19,6 +25,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 from pathlib import Path
 
 import torch
@@ -31,6 +38,7 @@ _NAME = re.compile(r"^mgpu-(\d+)-(\d+)-[0-9a-f]{16}$")
 
 
 INLINE_LIMIT_BYTES = 1 << 20  # tensors above this travel through shared memory in both directions
+COPY_CHUNK_BYTES = 16 << 20  # what take_segment reads at once where copy_file_range is not available
 
 
 class SharedMemoryFull(OSError):
@@ -83,7 +91,7 @@ def _reserve(fd: int, path: Path, nbytes: int) -> None:
         ) from None
 
 
-def _new_segment_name(owner_pid: int | None) -> str:
+def new_segment_name(owner_pid: int | None = None) -> str:
     pid = os.getpid() if owner_pid is None else owner_pid
     return f"mgpu-{os.getuid()}-{pid}-{secrets.token_hex(8)}"
 
@@ -107,7 +115,7 @@ def split_for_transfer(tensors: dict[str, torch.Tensor], owner_pid: int | None =
 
 def write_tensor(name: str, tensor: torch.Tensor, owner_pid: int | None = None) -> dict:
     """Copy ``tensor`` into a new segment; return its descriptor (with the segment name)."""
-    segment = _new_segment_name(owner_pid)
+    segment = new_segment_name(owner_pid)
     path = SHM_DIR / segment
     data = protocol.tensor_bytes(tensor)
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -126,7 +134,7 @@ def write_tensor(name: str, tensor: torch.Tensor, owner_pid: int | None = None) 
 def create_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, owner_pid: int | None = None) -> tuple[torch.Tensor, dict]:
     """A new tensor that lives in a segment, so a result can be built in place and handed over
     without any copy. Returns the tensor and its descriptor."""
-    segment = _new_segment_name(owner_pid)
+    segment = new_segment_name(owner_pid)
     path = SHM_DIR / segment
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     descriptor = {"name": name, "dtype": DTYPE_NAMES[dtype], "shape": list(shape), "nbytes": nbytes, "segment": segment}
@@ -144,6 +152,71 @@ def create_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, owner_p
     return bytes_to_tensor(memoryview(mapping), dtype, shape), descriptor
 
 
+def _open_segment(path: Path, flags: int, nbytes: int) -> int:
+    """Open segment ``path`` and check it is this user's regular file of ``nbytes``; returns the fd.
+
+    O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer forever; O_NOFOLLOW:
+    a link is never followed out of /dev/shm.
+    """
+    fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ProtocolError(f"segment {path.name} is not a regular file (a directory, FIFO or device); name a segment made by shm.write_tensor")
+        if info.st_uid != os.getuid():
+            raise ProtocolError(f"segment {path.name} is not owned by this user")
+        if info.st_size != nbytes:
+            raise ProtocolError(f"segment {path.name} holds {info.st_size} bytes, expected {nbytes}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _copy_bytes(source_fd: int, target_fd: int, nbytes: int, source_name: str) -> None:
+    """Copy ``nbytes`` with system calls (never a mapping of the source): a source shortened
+    meanwhile ends the copy early, which is an error here rather than a SIGBUS."""
+    copied = 0
+    use_copy_file_range = hasattr(os, "copy_file_range")
+    while copied < nbytes:
+        count = 0
+        if use_copy_file_range:
+            try:
+                count = os.copy_file_range(source_fd, target_fd, nbytes - copied, copied, copied)
+            except OSError as exc:
+                if exc.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                use_copy_file_range = False
+                continue
+        else:
+            chunk = os.pread(source_fd, min(COPY_CHUNK_BYTES, nbytes - copied), copied)
+            count = len(chunk) and os.pwrite(target_fd, chunk, copied)
+        if count == 0:
+            raise ProtocolError(f"segment {source_name} was shortened while it was read ({copied} of {nbytes} bytes); submit again and leave it alone until the job ends")
+        copied += count
+
+
+def take_segment(descriptor: dict, target: str) -> None:
+    """Copy the (client's) segment a descriptor names into a new segment named ``target`` (from
+    ``new_segment_name``: the server's); the original is left in place."""
+    _, _, _, nbytes = protocol.validate_descriptor(descriptor)
+    source = segment_path(descriptor["segment"])
+    source_fd = _open_segment(source, os.O_RDONLY, nbytes)
+    path = segment_path(target)
+    try:
+        target_fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            _reserve(target_fd, path, nbytes)
+            _copy_bytes(source_fd, target_fd, nbytes, source.name)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(target_fd)
+    finally:
+        os.close(source_fd)
+
+
 def read_tensor(descriptor: dict, unlink: bool = True, shared: bool = False) -> torch.Tensor:
     """Map the segment a descriptor names and return its tensor; unlink the segment by default.
 
@@ -153,13 +226,13 @@ def read_tensor(descriptor: dict, unlink: bool = True, shared: bool = False) -> 
     """
     name, dtype, shape, nbytes = protocol.validate_descriptor(descriptor)
     path = segment_path(descriptor["segment"])
-    fd = os.open(path, (os.O_RDWR if shared else os.O_RDONLY) | os.O_NOFOLLOW)
     try:
-        stat = os.fstat(fd)
-        if stat.st_uid != os.getuid():
-            raise ProtocolError(f"segment {path.name} is not owned by this user")
-        if stat.st_size != nbytes:
-            raise ProtocolError(f"segment {path.name} holds {stat.st_size} bytes, expected {nbytes}")
+        fd = _open_segment(path, os.O_RDWR if shared else os.O_RDONLY, nbytes)
+    except BaseException:
+        if unlink:
+            unlink_segment(descriptor["segment"])
+        raise
+    try:
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
         flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
@@ -178,7 +251,7 @@ def unlink_segment(segment: str) -> None:
         return
     try:
         (SHM_DIR / segment).unlink()
-    except FileNotFoundError:
+    except OSError:  # gone already, or a directory under a segment's name: never ours to remove
         pass
 
 

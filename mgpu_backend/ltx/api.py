@@ -16,6 +16,7 @@ at a time anyway. Nothing here imports ComfyUI.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -33,6 +34,7 @@ from mgpu_backend.ltx.schema import (
     LoadRequest,
     SampleRequest,
     UpscaleRequest,
+    pixel_geometry,
 )
 
 Progress = Callable[[dict], None] | None
@@ -99,11 +101,29 @@ class PromptEncoding:
     digest: str | None = None
 
 
-def _encoding(prompt: PromptEncoding | tuple[torch.Tensor, torch.Tensor]) -> PromptEncoding:
-    return prompt if isinstance(prompt, PromptEncoding) else PromptEncoding(prompt[0], prompt[1])
+@dataclass(frozen=True)
+class StackedContext:
+    """One prompt in ComfyUI's LTX-2 layout: the video and audio contexts concatenated on the last dim,
+    as ComfyUI's LTX-2 text encoder makes it (and MGPU Text Encode's CONDITIONING holds it). The fleet
+    splits it by the model's context widths. ``unprocessed`` is ComfyUI's ``unprocessed_ltxav_embeds``:
+    text features before the checkpoint's embeddings connectors, which the fleet then runs
+    (``text.contexts_from_comfy``). ``digest`` as in ``PromptEncoding``."""
+
+    context: torch.Tensor
+    unprocessed: bool = False
+    digest: str | None = None
 
 
-def _context_tensors(prefix: str, encoding: PromptEncoding) -> dict[str, torch.Tensor]:
+Prompt = PromptEncoding | StackedContext | tuple[torch.Tensor, torch.Tensor]
+
+
+def _encoding(prompt: Prompt) -> PromptEncoding | StackedContext:
+    return prompt if isinstance(prompt, (PromptEncoding, StackedContext)) else PromptEncoding(prompt[0], prompt[1])
+
+
+def _context_tensors(prefix: str, encoding: PromptEncoding | StackedContext) -> dict[str, torch.Tensor]:
+    if isinstance(encoding, StackedContext):
+        return {f"{prefix}_{'unprocessed' if encoding.unprocessed else 'stacked'}_context": encoding.context}
     return {f"{prefix}_video_context": encoding.video_context, f"{prefix}_audio_context": encoding.audio_context}
 
 
@@ -120,7 +140,7 @@ def preview_rate(preview: Preview, preview_every: int | None) -> int:
     return PREVIEW_EVERY if preview_every is None else preview_every
 
 
-def run_naming_prompts(request, tensors: dict, prompts: dict[str, PromptEncoding], progress: Progress, should_cancel: ShouldCancel,
+def run_naming_prompts(request, tensors: dict, prompts: dict[str, PromptEncoding | StackedContext], progress: Progress, should_cancel: ShouldCancel,
                        preview: Preview = None):  # fmt: skip
     """Run a job whose request names its prompts by digest, sending only the contexts without one.
 
@@ -139,6 +159,65 @@ def run_naming_prompts(request, tensors: dict, prompts: dict[str, PromptEncoding
     for prefix, encoding in prompts.items():
         sent.update(_context_tensors(prefix, encoding))
     return run(request.op, wire, sent, progress=progress, should_cancel=should_cancel, preview=preview)
+
+
+# --- The audio latent's length: ltx-core's and ComfyUI's ---------------------------------------------
+
+AUDIO_LATENTS_PER_SECOND = 16000 / 160 / 4
+"""Audio latent frames per second: the audio VAE's 16 kHz input, mel hop 160, 4x downsampling in time."""
+
+
+def fleet_audio_frames(num_frames: int, frame_rate: float) -> int:
+    """The audio latent length the fleet (ltx-core, ``AudioLatentShape.from_video_pixel_shape``) uses
+    for ``num_frames`` video frames: seconds x 25, rounded to nearest (ties to even)."""
+    return round(float(num_frames) / float(frame_rate) * AUDIO_LATENTS_PER_SECOND)
+
+
+def comfy_audio_frames(num_frames: int, frame_rate: float) -> int:
+    """The audio latent length of ComfyUI's LTXVEmptyLatentAudio: the same seconds x 25, rounded up,
+    so one more than ``fleet_audio_frames`` wherever rounding to nearest goes down (24 fps, 121
+    frames: 127 against 126; 50 fps, 121 frames: 61 against 60)."""
+    return math.ceil(float(num_frames) / float(frame_rate) * AUDIO_LATENTS_PER_SECOND)
+
+
+def audio_latent_for_comfy(audio_latent: torch.Tensor, num_frames: int, frame_rate: float) -> torch.Tensor:
+    """A fleet audio latent ``[B, 8, T, 16]`` at ComfyUI's length: where ComfyUI's is one frame longer,
+    the last latent frame repeated (the fleet drops it again on the way in, so it never changes a
+    fleet result; a stock audio decoder hears it as 40 ms more of the last sound)."""
+    extra = comfy_audio_frames(num_frames, frame_rate) - audio_latent.shape[2]
+    if extra <= 0:
+        return audio_latent
+    return torch.cat([audio_latent, audio_latent[:, :, -1:].expand(-1, -1, extra, -1)], dim=2)
+
+
+def _audio_lengths(video_latent: torch.Tensor, frame_rate: float) -> tuple[int, int, int]:
+    """(video frames, the fleet's audio length, ComfyUI's) for a video latent ``[B, 128, F', h, w]``."""
+    num_frames = pixel_geometry(video_latent.shape[2], video_latent.shape[3], video_latent.shape[4])[2]
+    return num_frames, fleet_audio_frames(num_frames, frame_rate), comfy_audio_frames(num_frames, frame_rate)
+
+
+def audio_latent_for_fleet(audio_latent: torch.Tensor, video_latent: torch.Tensor, frame_rate: float) -> torch.Tensor:
+    """The audio latent a fleet job runs on: an audio latent of ComfyUI's length (one frame more than
+    the fleet's) less its last frame; any other as given."""
+    _, fleet_length, comfy_length = _audio_lengths(video_latent, frame_rate)
+    if audio_latent.shape[2] == comfy_length != fleet_length:
+        return audio_latent[:, :, :fleet_length]
+    return audio_latent
+
+
+def check_audio_latent_length(audio_latent: torch.Tensor, video_latent: torch.Tensor, frame_rate: float, node: str) -> None:
+    """Refuse, in words that name ``node``, an audio latent whose length is neither the fleet's nor
+    ComfyUI's for the video latent at ``frame_rate``."""
+    num_frames, fleet_length, comfy_length = _audio_lengths(video_latent, frame_rate)
+    length = audio_latent.shape[2]
+    if length in (fleet_length, comfy_length):
+        return
+    lengths = f"{fleet_length}" if fleet_length == comfy_length else f"{fleet_length} or {comfy_length}"
+    raise ValueError(
+        f"{node}: the audio latent has {length} frames, but {num_frames} video frames at {frame_rate:g} fps take "
+        f"{lengths}; make the audio latent for the same frame count and rate (LTXVEmptyLatentAudio with frames_number "
+        f"{num_frames} and frame_rate {frame_rate:g}), or set {node}'s frame_rate to the rate the latent was made at"
+    )
 
 
 def parse_tiles(text: str) -> tuple[int, int] | None:
@@ -181,8 +260,8 @@ def encode(
 
 def sample(
     spec: dict,
-    positive: PromptEncoding | tuple[torch.Tensor, torch.Tensor],
-    negative: PromptEncoding | tuple[torch.Tensor, torch.Tensor] | None,
+    positive: Prompt,
+    negative: Prompt | None,
     *,
     width: int | None = None,
     height: int | None = None,
@@ -237,7 +316,7 @@ def upscale(
     spec: dict,
     video_latent: torch.Tensor,
     audio_latent: torch.Tensor,
-    positive: PromptEncoding | tuple[torch.Tensor, torch.Tensor],
+    positive: Prompt,
     *,
     frame_rate: float | None = None,
     seed: int | None = None,

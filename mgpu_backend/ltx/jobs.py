@@ -66,7 +66,7 @@ from mgpu_backend.ltx.previews import stage_previews, step_reporter
 from mgpu_backend.ltx.schema import CONTEXT_MISSING, PROMPT_CACHE_ENTRIES, VIDEO_LATENT_CHANNELS, DecodeRequest, EncodeRequest, LoadRequest, ModelFileError, ModelSpec, SampleRequest, UnloadRequest, UpscaleRequest, model_version_contradiction, pixel_geometry, validate_stg_blocks
 from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, guider_params, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
 from mgpu_backend.ltx.residency import component_sizes, device_memory_bytes, plan_residency
-from mgpu_backend.ltx.text import TextContext
+from mgpu_backend.ltx.text import TextContext, connector_widths, contexts_from_comfy
 from mgpu_backend.ltx.validation import TransformerDims
 
 log = logging.getLogger("mgpu.ltx")
@@ -113,7 +113,9 @@ class ResidentModel:
         self.load_seconds = 0.0  # time spent building components from files or the registry
         # One working transformer per rank; a clean copy sharded over the ranks lets stage 1 (no
         # LoRA) and stage 2 (distilled LoRA) swap in place. Without any LoRA, no clean copy is kept.
-        self.tracker = TransformerWeightTracker(comm, no_lora_swap=not lora_swap, clean_on_host=self.residency.clean_shard_on_host)
+        self.tracker = TransformerWeightTracker(
+            comm, no_lora_swap=not lora_swap, clean_on_host=self.residency.clean_shard_on_host, shard_weights=self.residency.shards_weights
+        )
 
     def _kept(self, name: str, *args):
         key = (name, *args)
@@ -325,7 +327,16 @@ def prompt_cache(ctx: JobContext) -> PromptCache:
     return ctx.state.setdefault("prompt_contexts", PromptCache())
 
 
-def _sent_context(tensors: dict, prefix: str) -> TextContext | None:
+COMFY_CONTEXT_KINDS = {"stacked": False, "unprocessed": True}
+"""A prompt sent in ComfyUI's layout, ``{prefix}_stacked_context`` or ``{prefix}_unprocessed_context``
+(before the embeddings connectors): ``text.contexts_from_comfy`` makes the two contexts of it."""
+
+
+def _sent_context(tensors: dict, prefix: str, resident: ResidentModel) -> TextContext | None:
+    for kind, unprocessed in COMFY_CONTEXT_KINDS.items():
+        if f"{prefix}_{kind}_context" in tensors:
+            widths = connector_widths(resident.spec.checkpoint_path)
+            return contexts_from_comfy(tensors[f"{prefix}_{kind}_context"], unprocessed, prefix, widths, resident.embeddings_processor)
     names = (f"{prefix}_video_context", f"{prefix}_audio_context")
     if not any(name in tensors for name in names):
         return None
@@ -338,15 +349,16 @@ def _sent_context(tensors: dict, prefix: str) -> TextContext | None:
     return TextContext(video_context=tensors[names[0]], audio_context=tensors[names[1]])
 
 
-def prompt_contexts(ctx: JobContext, tensors: dict, wanted: list[tuple[str, str | None]]) -> list[TextContext]:
-    """The contexts of the prompts a job names as (``positive``/``negative``, digest or None).
+def prompt_contexts(ctx: JobContext, tensors: dict, wanted: list[tuple[str, str | None]], resident: ResidentModel) -> list[TextContext]:
+    """The contexts of the prompts a job names as (``positive``/``negative``, digest or None);
+    contexts sent in ComfyUI's layout are split by, or connected with, ``resident``'s checkpoint.
 
     Contexts sent with the job are used (and kept under their digest); otherwise the digest is looked
     up in this rank's cache. Collective when anything is looked up: a digest missing on any rank
     fails the job on every rank with the ``CONTEXT_MISSING`` error the client answers by resending."""
     cache, contexts, missing, looked_up = prompt_cache(ctx), [], [], False
     for prefix, digest in wanted:
-        context = _sent_context(tensors, prefix)
+        context = _sent_context(tensors, prefix, resident)
         if context is not None:
             if digest is not None:  # a copy: the job's inputs may live in a shared-memory segment of this job
                 cache.put(digest, TextContext(context.video_context.clone(), context.audio_context.clone()))
@@ -514,7 +526,7 @@ def sample(ctx: JobContext, args: dict, tensors: dict):
         wanted = [("positive", request.positive_digest)]
         if "unconditional" in active_passes(params.video_guider, params.audio_guider):
             wanted.append(("negative", request.negative_digest))
-        positive, *rest = prompt_contexts(ctx, tensors, wanted)
+        positive, *rest = prompt_contexts(ctx, tensors, wanted, resident)
         negative = rest[0] if rest else None  # no unconditional pass (the distilled recipe): no negative prompt
     return run_stage1(ctx, resident, params, positive, negative, image, request.parallel, dims, cuda_graphs, request.batch_passes, compile_blocks,
                       request.preview_every)  # fmt: skip
@@ -606,7 +618,7 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
         ctx.log(plan.reason)
         tiling = upscale_tiling(ctx, request, stage2_grid) if plan.technique == "tdp" else None
         check_generation_fits(params, ctx.device, dims, resident.dtype, sp_degree=plan.sp_degree, weights_resident=True)
-        (positive,) = prompt_contexts(ctx, tensors, [("positive", request.positive_digest)])
+        (positive,) = prompt_contexts(ctx, tensors, [("positive", request.positive_digest)], resident)
     upsampled = upsample_video(resident, video_latent)
     ctx.step("upsample", 1, 1)
     lora_set = STAGE2_LORA_SETS[request.pipeline]

@@ -457,9 +457,10 @@ class ModelLoader:
         """The denoiser: ``"none"`` for stage 1, ``"distilled"`` for stage 2 (user LoRAs in both)."""
         return self.build_transformer(tuple((lora.path, lora.strength) for lora in self._loras(lora_set)))
 
-    def build_transformer(self, loras: tuple[tuple[str, float], ...] = ()) -> X0Model:
+    def build_transformer(self, loras: tuple[tuple[str, float], ...] = (), device: torch.device | str | None = None) -> X0Model:
         """The denoiser with ``loras`` (``(path, strength)`` pairs, in order) fused, in ``dtype`` and
-        ``quantization``. ltx-core's builder steps (meta model with the policy's module ops, state
+        ``quantization``, on ``device`` (the loader's by default; weight sharding builds in host
+        memory and moves each block's shard itself). ltx-core's builder steps (meta model with the policy's module ops, state
         dict through the registry, assign), with the tensors prepared by ``fp8.module_tensors`` so
         that fp8 checkpoint files (weights with scales) load too, and LoRAs fused key by key by
         ltx-core's ``apply_loras`` (``fp8.fuse_loras_into``): for a bf16 checkpoint without
@@ -488,7 +489,7 @@ class ModelLoader:
                 f"checkpoint {self.spec.checkpoint_path} lacks {len(missing)} transformer weights (e.g. {missing[:3]}); "
                 "use a complete LTX-2 checkpoint"
             )
-        return X0Model(velocity_model).to(self.device).eval()
+        return X0Model(velocity_model).to(self.device if device is None else torch.device(device)).eval()
 
     def lora_state_dict(self, path: str) -> StateDict:
         """One LoRA file's state dict, read through the registry (once per process)."""

@@ -5,6 +5,14 @@ The technique modules (``mgpu_backend/parallel/``) each export an ``apply_*`` (a
 where the technique changes the model) and know nothing of each other; this module is the one
 place that composes them, the way torchtitan's ``parallelize_*`` composes its ``apply_*``.
 
+Weight sharding (``mgpu_backend.parallel.weight_sharding``) is not applied here: it is a residency
+level, applied once when the rank builds the transformer (``TransformerWeightTracker``), over the
+whole fleet, and it stays. Both entries say when the transformer they get is sharded, and hand the
+techniques that give ranks unequal numbers of forwards (guidance groups, TDP tiles) its
+``idle_forward``, so that every rank joins every gather. CUDA graphs are not captured from a
+sharded transformer (its gathers allocate and free the block weights in every forward), nor are
+its blocks compiled (not tested with FSDP's per-block hooks).
+
 Stage 1 (``parallelize_stage1``), in this order:
 
 1. process groups: the plan's guidance groups x SP groups (``build_stage1_groups``);
@@ -52,7 +60,7 @@ import math
 import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -64,6 +72,7 @@ from mgpu_backend.parallel.cuda_graphs import CapturedForward, CapturingPassRunn
 from mgpu_backend.parallel.guidance_parallel import Plan, apply_guidance_parallel, build_stage1_groups
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel, sequence_parallel_degree
 from mgpu_backend.parallel.tiled_data_parallel import TileCounts, apply_tiled_data_parallel
+from mgpu_backend.parallel.weight_sharding import idle_forward, weight_sharding_comm
 from mgpu_kernels import CUDA_IPC, install_fast_all_to_all
 
 log = logging.getLogger("mgpu.ltx.parallelize")
@@ -76,7 +85,8 @@ COMPILED_BLOCKS = "compiled blocks"
 GUIDANCE_PARALLEL = "guidance parallel"
 BATCHED_PASSES = "batched passes"
 CUDA_GRAPHS = "CUDA graphs"
-STAGE1_ORDER = (PROCESS_GROUPS, SEQUENCE_PARALLEL, SP_ALL_TO_ALL, COMPILED_BLOCKS, GUIDANCE_PARALLEL, BATCHED_PASSES, CUDA_GRAPHS)
+WEIGHT_SHARDING = "weight sharding"
+STAGE1_ORDER = (WEIGHT_SHARDING, PROCESS_GROUPS, SEQUENCE_PARALLEL, SP_ALL_TO_ALL, COMPILED_BLOCKS, GUIDANCE_PARALLEL, BATCHED_PASSES, CUDA_GRAPHS)
 TILED_DATA_PARALLEL = "tiled data parallel"
 
 STAGE1_CACHE_KEY = "stage1_parallel"  # the job-state key; dropping it (unload) frees groups and graphs
@@ -216,12 +226,25 @@ def _groups_for(plan: Plan, comm: Comm, device: torch.device, cache: Stage1Cache
     return groups, True
 
 
-def _why_no_cuda_graphs(options: Stage1Options, device: torch.device, groups: _Groups) -> str | None:
+def _sharding_line(transformer) -> str | None:
+    """The log line of a transformer whose weights are sharded (the loader sharded it once), or None."""
+    comm = weight_sharding_comm(transformer)
+    if comm is None:
+        return None
+    return (f"weights sharded over all {comm.world_size} ranks {comm.global_ranks} (residency 'sharded'), each block "
+            "gathered before it runs with the next one prefetched; ranks with fewer passes or tiles join the gathers idle")  # fmt: skip
+
+
+def _why_no_cuda_graphs(options: Stage1Options, device: torch.device, groups: _Groups, transformer=None) -> str | None:
     """Why CUDA graphs asked for cannot be applied (the exclusions of the module docstring), or None."""
+    if transformer is not None and weight_sharding_comm(transformer) is not None:
+        return "the transformer's weights are sharded: its gathers allocate and free the block weights in every forward"
     if options.batch_passes:
         return "the passes run batched, and a batched forward builds its perturbation masks on the host"
     if device.type != "cuda":
         return f"the ranks run on {device.type}; CUDA graphs need CUDA devices"
+    if groups.sp_comm.world_size > 1 and groups.sp_comm.backend == "gloo":
+        return "the SP group runs over gloo (ranks sharing a GPU), whose host-side collectives a CUDA graph cannot hold"
     if groups.all_to_all == CUDA_IPC:
         return (
             "the SP group uses the CUDA-IPC all-to-all (MGPU_ALL_TO_ALL=ipc), which synchronises the host in every "
@@ -260,6 +283,12 @@ def parallelize_stage1(
         say(technique, detail)
 
     with ExitStack() as undo:
+        sharding = _sharding_line(transformer)
+        if sharding is not None:
+            applying(WEIGHT_SHARDING, sharding)
+            if options.compile_blocks:  # not tested: FSDP's per-block hooks around compiled forwards
+                say(COMPILED_BLOCKS, "the transformer's weights are sharded; compiled blocks are not run sharded", applied=False)
+                options = replace(options, compile_blocks=False)
         groups, created = _groups_for(plan, comm, device, cache)
         sp_comm = groups.sp_comm
         layout = ", ".join(str(ranks) for ranks in plan.rank_groups)
@@ -283,7 +312,7 @@ def parallelize_stage1(
         # The runner of this rank's (its group's) own passes; guidance groups go around it.
         local_runner: PassRunner = SequentialPassRunner()
         graphs = None
-        no_graphs = _why_no_cuda_graphs(options, device, groups) if options.cuda_graphs else None
+        no_graphs = _why_no_cuda_graphs(options, device, groups, transformer) if options.cuda_graphs else None
         if options.batch_passes:
             local_runner = apply_batched_passes(local_runner)
         elif options.cuda_graphs and no_graphs is None:
@@ -292,7 +321,7 @@ def parallelize_stage1(
             graphs = apply_cuda_graphs(local_runner, cache.captured_forward(transformer), variant=variant, group=sp_comm)
             undo.callback(remove_cuda_graphs, transformer)
             local_runner = graphs
-        runner = apply_guidance_parallel(comm, plan, local_runner)
+        runner = apply_guidance_parallel(comm, plan, local_runner, idle_forward if sharding is not None else None)
 
         if plan.guidance_groups > 1:
             applying(GUIDANCE_PARALLEL, f"each step's passes round-robin over {plan.guidance_groups} groups, "
@@ -334,6 +363,9 @@ def parallelize_stage2(
     """
     _require_clean(transformer, "stage 2", "stage 2 applies TDP or SP itself: each TDP tile is the whole transformer on one rank")
     say = _announcer("stage 2", job_log)
+    sharding = _sharding_line(transformer)
+    if sharding is not None:
+        say(WEIGHT_SHARDING, sharding)
     if sequence_parallel:
         if tiling is not None:
             raise ValueError("stage 2 runs tiled data parallel or sequence parallel, not both; drop the tiling for SP")
@@ -354,7 +386,7 @@ def parallelize_stage2(
         say(TILED_DATA_PARALLEL, "untiled, every rank runs the whole latent", applied=False)
         yield None
         return
-    tiled = apply_tiled_data_parallel(transformer, comm, tiling, video_grid)
+    tiled = apply_tiled_data_parallel(transformer, comm, tiling, video_grid, idle_forward=idle_forward if sharding is not None else None)
     grid = "x".join(map(str, video_grid))
     say(TILED_DATA_PARALLEL, f"{tiling.describe()} = {tiled.plan.num_tiles} tiles of the {grid} latent, "
                              f"round-robin over {comm.world_size} ranks")  # fmt: skip

@@ -33,9 +33,18 @@ What it is
     fraction (``torch.cuda.set_per_process_memory_fraction``). CPU ranks have no limit unless the
     variable is set.
 
-    A model that does not fit even at ``"minimal"`` is refused before anything is loaded, naming
-    what would fit: fp8-cast weights (``quantization: "fp8-cast"``) or a GPU with more memory.
-    More GPUs do not help: every rank holds the whole transformer (MGPU is a latency tool).
+    - ``"sharded"``: the transformer's weights sharded over the fleet's ranks
+      (``mgpu_backend.parallel.weight_sharding``): each rank holds 1/N of it plus the gathered
+      blocks and their buffers (``GATHERED_BLOCKS`` block sizes) and the weights outside the blocks; the clean LoRA copy is this rank's rows
+      (1/N again); the same ladder as ``"auto"`` then applies (per-stage components, clean rows
+      to host memory, the shard parked while Gemma encodes), with Gemma counted 1/N per GPU at its
+      encode (its ``sharded`` mode spreads one copy over the GPUs).
+      Needs at least 2 ranks. ``"auto"`` moves to it when no unsharded plan fits and the fleet
+      has several ranks.
+
+    A model that does not fit even at ``"minimal"`` (nor, with several ranks, sharded) is refused
+    before anything is loaded, naming what would fit: fp8-cast weights (``quantization:
+    "fp8-cast"``), sharding over this many or more GPUs, or a GPU with more memory.
 
 This module reads file headers only; it never loads weights and never talks to other ranks.
 """
@@ -50,6 +59,7 @@ import torch
 
 from mgpu_backend.ltx import fp8
 from mgpu_backend.ltx.schema import parse_residency
+from mgpu_backend.parallel.weight_sharding import GATHERED_BLOCKS
 
 GIB = 2**30
 HEADROOM_BYTES = 6 * GIB
@@ -85,14 +95,27 @@ class ResidencyError(ValueError):
 @dataclass(frozen=True)
 class ComponentSizes:
     """Device bytes of each component in the load dtype: the transformer in bf16 and fp8-cast, and
-    the rest by ``ResidentModel`` builder name."""
+    the rest by ``ResidentModel`` builder name; for weight sharding also the transformer's largest
+    block and its weights outside the blocks (bf16, fp8-cast)."""
 
     transformer_bytes: int
     transformer_fp8_bytes: int
     components: dict[str, int] = field(default_factory=dict)
+    largest_block_bytes: tuple[int, int] = (0, 0)
+    outside_blocks_bytes: tuple[int, int] = (0, 0)
 
     def transformer(self, quantization: str | None) -> int:
         return self.transformer_fp8_bytes if quantization == "fp8-cast" else self.transformer_bytes
+
+    def sharded_transformer(self, quantization: str | None, world_size: int) -> int:
+        """One rank's bytes of the transformer sharded over ``world_size`` ranks at its peak: its
+        shard, ``GATHERED_BLOCKS`` block-sized gather buffers and weights, the rest gathered."""
+        fp8_cast = quantization == "fp8-cast"
+        return (
+            math.ceil(self.transformer(quantization) / world_size)
+            + GATHERED_BLOCKS * self.largest_block_bytes[fp8_cast]
+            + self.outside_blocks_bytes[fp8_cast]
+        )
 
 
 _CHECKPOINT_COMPONENTS = {
@@ -139,10 +162,25 @@ def sizes_from_headers(checkpoint: Headers, upsampler: Headers | None, gemma: He
         components["spatial_upsampler"] = numel(upsampler, "") * item
     components["gemma"] = numel(gemma, "") * item
     transformer_tensors = {name: entry for name, entry in checkpoint.items() if name.startswith("model.diffusion_model.")}
+    blocks: dict[str, Headers] = {}
+    outside: Headers = {}
+    for name, entry in transformer_tensors.items():
+        key = name.removeprefix("model.diffusion_model.")
+        if key.startswith("transformer_blocks."):
+            blocks.setdefault(key.split(".")[1], {})[name] = entry
+        else:
+            outside[name] = entry
+
+    def both(tensors: Headers) -> tuple[int, int]:
+        return transformer_bytes(tensors, dtype, None), transformer_bytes(tensors, dtype, "fp8-cast")
+
+    block_sizes = [both(tensors) for tensors in blocks.values()] or [(0, 0)]
     return ComponentSizes(
         transformer_bytes=transformer_bytes(transformer_tensors, dtype, None),
         transformer_fp8_bytes=transformer_bytes(transformer_tensors, dtype, "fp8-cast"),
         components=components,
+        largest_block_bytes=(max(size[0] for size in block_sizes), max(size[1] for size in block_sizes)),
+        outside_blocks_bytes=both(outside),
     )
 
 
@@ -203,6 +241,11 @@ class ResidencyPlan:
     budget_bytes: int | None
     quantization: str | None = None
     transformer_parked_for_encode: bool = False  # the working copy waits in host memory while Gemma encodes
+    sharded_over: int = 1  # ranks the transformer's weights are sharded over (1: a whole copy per rank)
+
+    @property
+    def shards_weights(self) -> bool:
+        return self.sharded_over > 1
 
     def keeps(self, component: str) -> bool:
         return component not in self.per_stage
@@ -216,26 +259,52 @@ class ResidencyPlan:
             f"residency {self.policy}: estimated peak {self.peak_bytes / GIB:.1f} GiB of {budget} ({weights} transformer); "
             f"built per stage: {per_stage}; clean LoRA shard {shard}"
             + ("; transformer parked in host memory while Gemma encodes" if self.transformer_parked_for_encode else "")
+            + (f"; transformer weights sharded over {self.sharded_over} ranks, gathered block by block" if self.shards_weights else "")
         )
 
 
 def _stage_peaks(sizes: ComponentSizes, quantization, per_stage: set[str], shard_bytes: int, headroom: int,
-                 parked: bool = False) -> dict[str, int]:  # fmt: skip
+                 parked: bool = False, sharded_over: int = 1) -> dict[str, int]:  # fmt: skip
     """Each stage's estimated device bytes: what stays resident + what the stage builds + its activations.
-    A transformer parked for the encode (with its clean shard, when that is on the device) is not there then."""
-    transformer = sizes.transformer(quantization) + shard_bytes
+    A transformer parked for the encode (with its clean shard, when that is on the device) is not there then.
+    Sharded over several ranks, the transformer counts its shard and gathered blocks, and a Gemma built
+    for the encode 1/N (one copy spread over the GPUs)."""
+    if sharded_over > 1:
+        transformer = sizes.sharded_transformer(quantization, sharded_over) + shard_bytes
+    else:
+        transformer = sizes.transformer(quantization) + shard_bytes
+
+    def built(name: str) -> int:
+        size = sizes.components.get(name, 0)
+        return math.ceil(size / sharded_over) if name == "gemma" else size
+
     others = sum(size for name, size in sizes.components.items() if name not in per_stage)
     return {
         stage: (0 if parked and stage == "encode" else transformer)
         + others
-        + sum(sizes.components.get(name, 0) for name in names if name in per_stage)
+        + sum(built(name) for name in names if name in per_stage)
         + (min(headroom, ENCODE_HEADROOM_BYTES) if stage == "encode" else headroom)
         for stage, names in STAGE_COMPONENTS.items()
     }
 
 
-def _peak(sizes: ComponentSizes, quantization, per_stage: set[str], shard_bytes: int, headroom: int, parked: bool = False) -> int:
-    return max(_stage_peaks(sizes, quantization, per_stage, shard_bytes, headroom, parked).values())
+def _peak(sizes: ComponentSizes, quantization, per_stage: set[str], shard_bytes: int, headroom: int, parked: bool = False,
+          sharded_over: int = 1) -> int:  # fmt: skip
+    return max(_stage_peaks(sizes, quantization, per_stage, shard_bytes, headroom, parked, sharded_over).values())
+
+
+def _sharded_levels(sizes: ComponentSizes, budget_bytes, world_size: int, quantization, lora_swap: bool,
+                    headroom: int, name: str) -> list[ResidencyPlan]:  # fmt: skip
+    """The sharded plans over ``world_size`` ranks, least evicted first: the unsharded ladder's
+    per-stage components, then the clean rows in host memory, then the shard parked while Gemma encodes."""
+    shard = math.ceil(sizes.transformer(quantization) / world_size) if lora_swap else 0
+    plans, evicted = [], set()
+    ladder = [set()] + [evicted := evicted | set(group) for group in EVICTION_ORDER]
+    levels = [(level, False, False) for level in ladder] + [(ladder[-1], True, False), (ladder[-1], True, True)]
+    for per_stage, on_host, parked in levels:
+        peak = _peak(sizes, quantization, per_stage, 0 if on_host else shard, headroom, parked, sharded_over=world_size)
+        plans.append(ResidencyPlan(name, frozenset(per_stage), on_host, peak, budget_bytes, quantization, parked, world_size))
+    return plans
 
 
 def plan_residency(
@@ -250,6 +319,17 @@ def plan_residency(
     """The plan for ``policy``; raises ``ResidencyError`` when even the minimal plan exceeds the budget."""
     policy = parse_residency(policy)
     quantization = fp8.parse_quantization(quantization)
+    if policy == "sharded":
+        if world_size < 2:
+            raise ResidencyError(
+                "residency 'sharded' spreads the transformer over the fleet's ranks, but this fleet has 1 rank; "
+                "start the fleet on 2 or more GPUs, or choose residency 'auto'"
+            )
+        for plan in _sharded_levels(sizes, budget_bytes, world_size, quantization, lora_swap, headroom_bytes, "sharded"):
+            if budget_bytes is None or plan.peak_bytes <= budget_bytes:
+                return plan
+        lightest = _sharded_levels(sizes, budget_bytes, world_size, quantization, lora_swap, headroom_bytes, "sharded")[-1]
+        raise ResidencyError(_does_not_fit(sizes, quantization, budget_bytes, lightest, headroom_bytes, world_size))
     shard = math.ceil(sizes.transformer(quantization) / world_size) if lora_swap else 0
     # (built per stage, clean shard on host, transformer parked for the encode), least evicted first
     levels: list[tuple[set[str], bool, bool]] = []
@@ -268,7 +348,11 @@ def plan_residency(
 
     minimal = plan_at(len(levels) - 1, "minimal")
     if budget_bytes is not None and minimal.peak_bytes > budget_bytes:
-        raise ResidencyError(_does_not_fit(sizes, quantization, budget_bytes, minimal, headroom_bytes))
+        if policy == "auto" and world_size > 1:
+            for plan in _sharded_levels(sizes, budget_bytes, world_size, quantization, lora_swap, headroom_bytes, "auto"):
+                if plan.peak_bytes <= budget_bytes:
+                    return plan
+        raise ResidencyError(_does_not_fit(sizes, quantization, budget_bytes, minimal, headroom_bytes, world_size))
     if policy == "minimal":
         return minimal
     if policy == "all":
@@ -281,7 +365,43 @@ def plan_residency(
     return minimal  # unreachable: the minimal level fits (checked above)
 
 
-def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: ResidencyPlan, headroom: int) -> str:
+SHARDING_WORLD_SIZES = (2, 4, 8)
+"""The fleet sizes a refusal looks at when it says over how many GPUs sharding would fit."""
+
+
+def _sharded_peak(sizes: ComponentSizes, quantization, world_size: int, headroom: int) -> int:
+    """The lightest sharded plan's peak over ``world_size`` ranks (everything per stage, clean rows on host)."""
+    return _sharded_levels(sizes, None, world_size, quantization, False, headroom, "sharded")[-1].peak_bytes
+
+
+def _sharding_advice(sizes: ComponentSizes, quantization, budget: int, headroom: int, fleet_size: int, at_least: int = 2) -> str:
+    """Over how many GPUs (``at_least`` or more) residency 'sharded' would fit, in the weights asked
+    for or else fp8-cast, fewest GPUs first; or that it would not."""
+    worlds = sorted({fleet_size, *SHARDING_WORLD_SIZES} - {1})
+    candidates = [world for world in worlds if world >= at_least] or [at_least]
+    for world in candidates:
+        for weights in dict.fromkeys([quantization, "fp8-cast"]):
+            peak = _sharded_peak(sizes, weights, world, headroom)
+            if peak <= budget:
+                where = "on this fleet's" if world == fleet_size else "on"
+                cast = " with quantization 'fp8-cast'" if weights != quantization else ""
+                return f"shard the transformer over the GPUs (residency 'sharded'{cast}: about {peak / GIB:.1f} GiB per GPU {where} {world} GPUs)"
+    peak = _sharded_peak(sizes, "fp8-cast", candidates[-1], headroom)
+    return f"sharding the transformer over {candidates[-1]} GPUs would still need about {peak / GIB:.1f} GiB per GPU (fp8-cast)"
+
+
+def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: ResidencyPlan, headroom: int, world_size: int = 1) -> str:
+    if minimal.shards_weights:
+        advice = _sharding_advice(sizes, quantization, budget, headroom, minimal.sharded_over, 2 * minimal.sharded_over)
+        if quantization is None:
+            fp8_peak = _sharded_peak(sizes, "fp8-cast", minimal.sharded_over, headroom)
+            if fp8_peak <= budget:
+                advice = f"load it with quantization 'fp8-cast' (estimated peak {fp8_peak / GIB:.1f} GiB sharded), or {advice}"
+        return (
+            f"this model needs about {minimal.peak_bytes / GIB:.1f} GiB per GPU even with its transformer sharded over "
+            f"{minimal.sharded_over} ranks and every other component built per stage, but the device has {budget / GIB:.1f} GiB; "
+            f"{advice}, or use GPUs with more memory"
+        )
     parked = minimal.transformer_parked_for_encode
     peaks = _stage_peaks(sizes, quantization, set(minimal.per_stage), 0, headroom, parked)
     stage = max(peaks, key=peaks.get)  # the stage that sets the peak
@@ -310,6 +430,6 @@ def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: Res
         advice = "use a GPU with more memory"
     return (
         f"this model needs about {minimal.peak_bytes / GIB:.1f} GiB per GPU even with residency 'minimal' ({needed}), "
-        f"but the device has {budget / GIB:.1f} GiB; {advice}. More GPUs do not help: every rank holds the whole "
-        "transformer (MGPU is a latency tool, not a memory tool)"
+        f"but the device has {budget / GIB:.1f} GiB; {advice}. Otherwise "
+        f"{_sharding_advice(sizes, quantization, budget, headroom, world_size)}"
     )

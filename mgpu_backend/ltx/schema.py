@@ -45,8 +45,9 @@ PARALLEL_PLANS = ("auto", "sp", "guidance", "hybrid")
 QUANTIZATIONS = ("fp8-cast",)
 """How the transformer's weights may be held besides the load dtype (``None``): ``fp8-cast`` keeps them
 in float8 and upcasts per layer, as the official ``--quantization fp8-cast``."""
-RESIDENCY_POLICIES = ("auto", "all", "minimal")
-"""Which components stay on the GPU between jobs: what fits, everything, or the transformer only."""
+RESIDENCY_POLICIES = ("auto", "all", "minimal", "sharded")
+"""Which components stay on the GPU between jobs: what fits, everything, the transformer only, or
+the transformer's weights sharded over the fleet's GPUs (1/N each, gathered block by block)."""
 STAGE2_PLANS = ("auto", "sp", "tdp")
 """Stage 2 over the fleet: sequence parallel (faithful, audio denoised), tiled data parallel (audio
 frozen), or the planner's choice (``guidance_parallel.plan_stage2``)."""
@@ -108,7 +109,8 @@ def parse_residency(value) -> str:
         return value
     raise ModelFileError(
         f"residency must be one of {', '.join(RESIDENCY_POLICIES)}, got {value!r}: 'auto' keeps what fits, "
-        "'all' keeps every component on the GPU, 'minimal' keeps only the transformer"
+        "'all' keeps every component on the GPU, 'minimal' keeps only the transformer, 'sharded' spreads the "
+        "transformer's weights over the GPUs"
     )
 
 

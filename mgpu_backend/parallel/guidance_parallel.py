@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -292,15 +292,20 @@ class GuidanceParallelRunner:
     ``comm`` spans the whole stage-1 world; the transformer handed to ``run`` must already be
     sequence-parallel over this rank's group (``build_stage1_groups`` returns that group).
     ``local_runner`` runs the group's own share of a step: one pass after another by default, or
-    any other ``PassRunner`` (batched, replayed from CUDA graphs).
+    any other ``PassRunner`` (batched, replayed from CUDA graphs). ``idle_forward(transformer)``, when
+    given, runs once for each pass this group runs fewer than the busiest group in a step, before
+    the exchange: a transformer whose forwards are collective over the whole world (its weights
+    sharded) needs every rank to run as many of them.
     """
 
-    def __init__(self, comm: Comm, plan: Plan, local_runner: PassRunner | None = None) -> None:
+    def __init__(self, comm: Comm, plan: Plan, local_runner: PassRunner | None = None,
+                 idle_forward: Callable[[object], None] | None = None) -> None:  # fmt: skip
         if comm.world_size != plan.world_size:
             raise ValueError(f"plan is for {plan.world_size} ranks but the group has {comm.world_size}")
         self.comm = comm
         self.plan = plan
         self.local_runner = SequentialPassRunner() if local_runner is None else local_runner
+        self.idle_forward = idle_forward
         self.group = plan.group_of(comm.rank)
         # One rank per group contributes to the exchange; its SP peers hold the same outputs.
         self.is_group_leader = comm.rank == plan.rank_groups[self.group][0]
@@ -311,6 +316,9 @@ class GuidanceParallelRunner:
         owners = self.plan.assign_passes(len(passes))
         mine = [index for index, owner in enumerate(owners) if owner == self.group]
         outputs = self.local_runner.run(transformer, [passes[index] for index in mine])
+        if self.idle_forward is not None:
+            for _ in range(max(owners.count(group) for group in set(owners)) - len(mine)):
+                self.idle_forward(transformer)
         local: dict[int, tuple[torch.Tensor | None, torch.Tensor | None]] = dict(zip(mine, outputs, strict=True))
         return self._exchange(local, len(passes), passes[0].video.latent.device)
 
@@ -388,7 +396,8 @@ def build_stage1_groups(comm: Comm, plan: Plan) -> Comm:
     return sp_comm
 
 
-def apply_guidance_parallel(comm: Comm, plan: Plan, local_runner: PassRunner | None = None) -> PassRunner:
+def apply_guidance_parallel(comm: Comm, plan: Plan, local_runner: PassRunner | None = None,
+                            idle_forward: Callable[[object], None] | None = None) -> PassRunner:  # fmt: skip
     """The pass runner of the stage-1 loop under ``plan``: a ``GuidanceParallelRunner`` over ``comm``
     that runs this rank's group's share of each step through ``local_runner`` (sequential by default),
     or ``local_runner`` itself when the plan has one group (all passes are this group's).
@@ -400,4 +409,4 @@ def apply_guidance_parallel(comm: Comm, plan: Plan, local_runner: PassRunner | N
     local_runner = SequentialPassRunner() if local_runner is None else local_runner
     if plan.guidance_groups == 1:
         return local_runner
-    return GuidanceParallelRunner(comm, plan, local_runner=local_runner)
+    return GuidanceParallelRunner(comm, plan, local_runner=local_runner, idle_forward=idle_forward)

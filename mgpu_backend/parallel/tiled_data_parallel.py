@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -328,10 +329,15 @@ class TiledDataParallelTransformer:
     are the mask-weighted blend of the tiles that cover them; a conditioning token is the average over
     the tiles that kept it (weight 1/keepers), or its input latent unchanged if no tile kept it.
     The returned audio is the average over all tiles and must not be used as output (module docstring).
+    ``idle_forward(model)``, when given, runs once for each tile this rank has fewer than the busiest
+    rank, before the all-reduce: a model whose forwards are collective over the ranks (its weights
+    sharded) needs every rank to run as many of them.
     """
 
-    def __init__(self, model, comm: Comm, plan: VideoTilePlan, normalize_positions: bool = True) -> None:
+    def __init__(self, model, comm: Comm, plan: VideoTilePlan, normalize_positions: bool = True,
+                 idle_forward: Callable[[object], None] | None = None) -> None:  # fmt: skip
         self.model = model
+        self.idle_forward = idle_forward
         self.comm = comm
         self.plan = plan
         self.normalize_positions = normalize_positions
@@ -397,6 +403,10 @@ class TiledDataParallelTransformer:
                 assert tile_denoised_audio is not None, "the model returned no audio for an audio input"
                 audio_sum += tile_denoised_audio.to(accumulate_dtype)
 
+        if self.idle_forward is not None:
+            for _ in range(math.ceil(self.plan.num_tiles / self.comm.world_size) - len(self.tiles_of_this_rank)):
+                self.idle_forward(self.model)
+
         orphans = num_generated + torch.nonzero(keepers == 0).flatten()
         if orphans.numel() > 0 and self.comm.rank == 0:
             # Conditioning tokens no tile kept pass through unchanged; added once, on one rank only.
@@ -438,17 +448,19 @@ def apply_tiled_data_parallel(
     tiling: TileCounts,
     video_grid: tuple[int, int, int],
     normalize_positions: bool = True,
+    idle_forward: Callable[[object], None] | None = None,
 ) -> TiledDataParallelTransformer:
     """Wrap an ltx-core ``X0Model`` (or anything with its call signature) so each call is computed as
     tiles of the latent grid ``video_grid`` = (F', H', W') spread round-robin over ``comm``'s ranks.
 
     Every rank must call the returned object with the same inputs, in lockstep. Errors for tilings
-    that cannot fit the grid are raised here, before any model work.
+    that cannot fit the grid are raised here, before any model work. ``idle_forward``: see
+    ``TiledDataParallelTransformer``.
     """
     if not isinstance(tiling, TileCounts):
         raise TypeError(f"tiling must be a TileCounts, got {type(tiling).__name__}")
     plan = VideoTilePlan(tiling, video_grid)
-    wrapper = TiledDataParallelTransformer(model, comm, plan, normalize_positions=normalize_positions)
+    wrapper = TiledDataParallelTransformer(model, comm, plan, normalize_positions=normalize_positions, idle_forward=idle_forward)
     per_rank = math.ceil(plan.num_tiles / comm.world_size)
     idle = max(0, comm.world_size - plan.num_tiles)
     logger.info(

@@ -36,6 +36,20 @@ When to use it, and what it costs
     ``no_lora_swap=True`` keeps no clean shard (saves the 1/N) for runs whose LoRA set never
     changes: the first set may be fused once, any later change raises a clear error.
 
+Under weight sharding
+    With ``shard_weights=True`` (residency ``"sharded"``) the working copy itself is sharded
+    (``mgpu_backend.parallel.weight_sharding``): each rank holds 1/N of every parameter, and the
+    clean copy is simply this rank's rows of every key (again about 1/N). A swap then needs no
+    owners: a key the old set changed goes back to the clean rows locally; a key the new set
+    touches is gathered whole from the clean rows of every rank (the working copy is reset to them
+    first, so the gather is the weight sharding's own), fused by the same ltx-core function on
+    every rank (the same bytes everywhere, and the same as the unsharded tracker's owner makes),
+    and each rank keeps its rows. The fusion work is not split (every rank fuses every touched key)
+    but needs one full weight at a time beside the shards. The model is built in host memory and
+    its blocks moved to the device one shard at a time; parking moves this rank's shard (the
+    gathers read the same storages once they are refilled). A rank replaced after a fault takes
+    its rows with it, so then every rank builds again (reading the checkpoint).
+
 Device note
     The fusion runs where the clean weights are (the rank's device). On the CPU this is bitwise what
     ``ModelLoader.transformer(lora_set)`` builds. On a GPU it is the same ltx-core function on the
@@ -76,6 +90,7 @@ from ltx_core.loader import LoraStateDictWithStrength
 from ltx_core.model.transformer import X0Model
 
 from mgpu_backend.ltx import fp8
+from mgpu_backend.parallel import weight_sharding
 from mgpu_backend.parallel.comm import Comm
 
 log = logging.getLogger(__name__)
@@ -257,14 +272,16 @@ class TransformerWeightTracker:
     """
 
     def __init__(
-        self, comm: Comm, no_lora_swap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES, clean_on_host: bool | None = None
-    ) -> None:
+        self, comm: Comm, no_lora_swap: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES, clean_on_host: bool | None = None,
+        shard_weights: bool = False,
+    ) -> None:  # fmt: skip
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.comm = comm
         self.no_lora_swap = no_lora_swap
         self.bucket_bytes = bucket_bytes
         self.clean_on_host = clean_on_host  # None: decided at build time by clean_shard_on_host
+        self.shard_weights = shard_weights and comm.world_size > 1
         self.stats = SwapStats()
         self._loader = None
         self._model: X0Model | None = None
@@ -296,7 +313,8 @@ class TransformerWeightTracker:
         if self._model is not None and loader is self._loader:
             return self._model
         self._drop()
-        model = loader.build_transformer(())
+        # Sharded: built in host memory, each block moved to the device as its shard.
+        model = loader.build_transformer((), device="cpu" if self.shard_weights else None)
         velocity_model = model.velocity_model
         # The working copy and the clean shard are all this rank needs from now on. Dropping the
         # registry's host copy frees it on a GPU rank, and on a CPU rank (where the built model
@@ -304,10 +322,14 @@ class TransformerWeightTracker:
         dropped = loader.drop_host_copy("transformer")
         working = {key: tensor.detach() for key, tensor in velocity_model.state_dict(keep_vars=True).items()}
         self._check_same_model_on_every_rank(working, loader.device)
+        if self.shard_weights:
+            weight_sharding.apply_weight_sharding(model, self.comm, loader.device)
+            working = weight_sharding.local_state_dict(model)
         owners = _owners_by_bytes({key: tensor.nbytes for key, tensor in working.items()}, self.comm.world_size)
         clean = {}
         if not self.no_lora_swap:
-            mine = [key for key in working if owners[key] == self.comm.rank]
+            # Sharded, every rank's clean copy is its own rows of every key.
+            mine = list(working) if self.shard_weights else [key for key in working if owners[key] == self.comm.rank]
             working_bytes = sum(tensor.nbytes for tensor in working.values())
             on_host = self.clean_on_host
             if on_host is None:
@@ -404,7 +426,10 @@ class TransformerWeightTracker:
             # it here, so that all of them run the same collectives from now on.
             flags = self.comm.all_gather(torch.tensor([int(fresh)], dtype=torch.int64, device=loader.device), dim=0).tolist()
             if 0 < sum(flags) < len(flags):
-                self._rejoin(loader, fresh, survivor=flags.index(0))
+                if self.shard_weights:  # the lost rank's rows are gone with it: every rank builds again
+                    self._drop()
+                else:
+                    self._rejoin(loader, fresh, survivor=flags.index(0))
         self.build(loader)
         return self.apply(stage_lora_set(loader.spec, lora_set))
 
@@ -464,7 +489,10 @@ class TransformerWeightTracker:
         # Keys the old set changed go back to clean; keys the new set touches get fused from clean.
         keys = [key for key in self._working if key in self._touched or key in new_touched]
         with torch.inference_mode():
-            self._broadcast_final_values(keys, new_touched, loras)
+            if self.shard_weights:
+                self._fuse_sharded(keys, new_touched, loras)
+            else:
+                self._broadcast_final_values(keys, new_touched, loras)
         self.stats.swaps += 1
         log.info(
             "LoRA swap on rank %d: %s -> %s, %d keys updated",
@@ -486,6 +514,25 @@ class TransformerWeightTracker:
         self.stats.keys_fused += 1
         scale = self._working.get(key.removesuffix(".weight") + fp8.WEIGHT_SCALE_SUFFIX)
         return fp8.fuse_loras_into(key, clean, loras, clean.dtype, scale)
+
+    def _fuse_sharded(self, keys: list[str], fused_keys: set[str], loras) -> None:
+        """Sharded working copy: every key back to this rank's clean rows; a key in ``fused_keys``
+        then gathered whole (collective, in key order, the same on every rank), fused, and its rows
+        kept."""
+        for key in keys:
+            target = self._working[key]
+            clean = (self._working if self.no_lora_swap else self._clean)[key]
+            if clean is not target:
+                target.copy_(clean)
+            if key not in fused_keys:
+                continue
+            self.stats.keys_fused += 1
+            full = weight_sharding.full_tensor(self._model, key)
+            scale = self._working.get(key.removesuffix(".weight") + fp8.WEIGHT_SCALE_SUFFIX)
+            fused = fp8.fuse_loras_into(key, full, loras, full.dtype, scale)
+            target.copy_(weight_sharding.shard_rows(self._model, key, fused))
+            self.stats.keys_broadcast += 1
+            self.stats.bytes_broadcast += full.nbytes - target.nbytes
 
     def _broadcast_final_values(self, keys: list[str], fused_keys: set[str], loras) -> None:
         """Owners send their keys' final values in buckets of at most ``bucket_bytes`` (a larger key
@@ -530,6 +577,7 @@ class TransformerWeightTracker:
             "clean_shard_keys": len(self._clean),
             "transformer_keys": len(self._working),
             "no_lora_swap": self.no_lora_swap,
+            "weights_sharded": self.shard_weights,
             "parked": self.parked,
             "lora_set": [[path, strength] for path, strength in self._applied],
         }

@@ -68,7 +68,8 @@ ENVIRONMENT_PREFIXES = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER", "NCCL_", "M
 LEVELS = ("INFO", "SKIP", "OK", "WARN", "FAIL")
 
 P2P_FIX = (
-    "NCCL routes such pairs through host memory (slower SP exchanges) and the CUDA-IPC all-to-all kernel "
+    "The fleet runs without P2P: NCCL routes such pairs through host memory (slower SP exchanges, and with residency "
+    "'sharded' every forward gathers (N-1)/N of the transformer that way: docs/techniques.md) and the CUDA-IPC all-to-all kernel "
     "cannot serve them. Check the links with 'nvidia-smi topo -m' (NV# = NVLink, PIX/PXB = same PCIe "
     "switch, SYS = across CPU sockets); on bare metal turn off IOMMU remapping (iommu=pt) or PCIe ACS, in a "
     "VM enable peer-to-peer passthrough; or run the fleet on GPUs that share a switch (--gpus). If a job "
@@ -234,10 +235,10 @@ def check_devices(devices: DeviceSpec, rank_memory: list[dict] | None) -> Sectio
         if properties.total_memory < RECOMMENDED_GPU_BYTES:
             section.add(
                 "WARN",
-                f"{described}: too small for LTX-2 19B, which needs ~{_gb(MODEL_WEIGHT_BYTES)} of bf16 weights on every "
-                f"GPU plus activations. MGPU is a latency tool, not a memory tool: more GPUs make a generation faster, "
-                f"they do not let it fit on smaller ones",
-                fix=f"use GPUs with at least {_gb(RECOMMENDED_GPU_BYTES)} each, or a single-GPU pipeline that offloads weights",
+                f"{described}: too small to hold LTX-2 19B whole (~{_gb(MODEL_WEIGHT_BYTES)} of bf16 weights plus "
+                "activations); residency 'sharded' spreads the transformer over the fleet's GPUs (1/N each, gathered "
+                "block by block), fp8-cast halves it",
+                fix=f"load with residency 'sharded' (and quantization 'fp8-cast' on 24 GB cards), or use GPUs with at least {_gb(RECOMMENDED_GPU_BYTES)} each",
             )
         elif free is not None and free < RECOMMENDED_GPU_BYTES:
             section.add(

@@ -1,10 +1,39 @@
-"""Child processes the tools and tests start: a free loopback port for one to listen on, and ending
-one the polite way first (SIGTERM, a grace period, then SIGKILL)."""
+"""Processes the fleet, tools and tests deal with: a free loopback port for a child to listen on,
+ending one the polite way first (SIGTERM, a grace period, then SIGKILL), whether a pid still runs, and
+which process is at the other end of a Unix socket."""
 
 from __future__ import annotations
 
+import os
 import socket
+import struct
 import subprocess
+
+
+def process_alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not; one we may not signal does)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def peer_pid(sock: socket.socket) -> int | None:
+    """The pid of the process at the other end of the Unix socket ``sock`` (Linux), else None."""
+    if sock.family != socket.AF_UNIX or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    try:
+        pid, _uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except OSError:
+        return None
+    return pid or None
 
 
 def free_loopback_port() -> int:

@@ -30,6 +30,7 @@ from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.gemma_file import gemma_folder_to_comfy_file
 from mgpu_backend.tools import comfy_queue
 from mgpu_backend.tools.comfy_server import ComfyUIServer
+from mgpu_backend.tools.processes import process_alive
 
 PACK_DIR = Path(__file__).resolve().parents[2]
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
@@ -147,7 +148,7 @@ def test_comfyui_knows_the_nodes_the_workflows_use_as_the_tables_say(comfyui):
             problems.append(f"{node_type}: outputs {declared['output']} != table {schema['outputs']}")
     assert problems == [], "\n".join(problems)
     templates = get_json(f"{comfyui.url}/workflow_templates")
-    assert sorted(templates.get("comfyui-mgpu", [])) == sorted(builder.WORKFLOWS), templates
+    assert sorted(templates.get("comfyui-mgpu", [])) == sorted(builder.ui_path(name).stem for name in builder.WORKFLOWS), templates
     assert "/extensions/comfyui-mgpu/mgpu_panel.js" in get_json(f"{comfyui.url}/extensions")
 
 
@@ -317,10 +318,3 @@ def test_stopping_comfyui_ends_its_fleet(comfyui):
         time.sleep(0.5)
     assert not [pid for pid in pids if process_alive(pid)], f"fleet processes {pids} outlived ComfyUI"
 
-
-def process_alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
