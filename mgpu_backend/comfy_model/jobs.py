@@ -109,14 +109,14 @@ def load(ctx: JobContext, args: dict, tensors: dict):
     if not os.path.isabs(path) or not os.path.isfile(path):
         raise JobInputError(f"model file {path!r} is not an absolute path to a file the fleet can read")
     with input_errors():
-        comfy, version = runtime.import_comfy(comfy_dir, ctx.device)
-        plan.check_code(comfy)
+        _, version = runtime.import_comfy(comfy_dir, ctx.device)
+        plan.check_code()
         key = runtime.model_file_key(path, loader, weight_dtype)
         models = ctx.state.setdefault(MODELS, {})
         loaded = models.get(key)
         if loaded is None:
             models.clear()  # one resident model: drop the previous one before reading the next
-            patcher = runtime.load_model(comfy, path, loader, weight_dtype, ctx.device)
+            patcher = runtime.load_model(path, loader, weight_dtype, ctx.device)
             plan.check_model(patcher.model.diffusion_model)
             loaded = models[key] = runtime.LoadedModel(key, patcher)
     ctx.step("comfy.load", 1, 1)
@@ -166,17 +166,16 @@ def patch_model(ctx: JobContext, args: dict, tensors: dict):
     missing = runtime.missing_digests(entries, held)
     if missing:
         raise JobInputError(f"{len(missing)} patch tensors are not in the fleet; upload them with comfy.patches and retry")
-    comfy = __import__("comfy")
     with input_errors():
         try:
-            rebuilt = wire.unpack_patches(entries, held, lambda name, keys, weights: runtime.make_adapter(comfy, name, keys, weights))
+            rebuilt = wire.unpack_patches(entries, held, runtime.make_adapter)
         except ValueError as exc:
             raise runtime.ComfyInputError(f"the weight patches are malformed: {exc}") from exc
         if set_digest != loaded.set_digest:
             loaded.set_digest = ""  # half-patched weights match no set until this one is on
             # ComfyUI's patching puts new weight tensors in place: graphs recorded on the old ones must go
             release_parallelism(loaded)
-            runtime.apply_patches(comfy, loaded, rebuilt, ctx.device)
+            runtime.apply_patches(loaded, rebuilt, ctx.device)
             loaded.set_digest = set_digest
     ctx.step("comfy.patch_model", 1, 1)
     return {"set_digest": loaded.set_digest, "patched_weights": len(rebuilt)}, {}
@@ -195,7 +194,7 @@ def _to_device(value: Any, device: torch.device) -> Any:
 
 
 def _batch_slice(value: Any, batch: int, start: int, stop: int) -> Any:
-    """``value`` with every batched tensor (first dim ``batch``) and per-sample list cut to [start, stop)."""
+    """``value`` with every batched tensor (first dim ``batch``) cut to samples [start, stop)."""
     if isinstance(value, torch.Tensor):
         return value[start:stop] if value.ndim and value.shape[0] == batch else value
     if isinstance(value, tuple):
@@ -217,6 +216,26 @@ def batch_groups(batch: int, world_size: int, sp_degrees: list[int]) -> int:
         f"a fleet of {world_size} ranks cannot run this model sequence-parallel (SP degrees {sp_degrees} split its "
         "attention heads); start the fleet with a rank count among them"
     )
+
+
+def batch_coupling_agrees(call: dict, batch: int, groups: int) -> bool:
+    """Whether each group's slice of the batch sees what the whole batch would: ComfyUI's LTX-AV model
+    couples the samples of a call through the largest video and audio timestep of the whole batch
+    (its audio-video cross-attention timesteps) and reads the denoise mask of the first sample only
+    (spatial-mask and keyframe grid checks). A cond + uncond batch of one step agrees; anything
+    else runs unsplit."""
+    share = batch // groups
+    timesteps = call["timestep"] if isinstance(call["timestep"], (tuple, list)) else (call["timestep"],)
+    for timestep in timesteps:
+        if isinstance(timestep, torch.Tensor) and timestep.ndim and timestep.shape[0] == batch:
+            peak = timestep.max()
+            if any(not torch.equal(timestep[group * share : (group + 1) * share].max(), peak) for group in range(groups)):
+                return False
+    mask = call["kwargs"].get("denoise_mask")
+    if isinstance(mask, torch.Tensor) and mask.ndim and mask.shape[0] == batch:
+        if any(not torch.equal(mask[group * share], mask[0]) for group in range(groups)):
+            return False
+    return True
 
 
 def _group_comms(ctx: JobContext, groups: int) -> tuple[Comm, Comm]:
@@ -324,7 +343,10 @@ def forward(ctx: JobContext, args: dict, tensors: dict):
     model = loaded.diffusion_model
     video_heads, audio_heads = plan.head_counts(model)
     batch = _batch_size(call["x"])
-    groups = batch_groups(batch, ctx.world_size, valid_sp_degrees(video_heads, audio_heads))
+    sp_degrees = valid_sp_degrees(video_heads, audio_heads)
+    groups = batch_groups(batch, ctx.world_size, sp_degrees)
+    if groups > 1 and not batch_coupling_agrees(call, batch, groups):
+        groups = batch_groups(1, ctx.world_size, sp_degrees)
     sp_comm, across_comm = _group_comms(ctx, groups)
     if loaded.plan is None or loaded.plan.comm is not sp_comm:
         release_parallelism(loaded)
@@ -336,6 +358,8 @@ def forward(ctx: JobContext, args: dict, tensors: dict):
     share = batch // groups
     call = _to_device(_batch_slice(call, batch, group * share, (group + 1) * share), ctx.device)
     options = {**call["transformer_options"], "prefetch_dynamic_vbars": loaded.patcher.is_dynamic()}
+    if groups > 1 and isinstance(options.get("cond_or_uncond"), list) and len(options["cond_or_uncond"]) == batch:
+        options["cond_or_uncond"] = options["cond_or_uncond"][group * share : (group + 1) * share]  # one entry per sample
     loaded.plan.cancel_point = lambda step, total: ctx.step("comfy.forward", step, total)
     replays = loaded.captured.replays if loaded.captured is not None else 0
     started = time.perf_counter()

@@ -31,8 +31,8 @@ ComfyUI's ``LTXAVModel`` (comfy/ldm/lightricks/av_model.py). It
     all-reduce).
 
 Nothing of ComfyUI is edited: ``remove`` restores the instance. This module must never import
-ComfyUI at import time (the ``comfy`` module is passed in) and never talk to other ranks except
-through ``Comm``.
+ComfyUI at import time (its functions import it when called, after ``runtime.import_comfy``) and
+never talk to other ranks except through ``Comm``.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def _check_signature(where: str, function, expected: tuple[str, ...]) -> None:
         raise _refuse(f"{where}({', '.join(found)}) where the plan expects ({', '.join(expected)})")
 
 
-def check_code(comfy) -> None:
+def check_code() -> None:
     """Refuse ComfyUI LTX code the plan does not cover, before any weight is loaded."""
     import comfy.ldm.lightricks.av_model as av_model
     import comfy.ldm.lightricks.model as ltx_model

@@ -26,7 +26,7 @@ import os
 import re
 import sys
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -100,10 +100,13 @@ def import_comfy(comfy_dir: str, device: torch.device) -> tuple[ModuleType, str]
             raise ComfyInputError(
                 f"this fleet already runs ComfyUI from {where}, not {root}; restart the fleet from the ComfyUI you use"
             )
+        _import_model_code()  # raises again, in words, where an earlier import stopped half way
         return loaded, version
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    sys.path.insert(0, str(root))
+    if str(root) not in sys.path:
+        # Last on the path: ComfyUI's top-level names (nodes, utils, app ...) never shadow the process's own.
+        sys.path.append(str(root))
     import comfy.options
 
     comfy.options.args_parsing = False  # the rank's argv is the fleet's, not ComfyUI's
@@ -111,12 +114,25 @@ def import_comfy(comfy_dir: str, device: torch.device) -> tuple[ModuleType, str]
 
     if device.type == "cpu":
         comfy.cli_args.args.cpu = True
+    _import_model_code()
     import comfy.model_management
 
     chosen = comfy.model_management.get_torch_device()
     if torch.device(chosen).type != device.type or (device.type == "cuda" and torch.device(chosen).index != device.index):
         raise RuntimeError(f"ComfyUI chose {chosen} on the rank of {device}")
     return importlib.import_module("comfy"), version
+
+
+def _import_model_code() -> None:
+    """ComfyUI's device management and loaders, or a refusal naming the missing requirement."""
+    try:
+        importlib.import_module("comfy.model_management")
+        importlib.import_module("comfy.sd")
+    except ImportError as exc:
+        raise ComfyInputError(
+            f"ComfyUI's requirements are not importable by the fleet's Python {sys.executable} ({exc}); start the "
+            "fleet with the Python that runs ComfyUI, or install ComfyUI's requirements.txt into it"
+        ) from exc
 
 
 def model_options(weight_dtype: str) -> dict[str, Any]:
@@ -144,16 +160,15 @@ class LoadedModel:
     key: str
     patcher: Any  # comfy.model_patcher.ModelPatcher
     set_digest: str = ""  # "" = no patches
-    plan: Any = None  # plan.AppliedPlan, made on first forward
+    plan: Any = None  # plan.AppliedPlan, made on the first forward
     captured: Any = None  # captured_blocks.CapturedBlocks around the plan's blocks, on CUDA ranks
-    groups: dict = field(default_factory=dict)  # (batch groups) -> (SP comm, cross-group comm)
 
     @property
     def diffusion_model(self) -> torch.nn.Module:
         return self.patcher.model.diffusion_model
 
 
-def load_model(comfy, path: str, loader: str, weight_dtype: str, device: torch.device):
+def load_model(path: str, loader: str, weight_dtype: str, device: torch.device):
     """A ``ModelPatcher`` loaded as ComfyUI's loader node loads ``path``, its weights on ``device``."""
     import comfy.sd
 
@@ -168,7 +183,7 @@ def load_model(comfy, path: str, loader: str, weight_dtype: str, device: torch.d
     return patcher
 
 
-def make_adapter(comfy, class_name: str, loaded_keys: set[str], weights):
+def make_adapter(class_name: str, loaded_keys: set[str], weights):
     """One of ComfyUI's own weight adapters (comfy.weight_adapter), by class name; nothing else."""
     import comfy.weight_adapter
 
@@ -198,7 +213,7 @@ def missing_digests(entries: Any, held: dict[str, torch.Tensor]) -> list[str]:
     return sorted(set(missing))
 
 
-def apply_patches(comfy, loaded: LoadedModel, patches: dict[str, list[tuple]], device: torch.device) -> None:
+def apply_patches(loaded: LoadedModel, patches: dict[str, list[tuple]], device: torch.device) -> None:
     """Put ``patches`` on the model the way ComfyUI does: restore the unpatched weights, set the
     patcher's patches, load it onto ``device`` (``ModelPatcher.patch_weight_to_device`` computes each
     patched weight with ``comfy.lora.calculate_weight``)."""
