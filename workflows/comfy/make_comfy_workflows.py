@@ -33,6 +33,7 @@ import argparse
 import copy
 import importlib.util
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -96,7 +97,8 @@ def refresh_object_info(comfyui_dir: Path, python: str) -> None:
     with tempfile.TemporaryDirectory(prefix="comfy-object-info-") as base:
         (Path(base) / "custom_nodes").mkdir()
         (Path(base) / "custom_nodes" / "comfyui-mgpu").symlink_to(PACK_DIR, target_is_directory=True)
-        server = ComfyUIServer(comfyui_dir, Path(base), ["--cpu"], python=python)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(PACK_DIR), os.environ.get("PYTHONPATH")]))}
+        server = ComfyUIServer(comfyui_dir, Path(base), ["--cpu"], python=python, env=env)  # this checkout's mgpu_backend
         try:
             server.wait_ready("/object_info/MGPUCheckpointLoader")
             info = comfy_templates.fetch_object_info(server.url)
