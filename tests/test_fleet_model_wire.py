@@ -75,6 +75,21 @@ def test_patch_tensors_are_named_by_content_so_equal_loras_share_a_digest():
     assert wire.patch_set_digest(changed) != wire.patch_set_digest(entries)
 
 
+def test_a_lora_loaded_under_inference_mode_is_digested_again_and_again_and_an_edited_tensor_gets_a_new_digest():
+    # ComfyUI runs its nodes under inference_mode: the LoRA's tensors have no version counter, and
+    # the second sampler of a graph digests the same tensor objects a second time.
+    with torch.inference_mode():
+        lora = torch.randn(8, 8)
+    patches = {"diffusion_model.a.weight": [(0.5, ("diff", (lora,)), 1.0, None, None)]}
+    first, _ = wire.pack_patches(patches)
+    assert wire.pack_patches(patches)[0] == first
+    weight = torch.randn(4, 4)
+    before = wire.tensor_digest(weight)
+    assert wire.tensor_digest(weight) == before
+    weight.add_(1.0)
+    assert wire.tensor_digest(weight) != before
+
+
 def test_a_patch_function_is_refused_naming_the_weight():
     with pytest.raises(wire.UnsupportedValue, match="patch function of diffusion_model.a.weight"):
         wire.pack_patches({"diffusion_model.a.weight": [(1.0, ("diff", (torch.zeros(1),)), 1.0, None, abs)]})

@@ -113,6 +113,12 @@ class KeptTensors:
         self._tokens = TensorMemo()
 
 
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place version counter; 0 for an inference tensor, which has none and cannot be
+    changed outside inference mode (ComfyUI loads LoRAs and runs its nodes under inference_mode)."""
+    return 0 if tensor.is_inference() else tensor._version
+
+
 class TensorMemo:
     """A value remembered per tensor object while it lives and is not changed in place (its version
     counter). Keyed by identity: a tensor's ``==`` compares elements, so it cannot key a dict itself."""
@@ -122,14 +128,14 @@ class TensorMemo:
 
     def get(self, tensor: torch.Tensor) -> Any:
         entry = self._entries.get(id(tensor))
-        if entry is None or entry[0]() is not tensor or entry[1] != tensor._version:
+        if entry is None or entry[0]() is not tensor or entry[1] != _version(tensor):
             return None
         return entry[2]
 
     def put(self, tensor: torch.Tensor, value: Any) -> None:
         key = id(tensor)
         entries = self._entries
-        self._entries[key] = (weakref.ref(tensor, lambda _, key=key: entries.pop(key, None)), tensor._version, value)
+        self._entries[key] = (weakref.ref(tensor, lambda _, key=key: entries.pop(key, None)), _version(tensor), value)
 
 
 def _pack(value: Any, path: str, tensor_ref, depth: int) -> Any:
