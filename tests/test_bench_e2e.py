@@ -77,6 +77,7 @@ def test_a_cap_below_what_the_model_needs_prints_the_fleets_refusal_not_a_traceb
 
 
 @pytest.mark.slow
+@needs_ltx_core_gemma
 def test_the_distilled_recipe_runs_on_both_sides_with_equal_outputs():
     completed = run_bench("--tiny", "--pipeline", "distilled", timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
