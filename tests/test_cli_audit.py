@@ -306,6 +306,7 @@ def test_the_waveform_is_cut_or_padded_with_silence_to_the_video_duration():
 # --- through the ranks ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_run_on_a_fleet_with_other_devices_warns_of_each_flag_not_applied_and_its_audio_lasts_as_long_as_its_video(fleet, tmp_path, cache_dir):
     output, dump = tmp_path / "fox.mp4", tmp_path / "fox.safetensors"
     completed = generate_subprocess(

@@ -71,6 +71,7 @@ def _calls():
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.slow
 def test_compiled_blocks_equal_eager_and_share_graphs_across_blocks_with_torch_2_14(variant):
     torch._dynamo.reset()
     model = _deep_model(variant=variant)

@@ -12,6 +12,7 @@ from .test_cli import cli
 from .test_ltx_fleet import _generate
 
 
+@pytest.mark.slow
 def test_generate_runs_the_distilled_pipeline_on_the_embedded_tiny_bundle(tmp_path):
     completed = _generate(tmp_path, "distilled", "--pipeline", "distilled")
     assert "embedded tiny LTX-2 bundle" in completed.stderr and "8 steps, distilled pipeline" in completed.stderr

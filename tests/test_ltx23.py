@@ -294,6 +294,7 @@ def test_ltx23_transformer_layout_stage1_loop_at_two_ranks_sp_and_guidance_match
                 assert diff <= TOLERANCE, f"{mode} at 2 ranks: {name} differs from one rank by {diff}"
 
 
+@pytest.mark.slow
 def test_generate_runs_the_embedded_ltx23_bundle_end_to_end_into_an_mp4_with_48_khz_audio(tmp_path):
     from mgpu_backend.tools import media
 

@@ -323,6 +323,7 @@ def test_a_fleet_that_goes_away_mid_job_ends_the_node_with_a_message(spec, tmp_p
 # --- generate --preview-dir ----------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_generate_writes_the_previews_of_both_stages_as_pngs(tmp_path):
     from PIL import Image
 
