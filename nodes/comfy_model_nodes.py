@@ -73,21 +73,20 @@ def report_denoiser_call(event: dict) -> None:
     reporter.report(event)
 
 
-def checkpoint_vae(path: str):
-    """The checkpoint's video VAE, as ComfyUI's checkpoint loader builds it, reading only its weights."""
+def checkpoint_vae(path: str, model_config):
+    """The checkpoint's video VAE, as ComfyUI's checkpoint loader builds it, reading only its weights;
+    ``model_config`` is the one ComfyUI's detection chose for the MODEL (its VAE key prefixes)."""
     import comfy.sd
     from safetensors import safe_open
 
-    from mgpu_backend.comfy_model.remote import meta_model
-
-    _, model_config, header = meta_model(path)
     prefixes = tuple(model_config.vae_key_prefix)
     with safe_open(path, framework="pt", device="cpu") as f:
+        metadata = f.metadata()
         vae_sd = {name[len(prefix):]: f.get_tensor(name) for name in f.keys() for prefix in prefixes if name.startswith(prefix)}
     if not vae_sd:
         return None
     vae_sd = model_config.process_vae_state_dict(vae_sd)
-    return comfy.sd.VAE(sd=vae_sd, metadata=header.metadata)
+    return comfy.sd.VAE(sd=vae_sd, metadata=metadata)
 
 
 class MGPUCheckpointLoader:
@@ -127,7 +126,7 @@ class MGPUCheckpointLoader:
 
         path = _full_path("checkpoints", ckpt_name)
         model = load_fleet_model(FleetModelSpec(_comfy_dir(), path, "checkpoint", weight_dtype), on_forward=report_denoiser_call)
-        return model, None, checkpoint_vae(path)
+        return model, None, checkpoint_vae(path, model.model.model_config)
 
 
 class MGPUDiffusionModelLoader:

@@ -1,4 +1,5 @@
-"""What every test module shares: the rule that, where CI says every test must run, a skip fails.
+"""What every test module shares: ComfyUI's ``comfy`` for the tests of its own model code, and the rule
+that, where CI says every test must run, a skip fails.
 
 CI sets ``MGPU_REQUIRE_ALL=1`` for the runs whose environment has everything (ComfyUI v0.20.1 and its
 requirements for the drop-in model and end-to-end tests): a test that would skip there, because an
@@ -13,6 +14,15 @@ import os
 import pytest
 
 REQUIRE_ALL_VARIABLE = "MGPU_REQUIRE_ALL"
+
+
+@pytest.fixture(scope="module")
+def comfy():
+    """ComfyUI's ``comfy`` from COMFYUI_DIR on the CPU, as a rank imports it (tests/comfy_model_cases.py),
+    or a skip that says what is missing."""
+    from tests import comfy_model_cases
+
+    return comfy_model_cases.import_comfy_or_skip()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -19,11 +19,6 @@ from tests.fleet_harness import module_fleet, run_job
 
 
 @pytest.fixture(scope="module")
-def comfy():
-    return cases.import_comfy_or_skip()
-
-
-@pytest.fixture(scope="module")
 def tiny(comfy):
     return cases.load_tiny(comfy)
 

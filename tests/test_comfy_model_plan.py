@@ -12,12 +12,6 @@ import torch
 from mgpu_backend.comfy_model import plan
 from mgpu_backend.comfy_model.jobs import batch_groups
 from mgpu_backend.fleet.jobs import JobInputError
-from tests import comfy_model_cases as cases
-
-
-@pytest.fixture(scope="module")
-def comfy():
-    return cases.import_comfy_or_skip()
 
 
 def test_comfyui_v0_20_1_ltx_code_is_covered(comfy):

@@ -17,11 +17,6 @@ ALIGNED = ("plain", "image_to_video", "keyframes")  # token counts of whole gate
 
 
 @pytest.fixture(scope="module")
-def comfy():
-    return cases.import_comfy_or_skip()
-
-
-@pytest.fixture(scope="module")
 def tiny(comfy):
     return cases.load_tiny(comfy)
 

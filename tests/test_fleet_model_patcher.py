@@ -26,11 +26,6 @@ DISTILLED_SIGMAS = (1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421
 
 
 @pytest.fixture(scope="module")
-def comfy():
-    return cases.import_comfy_or_skip()
-
-
-@pytest.fixture(scope="module")
 def stock(comfy):
     """ComfyUI's own patcher and VAE of the tiny LTX-2.3 checkpoint (CheckpointLoaderSimple's)."""
     import comfy.sd

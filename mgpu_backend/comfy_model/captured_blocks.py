@@ -32,13 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mgpu_backend.comfy_model.plan import MODEL_OPTIONS
 from mgpu_backend.parallel.comm import Comm
 
 log = logging.getLogger(__name__)
 
 WARMUP_CALLS = 2
-SIGNATURE_OPTIONS = ("run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn")
-"""The transformer options the blocks read: a graph bakes their values in."""
 
 
 def _flatten(value, tensors: list[torch.Tensor]):
@@ -90,7 +89,7 @@ def _signature(structure, tensors: list[torch.Tensor], options: dict):
             return node
         return ("object", node[1].__qualname__, tuple((name, hashable(item)) for name, item in node[2]))
 
-    return hashable(structure), tuple((key, options.get(key)) for key in SIGNATURE_OPTIONS)
+    return hashable(structure), tuple((key, options.get(key)) for key in MODEL_OPTIONS)
 
 
 @dataclass

@@ -47,7 +47,7 @@ MODELS = "comfy_models"
 PATCH_TENSORS = "comfy_patch_tensors"
 GROUPS = "comfy_groups"
 
-HONOURED_OPTIONS = frozenset({"run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn", "cond_or_uncond", "sigmas", "sample_sigmas", "prefetch_dynamic_vbars"})
+HONOURED_OPTIONS = frozenset({*plan.MODEL_OPTIONS, "cond_or_uncond", "sigmas", "sample_sigmas", "prefetch_dynamic_vbars"})
 """transformer_options the rank passes to ComfyUI's model. ``prefetch_dynamic_vbars`` is recomputed
 from the rank's own patcher (as ``BaseModel._apply_model`` does); the others go through as sent."""
 CUDA_GRAPHS_VARIABLE = "MGPU_COMFY_CUDA_GRAPHS"
@@ -181,16 +181,6 @@ def patch_model(ctx: JobContext, args: dict, tensors: dict):
     return {"set_digest": loaded.set_digest, "patched_weights": len(rebuilt)}, {}
 
 
-def _to_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, list):
-        return [_to_device(item, device) for item in value]
-    if isinstance(value, tuple):
-        return tuple(_to_device(item, device) for item in value)
-    if isinstance(value, dict):
-        return {key: _to_device(item, device) for key, item in value.items()}
-    return value
 
 
 def _batch_slice(value: Any, batch: int, start: int, stop: int) -> Any:
@@ -356,7 +346,7 @@ def forward(ctx: JobContext, args: dict, tensors: dict):
 
     group = ctx.rank // (ctx.world_size // groups)
     share = batch // groups
-    call = _to_device(_batch_slice(call, batch, group * share, (group + 1) * share), ctx.device)
+    call = wire.to_device(_batch_slice(call, batch, group * share, (group + 1) * share), ctx.device)
     options = {**call["transformer_options"], "prefetch_dynamic_vbars": loaded.patcher.is_dynamic()}
     if groups > 1 and isinstance(options.get("cond_or_uncond"), list) and len(options["cond_or_uncond"]) == batch:
         options["cond_or_uncond"] = options["cond_or_uncond"][group * share : (group + 1) * share]  # one entry per sample
@@ -372,7 +362,7 @@ def forward(ctx: JobContext, args: dict, tensors: dict):
     seconds = time.perf_counter() - started
     out = _gathered_batch(out, across_comm)
     rank_seconds = ctx.control.all_gather(torch.tensor([seconds], dtype=torch.float64), dim=0)
-    packed, out_tensors = wire.pack(_to_device(out, torch.device("cpu")))
+    packed, out_tensors = wire.pack(wire.to_device(out, torch.device("cpu")))
     return {
         "out": packed,
         "count": len(out_tensors),

@@ -58,6 +58,9 @@ from mgpu_backend.parallel.sequence_parallel import (
 log = logging.getLogger(__name__)
 
 SUPPORTED_MODELS = ("LTXAVModel",)
+MODEL_OPTIONS = ("run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn")
+"""The transformer_options ComfyUI's LTX-AV blocks read (which streams and cross-attentions run):
+the ComfyUI side sends them as they are, the ranks pass them on, a captured graph bakes them in."""
 CANCEL_POINTS = 4
 """Cancel points per forward (spread over the blocks); each costs one control-group all-reduce."""
 

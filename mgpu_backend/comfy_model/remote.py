@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from mgpu_backend.comfy_model import wire
+from mgpu_backend.comfy_model.plan import MODEL_OPTIONS
 from mgpu_backend.fleet.client import FleetError
 
 log = logging.getLogger("comfyui-mgpu")
@@ -38,8 +39,6 @@ log = logging.getLogger("comfyui-mgpu")
 LOADERS = ("checkpoint", "diffusion_model")
 WEIGHT_DTYPES = ("default", "fp8_e4m3fn", "fp8_e4m3fn_fast", "fp8_e5m2")
 
-HONOURED_OPTIONS = ("run_vx", "run_ax", "a2v_cross_attn", "v2a_cross_attn")
-"""transformer_options that ComfyUI's LTX model reads and that travel to the ranks as they are."""
 INERT_OPTIONS = frozenset({
     "cond_or_uncond", "uuids", "sigmas", "sample_sigmas", "callbacks", "wrappers", "patches",
     "model_options", "prefetch_dynamic_vbars", "_inside_attn_wrapper", "transformer_index",
@@ -125,7 +124,7 @@ def transformer_options_to_send(options: dict) -> dict:
     check_model_options({"transformer_options": options})
     sent = {}
     for key, value in options.items():
-        if key in HONOURED_OPTIONS:
+        if key in MODEL_OPTIONS:
             if not isinstance(value, bool):
                 raise UnsupportedModelPatch(f"transformer option {key!r} must be True or False, got {value!r}")
             sent[key] = value
@@ -237,7 +236,7 @@ class FleetLink:
                 result = self._forward_once(call, should_cancel)
         self.last_rank_seconds = [float(seconds) for seconds in result.fields.get("rank_seconds", [])]
         self.last_blocks = str(result.fields.get("blocks", ""))
-        return _to_device(wire.unpack(result.fields["out"], wire.tensors_in_order(result.tensors, int(result.fields["count"]))), device)
+        return wire.to_device(wire.unpack(result.fields["out"], wire.tensors_in_order(result.tensors, int(result.fields["count"]))), device)
 
     def _forward_once(self, call: dict, should_cancel):
         try:
@@ -257,20 +256,8 @@ class FleetLink:
 
 # -- the ComfyUI objects -----------------------------------------------------------------------------
 
-def _to_device(value, device):
-    """``value`` (a tensor, or a list/tuple of them as LTX-2's audio+video output) on ``device``."""
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(item, device) for item in value)
-    return value
 
 
-def _comfy():
-    import comfy.model_management
-    import comfy.model_patcher
-
-    return comfy
 
 
 def _should_cancel() -> bool:
@@ -336,7 +323,8 @@ def fleet_patcher_class():
     global _FLEET_PATCHER
     if _FLEET_PATCHER is not None:
         return _FLEET_PATCHER
-    comfy = _comfy()
+    import comfy.model_patcher
+    import comfy.utils
 
     class FleetModelPatcher(comfy.model_patcher.ModelPatcher):
         FLEET_MODEL_SIZE = 1  # what ComfyUI's memory manager reserves for it here: the weights are elsewhere
@@ -392,8 +380,6 @@ def fleet_patcher_class():
                 comfy.utils.set_attr(self.model, key, self.object_patches_backup[key])
             self.object_patches_backup.clear()
 
-    import comfy.utils  # noqa: F401  (set_attr above)
-
     _FLEET_PATCHER = FleetModelPatcher
     return FleetModelPatcher
 
@@ -416,11 +402,10 @@ def meta_model(path: str, weight_dtype: str = "default", loader: str = "checkpoi
                   if dtype in SAFETENSORS_DTYPES}
     if loader == "checkpoint":
         prefix = comfy.model_detection.unet_prefix_from_state_dict(state_dict)
-    else:
-        prefix = ""
-        state_dict = {f"model.diffusion_model.{name}": tensor for name, tensor in state_dict.items()} if not any(
-            name.startswith("model.diffusion_model.") for name in state_dict) else state_dict
+    else:  # a diffusion model file, with or without the checkpoint's prefix
         prefix = "model.diffusion_model."
+        if not any(name.startswith(prefix) for name in state_dict):
+            state_dict = {prefix + name: tensor for name, tensor in state_dict.items()}
     parameters = comfy.utils.calculate_parameters(state_dict, prefix)
     file_dtype = comfy.utils.weight_dtype(state_dict, prefix)
     load_device = comfy.model_management.get_torch_device()

@@ -239,6 +239,17 @@ def unpack(packed: Any, tensors: list[torch.Tensor] | dict[str, torch.Tensor], d
     raise ValueError(f"packed value holds a {type(packed).__name__}")
 
 
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value`` with every tensor in it (lists, tuples, dicts) moved to ``device``."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_device(item, device) for item in value)
+    if isinstance(value, dict):
+        return {key: to_device(item, device) for key, item in value.items()}
+    return value
+
+
 def tensors_by_name(tensors: list[torch.Tensor], prefix: str = "t") -> dict[str, torch.Tensor]:
     """The flat tensor list as a message's named tensors (``t0``, ``t1`` ...)."""
     return {f"{prefix}{index}": tensor for index, tensor in enumerate(tensors)}
