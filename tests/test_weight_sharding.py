@@ -19,7 +19,7 @@ from mgpu_backend.ltx.residency import GIB, ResidencyError, plan_residency
 from mgpu_backend.ltx.schema import ModelSpec
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel
-from mgpu_backend.parallel.weight_sharding import apply_weight_sharding, idle_forward, is_weight_sharded, local_state_dict
+from mgpu_backend.parallel.weight_sharding import apply_weight_sharding, idle_forward, local_state_dict, weight_sharding_comm
 
 from .dist_harness import run_ranks
 from .fleet_harness import module_fleet, run_job
@@ -42,7 +42,7 @@ def sharded_forwards_on_ranks() -> bytes:
     full_bytes = sum(p.nbytes for p in models["19b"].parameters())
     for model in models.values():
         apply_weight_sharding(model, world, "cpu")
-    results = {"sharded": _run_cases(models), "full_bytes": full_bytes, "sharded_flag": is_weight_sharded(models["19b"])}
+    results = {"sharded": _run_cases(models), "full_bytes": full_bytes, "sharded_flag": weight_sharding_comm(models["19b"]) is world}
     results["local_bytes"] = sum(t.nbytes for key, t in local_state_dict(models["19b"]).items() if "rope" not in key)
     for model in models.values():
         apply_sequence_parallel(model, world)
