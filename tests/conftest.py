@@ -12,6 +12,9 @@ import os
 
 import pytest
 
+from mgpu_backend.ltx import api
+from tests.helpers import ApiRecorder
+
 REQUIRE_ALL_VARIABLE = "MGPU_REQUIRE_ALL"
 
 
@@ -23,3 +26,12 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped where {REQUIRE_ALL_VARIABLE}=1 demands every test run: {reason}"
+
+
+@pytest.fixture
+def fake_api(monkeypatch):
+    """Every fleet-facing api function replaced; a test that reaches the fleet by mistake fails."""
+    recorders = {name: ApiRecorder(getattr(api, name)) for name in ("configure", "load", "encode", "sample", "upscale", "decode", "unload", "restart", "status")}
+    for name, recorder in recorders.items():
+        monkeypatch.setattr(api, name, recorder)
+    return recorders

@@ -32,18 +32,8 @@ from mgpu_backend.parallel.guidance_parallel import (
 )
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel
 from tests.dist_harness import run_ranks
-from tests.test_guidance_parallel import TINY_HEADS, VIDEO_TOKENS, euler_stage1_loop
-from tests.test_sequence_parallel import (
-    ISOLATED,
-    STG,
-    build_tiny_model,
-    from_portable,
-    modality,
-    portable,
-    single_threaded,
-    tiny_contexts,
-    tiny_latent_states,
-)
+from tests.helpers import TINY_HEADS, VIDEO_TOKENS, euler_stage1_loop
+from tests.helpers import ISOLATED, STG, build_tiny_model, from_portable, modality, portable, single_threaded, tiny_contexts, tiny_latent_states
 
 # Outputs are of size ~7; a batched kernel rounds differently from a batch-1 one by ~1e-6 there.
 TOLERANCE = 1e-5

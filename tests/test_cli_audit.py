@@ -29,7 +29,7 @@ from mgpu_backend.ltx.schema import EMBEDDED_TINY, audio_sample_count
 from mgpu_backend.tools import cli
 
 from .fleet_harness import REPO, start_server, stop_server
-from .test_nodes import NODES
+from .helpers import NODES
 
 PROMPT = "a red fox runs through fresh snow at dawn"
 
@@ -354,7 +354,7 @@ def test_an_input_error_is_shown_without_a_rank_in_the_cli_and_in_a_node(monkeyp
     from mgpu_backend.fleet.client import FleetError
     from mgpu_backend.tools.generate import describe_fleet_error
 
-    from .test_nodes import FakeComfy, fleet_job
+    from tests.helpers import FakeComfy, fleet_job
 
     input_error = FleetError("frames must be 8k+1, got 10; use 9", kind="input_error", rank=1, traceback="Traceback ...")
     fault = FleetError("out of memory on cuda:1", rank=1, traceback="Traceback ...\nOutOfMemoryError")

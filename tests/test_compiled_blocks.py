@@ -28,17 +28,8 @@ from mgpu_backend.parallel.compiled_blocks import (
 from mgpu_backend.parallel.cuda_graphs import CapturedForward
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel
 from tests.dist_harness import run_ranks
-from tests.test_cuda_graphs import _inputs, _isolated, _max_abs_diff, _stg
-from tests.test_sequence_parallel import (
-    ISOLATED,
-    STG,
-    build_tiny_model,
-    from_portable,
-    portable,
-    single_threaded,
-    sp_forward_cases,
-    tiny_transformer_config,
-)
+from tests.helpers import _inputs, _isolated, _max_abs_diff, _stg
+from tests.helpers import ISOLATED, STG, build_tiny_model, from_portable, portable, single_threaded, sp_forward_cases, tiny_transformer_config
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 SHARED_GRAPHS = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14)

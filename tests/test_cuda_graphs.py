@@ -24,38 +24,10 @@ from mgpu_backend.parallel.cuda_graphs import (
     forward_signature,
     keep_rope_grids_on_device,
 )
-from tests.test_sequence_parallel import ISOLATED, STG, build_tiny_model, modality, tiny_contexts, tiny_latent_states
+from tests.helpers import build_tiny_model
+from tests.helpers import _inputs, _isolated, _max_abs_diff, _stg
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _inputs(seed: int, frames: int = 3, sigma: float = 0.7, device="cpu", dtype=torch.float32, image_conditioning=False):
-    video_state, audio_state = tiny_latent_states(seed, frames=frames, image_conditioning=image_conditioning)
-    video_context, audio_context = tiny_contexts(seed)
-    video, audio = modality(video_state, video_context, sigma), modality(audio_state, audio_context, sigma)
-
-    def moved(m):
-        fields = {}
-        for name in ("latent", "sigma", "timesteps", "positions", "context", "attention_mask"):
-            value = getattr(m, name)
-            if value is not None:
-                # Latents and text in the model's dtype; sigma, timesteps, positions stay float32 as in stage 1.
-                fields[name] = value.to(device=device, dtype=dtype) if name in ("latent", "context") else value.to(device)
-        return replace(m, **fields)
-
-    return moved(video), moved(audio)
-
-
-def _stg() -> BatchedPerturbationConfig:
-    return BatchedPerturbationConfig([STG])
-
-
-def _isolated() -> BatchedPerturbationConfig:
-    return BatchedPerturbationConfig([ISOLATED])
-
-
-def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max())
 
 
 # -- CPU ---------------------------------------------------------------------------------------------

@@ -8,8 +8,8 @@ from safetensors.torch import load_file
 
 from mgpu_backend.tools import media
 
-from .test_cli import cli
-from .test_ltx_fleet import _generate
+from tests.helpers import cli
+from tests.helpers import _generate
 
 
 def test_generate_runs_the_distilled_pipeline_on_the_embedded_tiny_bundle(tmp_path):

@@ -24,7 +24,7 @@ from mgpu_backend.fleet.protocol import Message
 
 from . import fleet_harness
 from .fleet_harness import REPO, raw_handshake, start_server, stop_server, token_of, wait_gone
-from .test_fleet_hardening import next_of, ranks_of, segments_of, submit, wait_until
+from .helpers import next_of, ranks_of, segments_of, submit, wait_until
 
 UNACKNOWLEDGED_BYTES = 6 << 20
 

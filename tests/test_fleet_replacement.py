@@ -14,7 +14,7 @@ from mgpu_backend.bundles.tiny import make_tiny_bundle
 from mgpu_backend.fleet.client import FleetClient
 
 from .fleet_harness import module_fleet, wait_gone
-from .test_ltx_fleet import NEGATIVE, PROMPT, SINGLE_GPU_SIGMAS, context_tensors, sample_args
+from .helpers import NEGATIVE, PROMPT, SINGLE_GPU_SIGMAS, context_tensors, sample_args
 
 
 @pytest.fixture(scope="module")

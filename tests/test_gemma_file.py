@@ -33,7 +33,7 @@ from mgpu_backend.ltx.gemma_file import (
 from mgpu_backend.ltx.loading import ModelFileError, ModelLoader, ModelSpec, validate_model_files
 from mgpu_backend.ltx.text import encode_prompts
 
-from .test_cli import cli
+from tests.helpers import cli
 
 PROMPTS = [
     "A fox steps through fresh snow at the edge of a pine forest.",

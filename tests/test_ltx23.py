@@ -38,7 +38,7 @@ from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stag
 from mgpu_backend.ltx.text import encode_prompts
 
 from .fleet_harness import REPO, module_fleet, run_job
-from .test_ltx_fleet import sample_args as ltx_fleet_sample_args
+from .helpers import sample_args as ltx_fleet_sample_args
 
 PROMPT = "a lighthouse beam sweeps over a stormy sea at night"
 NEGATIVE = "blurry, low quality"
@@ -280,8 +280,8 @@ def test_ltx23_transformer_layout_stage1_loop_at_two_ranks_sp_and_guidance_match
     AdaLN, split RoPE) at two ranks; four ranks under sp, guidance and hybrid run in the fleet test."""
     from mgpu_backend.ltx.passes import SequentialPassRunner
     from tests.dist_harness import run_ranks
-    from tests.test_guidance_parallel import TOLERANCE, euler_stage1_loop, stage1_loops_on_ranks
-    from tests.test_sequence_parallel import build_tiny_model, from_portable, single_threaded
+    from tests.helpers import TOLERANCE, euler_stage1_loop, stage1_loops_on_ranks
+    from tests.helpers import build_tiny_model, from_portable, single_threaded
 
     reference = single_threaded(euler_stage1_loop, build_tiny_model("22b"), SequentialPassRunner())
     per_rank = from_portable(run_ranks(2, stage1_loops_on_ranks, ["sp", "guidance"], "22b"))

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -21,11 +18,8 @@ from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stag
 from mgpu_backend.ltx.text import encode_prompts
 from mgpu_backend.bundles.tiny import make_tiny_bundle
 
-from .fleet_harness import REPO, module_fleet, run_job
-
-PROMPT = "a red fox runs through fresh snow at dawn"
-NEGATIVE = "blurry, low quality"
-SINGLE_GPU_SIGMAS = [0.909375, 0.725, 0.421875, 0.0]
+from .fleet_harness import module_fleet, run_job
+from .helpers import NEGATIVE, PROMPT, SINGLE_GPU_SIGMAS, _generate, context_tensors, contexts_of, sample_args
 
 
 @pytest.fixture(scope="module")
@@ -44,25 +38,6 @@ def fleet(tmp_path_factory):
 
 
 run = run_job
-
-
-def contexts_of(result, index):
-    return result.tensors[f"video_context_{index}"], result.tensors[f"audio_context_{index}"]
-
-
-def sample_args(spec, **overrides):
-    args = {
-        "spec": spec, "width": 96, "height": 64, "num_frames": 9, "frame_rate": 24.0, "seed": 7, "steps": 3,
-        "video_guidance": {"cfg_scale": 3.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0, "stg_blocks": [1]},
-        "audio_guidance": {"cfg_scale": 7.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0, "stg_blocks": [1]},
-    }  # fmt: skip
-    args.update(overrides)
-    return args
-
-
-def context_tensors(encoded):
-    (pv, pa), (nv, na) = contexts_of(encoded, 0), contexts_of(encoded, 1)
-    return {"positive_video_context": pv, "positive_audio_context": pa, "negative_video_context": nv, "negative_audio_context": na}
 
 
 def test_fleet_jobs_at_two_ranks_equal_the_in_process_stages_bf16(fleet, spec):
@@ -228,20 +203,6 @@ def test_tdp_refuses_pure_noise_unless_forced(fleet, spec):
     forced = run(fleet, "upscale", {"spec": spec, "sigmas": [1.0, 0.0], "force_from_noise": True, "tiles": [2, 1], "overlap": 1}, tensors)
     assert forced.fields["tiling"].startswith("frames 1")
     assert torch.equal(forced.tensors["audio_latent"], stage1.tensors["audio_latent"])
-
-
-def _generate(tmp_path, name, *extra, cpu_ranks=1):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MGPU_CACHE_DIR": str(tmp_path / "cache")}
-    env.pop("MGPU_SOCKET", None)
-    socket_dir = tmp_path / f"sock-{name}"
-    socket_dir.mkdir(mode=0o700)
-    command = [
-        sys.executable, "-m", "mgpu_backend", "generate", "--prompt", PROMPT, "--output", str(tmp_path / f"{name}.mp4"),
-        "--cpu-ranks", str(cpu_ranks), "--socket", str(socket_dir / "fleet.sock"), "--debug-dump", str(tmp_path / f"{name}.safetensors"), *extra,
-    ]  # fmt: skip
-    completed = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return completed
 
 
 def test_generate_writes_an_h264_aac_mp4_on_the_tiny_bundle_and_says_so(tmp_path):

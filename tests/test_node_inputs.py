@@ -20,7 +20,7 @@ from mgpu_backend.ltx.loading import ModelLoader
 from mgpu_backend.ltx.text import COMFY_CONNECTOR_TOKENS, comfy_connector_rope, connector_widths, contexts_from_comfy
 
 from .fleet_harness import module_fleet, run_job
-from .test_nodes import SAMPLER_INPUTS, UPSCALE_INPUTS, av_latent, fake_api, layouts, mgpu_conditioning, node, tiny_handle  # noqa: F401
+from .helpers import SAMPLER_INPUTS, UPSCALE_INPUTS, av_latent, layouts, mgpu_conditioning, node, tiny_handle
 
 STOCK_SAMPLER = "use ComfyUI's own sampler with Load Checkpoint (MGPU fleet)"
 

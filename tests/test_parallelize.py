@@ -32,8 +32,8 @@ from mgpu_backend.parallel.compiled_blocks import blocks_compiled
 from mgpu_backend.parallel.guidance_parallel import plan_stage1
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel
 from tests.dist_harness import run_ranks
-from tests.test_cuda_graphs import _inputs, _max_abs_diff, _stg
-from tests.test_sequence_parallel import _CommOfSize, build_tiny_model
+from tests.helpers import _inputs, _max_abs_diff, _stg
+from tests.helpers import _CommOfSize, build_tiny_model
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 PROMPTS = ["a red fox runs through fresh snow at dawn", "blurry, low quality"]

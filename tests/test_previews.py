@@ -30,8 +30,8 @@ from mgpu_backend.ltx.previews import LatentRGB, fit_latent_rgb, preview_due, si
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.distributed_decode import distributed_decode_video, single_gpu_decode_video
 from tests.dist_harness import run_ranks
-from tests.test_distributed_decode import SCENARIOS, build_tiny_decoder, noise_seed, scenario_latent
-from tests.test_nodes import FakeComfy, fleet_job
+from .helpers import SCENARIOS, build_tiny_decoder, noise_seed, scenario_latent
+from .helpers import FakeComfy, fleet_job
 
 from .fleet_harness import REPO, module_fleet, start_server, stop_server
 

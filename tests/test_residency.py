@@ -13,13 +13,11 @@ allocated.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
-from mgpu_backend.bundles import full_size
 from mgpu_backend.bundles.tiny import make_tiny_bundle
 from mgpu_backend.fleet.client import FleetError
 from mgpu_backend.ltx.loading import ModelSpec
@@ -31,25 +29,17 @@ from mgpu_backend.ltx.residency import (
     device_memory_bytes,
     parse_residency,
     plan_residency,
-    sizes_from_headers,
 )
 from mgpu_backend.parallel.comm import Comm
 from tests.dist_harness import run_ranks
 
-from .fleet_harness import REPO, module_fleet, run_job
+from .fleet_harness import module_fleet, run_job
+from .helpers import _full_size_sizes
 
 GB = 10**9
 EVERYTHING_BUT_THE_TRANSFORMER = {
     "gemma", "embeddings_processor", "video_encoder", "video_decoder", "audio_decoder", "vocoder", "spatial_upsampler",
 }  # fmt: skip
-
-
-def _full_size_sizes(transformer_config: str):
-    transformer = json.loads((REPO / "configs" / transformer_config).read_text())["transformer"]
-    config = full_size.full_size_config(transformer, gemma_layers=full_size.GEMMA_FULL_LAYERS)
-    headers = {name: {key: ("BF16", shape) for key, shape in shapes.items()} for name, shapes in full_size.planned_shapes(config).items()}
-    gemma = next(tensors for name, tensors in headers.items() if name.startswith(full_size.GEMMA_DIR_NAME))
-    return sizes_from_headers(headers[full_size.CHECKPOINT_NAME], headers[full_size.SPATIAL_UPSAMPLER_NAME], gemma)
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,8 @@ from mgpu_backend.parallel.weight_sharding import apply_weight_sharding, idle_fo
 
 from .dist_harness import run_ranks
 from .fleet_harness import module_fleet, run_job
-from .test_residency import _full_size_sizes
-from .test_sequence_parallel import _run_cases, build_tiny_model, from_portable, portable, single_threaded, sp_forward_cases
+from .helpers import _full_size_sizes
+from .helpers import _run_cases, build_tiny_model, from_portable, portable, single_threaded, sp_forward_cases
 
 PROMPT = "a red fox in the snow"
 NEGATIVE = "blurry"

@@ -22,8 +22,8 @@ from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.weight_tracker import HostParking, TransformerWeightTracker, clean_shard_on_host, stage_lora_set
 from tests.dist_harness import run_ranks
-from tests.test_cuda_graphs import _inputs
-from tests.test_sequence_parallel import build_tiny_model
+from tests.helpers import _inputs
+from tests.helpers import build_tiny_model
 
 WORLD_SIZE = 2
 BUCKET_BYTES = 64 * 1024  # small, so one swap needs several bucket broadcasts per owner
