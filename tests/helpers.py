@@ -334,6 +334,34 @@ def noise_seed(name: str) -> int:
     return 100 + list(SCENARIOS).index(name)
 
 
+def single_gpu_decode_video(
+    decoder: VideoDecoder,
+    latent: torch.Tensor,
+    tiling_config: TilingConfig | None,
+    generator: torch.Generator | None = None,
+    *,
+    timestep: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ltx-core's own single-GPU decode, assembled: the reference the distributed decode equals.
+
+    ``tiled_decode``'s chunks concatenated along frames, or ``decoder(latent)`` without tiling (what
+    ltx-core's ``decode_video`` does before converting to uint8). Note that ltx-core 1.0.0's
+    ``tiled_decode`` fails (TypeError) for a spatial-only tiling; the distributed decode handles it.
+    """
+    with torch.no_grad():
+        if tiling_config is None:
+            return decoder(latent, timestep, generator)
+        chunks = list(decoder.tiled_decode(latent, tiling_config, timestep=timestep, generator=generator))
+    return torch.cat(chunks, dim=2)
+
+
+def video_to_images(video: torch.Tensor) -> torch.Tensor:
+    """Decoded video [B, 3, F, H, W] (about -1..1) -> ComfyUI IMAGE [B*F, H, W, 3] float32 in 0..1."""
+    batch, channels, frames, height, width = video.shape
+    images = ((video.float() + 1.0) / 2.0).clamp(0.0, 1.0).permute(0, 2, 3, 4, 1)
+    return images.reshape(batch * frames, height, width, channels)
+
+
 # --------------------------------------------------------------------------------------------------
 # Raw clients of a fleet server: submit a job, read its replies, poll for a condition
 # --------------------------------------------------------------------------------------------------

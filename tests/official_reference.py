@@ -71,11 +71,6 @@ def reference_uint8_frames(frames: torch.Tensor) -> torch.Tensor:
     return ((decoder_plus_one / 2.0).clamp(0.0, 1.0) * 255.0).to(torch.uint8)
 
 
-def tiny_bundle_of_each_version(request, tmp_path_factory) -> tiny.TinyBundle:
-    """The body of a module-scoped fixture parametrised over ``tiny.VERSIONS``."""
-    return tiny.make_tiny_bundle(tmp_path_factory.mktemp(f"tiny-ltx{request.param}"), version=request.param)
-
-
 def version_id(version: str) -> str:
     return f"ltx-{version}"
 

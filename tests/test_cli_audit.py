@@ -28,7 +28,7 @@ from mgpu_backend.ltx.decode import fit_audio_to_video
 from mgpu_backend.ltx.schema import EMBEDDED_TINY, audio_sample_count
 from mgpu_backend.tools import cli
 
-from .fleet_harness import REPO, start_server, stop_server
+from .fleet_harness import REPO
 from .helpers import NODES
 
 PROMPT = "a red fox runs through fresh snow at dawn"
@@ -40,13 +40,8 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, cache_dir):
-    directory = tmp_path_factory.mktemp("audit-fleet")
-    directory.chmod(0o700)
-    socket_path = directory / "fleet.sock"
-    process = start_server(socket_path, 2, "--idle-timeout", "0", env={"MGPU_CACHE_DIR": str(cache_dir)})
-    yield socket_path
-    stop_server(process)
+def fleet(fleet_of, cache_dir):
+    return fleet_of(2, env={"MGPU_CACHE_DIR": str(cache_dir)})
 
 
 def jobs_served(socket_path: Path) -> int:

@@ -23,16 +23,10 @@ from mgpu_backend.ltx.schema import STAGE_2_SIGMAS, SampleRequest
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import encode_prompts
 
-from .fleet_harness import module_fleet, run_job
+from .fleet_harness import run_job
 from .official_reference import first_frame_image, version_id
 
 PROMPT = "a paper boat drifts down a rain-filled gutter"
-
-
-@pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return {version: tiny.make_tiny_bundle(root / version, version) for version in tiny.VERSIONS}
 
 
 @pytest.fixture(scope="module", params=tiny.VERSIONS, ids=version_id)
@@ -41,23 +35,13 @@ def version(request):
 
 
 @pytest.fixture(scope="module")
-def bundle(bundles, version):
-    return bundles[version]
-
-
-@pytest.fixture(scope="module")
 def spec(bundle) -> dict:
     return ModelSpec(checkpoint_path=bundle.distilled_checkpoint_path, gemma_root=bundle.gemma_root, spatial_upsampler_path=bundle.spatial_upsampler_path).to_wire()
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "distilledfleet")
-
-
-@pytest.fixture(scope="module")
-def fleet_of_four(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "distilledfleet4", 4)
+def fleet_of_four(fleet_of):
+    return fleet_of(4)
 
 
 run = run_job

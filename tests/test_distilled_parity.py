@@ -36,8 +36,8 @@ HEIGHT, WIDTH, FRAMES, FRAME_RATE, SEED = 128, 192, 9, 24.0, 10
 
 
 @pytest.fixture(scope="module", params=tiny.VERSIONS, ids=official_reference.version_id)
-def bundle(request, tmp_path_factory):
-    return official_reference.tiny_bundle_of_each_version(request, tmp_path_factory)
+def version(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")

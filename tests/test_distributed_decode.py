@@ -19,11 +19,9 @@ from mgpu_backend.parallel.distributed_decode import (
     distributed_decode_images,
     distributed_decode_video,
     last_decode_stats,
-    single_gpu_decode_video,
-    video_to_images,
 )
 from tests.dist_harness import run_ranks
-from tests.helpers import SCENARIOS, TINY_DECODER_CONFIG, build_tiny_decoder, noise_seed, scenario_latent
+from tests.helpers import SCENARIOS, TINY_DECODER_CONFIG, build_tiny_decoder, noise_seed, scenario_latent, single_gpu_decode_video, video_to_images
 
 TOLERANCE = 1e-5
 

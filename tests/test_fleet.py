@@ -24,13 +24,8 @@ from .fleet_harness import REPO, start_server, stop_server, wait_for_server, wai
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("fleet")
-    directory.chmod(0o700)
-    socket_path = directory / "fleet.sock"
-    process = start_server(socket_path, 2, "--rank-timeout", "6", "--idle-timeout", "0")
-    yield socket_path
-    stop_server(process)
+def fleet(fleet_of):
+    return fleet_of(2, "--rank-timeout", "6")
 
 
 def connect(socket_path) -> FleetClient:

@@ -20,19 +20,14 @@ from safetensors.torch import save_file
 
 from mgpu_backend.fleet.client import FleetCancelled, FleetClient, FleetError
 
-from .fleet_harness import REPO, start_server, stop_server, wait_for_server, wait_gone
+from .fleet_harness import REPO, wait_for_server, wait_gone
 
 RANK_TIMEOUT = 5
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("faults")
-    directory.chmod(0o700)
-    socket_path = directory / "fleet.sock"
-    process = start_server(socket_path, 2, "--rank-timeout", str(RANK_TIMEOUT), "--idle-timeout", "0")
-    yield socket_path
-    stop_server(process)
+def fleet(fleet_of):
+    return fleet_of(2, "--rank-timeout", str(RANK_TIMEOUT))
 
 
 def connect(socket_path) -> FleetClient:

@@ -29,13 +29,8 @@ from .helpers import next_of, ranks_of, segments_of, submit, wait_until
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("hardening")
-    directory.chmod(0o700)
-    socket_path = directory / "fleet.sock"
-    process = start_server(socket_path, 1, "--idle-timeout", "0")
-    yield socket_path
-    fleet_harness.stop_server(process)
+def fleet(fleet_of):
+    return fleet_of(1)
 
 
 def connect(socket_path) -> FleetClient:

@@ -19,7 +19,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx import fp8
 from mgpu_backend.ltx.jobs import ResidentModel, stage1_params
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
@@ -63,8 +62,9 @@ def _stage1(loader, contexts) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> dict:
-    made = tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
+def bundle(bundle, tmp_path_factory) -> dict:
+    """The tiny bundle's paths, and its checkpoint converted to scaled fp8 and to cast fp8."""
+    made = bundle
     folder = tmp_path_factory.mktemp("fp8files")
     paths = {name: getattr(made, name) for name in ("checkpoint_path", "gemma_root", "spatial_upsampler_path", "distilled_lora_path")}
     paths["scaled_fp8_path"] = str(fp8.convert_checkpoint_to_fp8(made.checkpoint_path, folder / "tiny-fp8.safetensors"))

@@ -44,11 +44,6 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> tiny.TinyBundle:
-    return tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
 def comfy_file(bundle, tmp_path_factory) -> str:
     return gemma_folder_to_comfy_file(bundle.gemma_root, str(tmp_path_factory.mktemp("comfy") / COMFY_GEMMA_FILE))
 

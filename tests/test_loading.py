@@ -16,11 +16,6 @@ from mgpu_backend.ltx.loading import ModelFileError, ModelLoader, ModelSpec, val
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> tiny.TinyBundle:
-    return tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
 def spec(bundle) -> ModelSpec:
     return bundle.spec()
 

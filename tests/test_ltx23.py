@@ -37,7 +37,7 @@ from mgpu_backend.ltx.schema import (
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import encode_prompts
 
-from .fleet_harness import REPO, module_fleet, run_job
+from .fleet_harness import REPO, run_job
 from .helpers import sample_args as ltx_fleet_sample_args
 
 PROMPT = "a lighthouse beam sweeps over a stormy sea at night"
@@ -46,9 +46,8 @@ SINGLE_GPU_SIGMAS = [0.909375, 0.725, 0.421875, 0.0]
 
 
 @pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-both")
-    return {version: make_tiny_bundle(root / version, version) for version in ("2.0", "2.3")}
+def bundles(tiny_bundle_of):
+    return {version: tiny_bundle_of(version) for version in ("2.0", "2.3")}
 
 
 def spec_of(bundle, distilled_lora: str | None = None) -> ModelSpec:
@@ -162,8 +161,8 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, cache):
-    yield from module_fleet(tmp_path_factory, "ltx23fleet", 4, env={"MGPU_CACHE_DIR": str(cache)})
+def fleet(fleet_of, cache):
+    return fleet_of(4, env={"MGPU_CACHE_DIR": str(cache)})
 
 
 run = run_job

@@ -16,25 +16,9 @@ from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.ltx.schema import CONTEXT_MISSING, SampleRequest, prompt_digest
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import encode_prompts
-from mgpu_backend.bundles.tiny import make_tiny_bundle
 
-from .fleet_harness import module_fleet, run_job
+from .fleet_harness import run_job
 from .helpers import NEGATIVE, PROMPT, SINGLE_GPU_SIGMAS, _generate, context_tensors, contexts_of, sample_args
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    return make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def spec(bundle) -> dict:
-    return bundle.spec().to_json()
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "ltxfleet")
 
 
 run = run_job

@@ -12,7 +12,6 @@ import re
 import pytest
 import torch
 
-from mgpu_backend.bundles.tiny import make_tiny_bundle
 from mgpu_backend.fleet.jobs import JobContext
 from mgpu_backend.ltx.parallelize import (
     COMPILED_BLOCKS,
@@ -105,9 +104,7 @@ def stage_jobs_on_ranks(spec: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def stage_jobs(tmp_path_factory):
-    bundle = make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-    spec = bundle.spec().to_json()
+def stage_jobs(spec):
     return run_ranks(2, stage_jobs_on_ranks, spec)
 
 

@@ -59,9 +59,9 @@ TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
 @pytest.fixture(scope="module", params=tiny.VERSIONS, ids=official_reference.version_id)
-def bundle(request, tmp_path_factory):
-    """The tiny bundle of each model version: LTX-2.0 (19B layout) and LTX-2.3 (22B layout)."""
-    return official_reference.tiny_bundle_of_each_version(request, tmp_path_factory)
+def version(request) -> str:
+    """Each model version: LTX-2.0 (19B layout) and LTX-2.3 (22B layout)."""
+    return request.param
 
 
 def official_two_stages(bundle):

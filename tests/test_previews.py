@@ -20,7 +20,6 @@ import pytest
 import torch
 from ltx_core.model.video_vae import SpatialTilingConfig, TemporalTilingConfig, TilingConfig
 
-from mgpu_backend.bundles.tiny import make_tiny_bundle
 from mgpu_backend.fleet import protocol
 from mgpu_backend.fleet.client import FleetClient, FleetUnavailable
 from mgpu_backend.fleet.protocol import Message
@@ -28,12 +27,11 @@ from mgpu_backend.ltx import api
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.ltx.previews import LatentRGB, fit_latent_rgb, preview_due, side_by_side
 from mgpu_backend.parallel.comm import Comm
-from mgpu_backend.parallel.distributed_decode import distributed_decode_video, single_gpu_decode_video
+from mgpu_backend.parallel.distributed_decode import distributed_decode_video
 from tests.dist_harness import run_ranks
-from .helpers import SCENARIOS, build_tiny_decoder, noise_seed, scenario_latent
-from .helpers import FakeComfy, fleet_job
+from .helpers import SCENARIOS, FakeComfy, build_tiny_decoder, fleet_job, noise_seed, scenario_latent, single_gpu_decode_video
 
-from .fleet_harness import REPO, module_fleet, start_server, stop_server
+from .fleet_harness import REPO, start_server, stop_server
 
 PROMPT = "a red fox runs through fresh snow at dawn"
 NEGATIVE = "blurry, low quality"
@@ -142,17 +140,11 @@ def test_decode_reports_every_tile_across_ranks_in_step_on_every_rank(scenario, 
 
 
 @pytest.fixture(scope="module")
-def spec(tmp_path_factory) -> dict:
-    bundle = make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-    return bundle.spec().to_json()
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    for socket_path in module_fleet(tmp_path_factory, "previewfleet"):
-        api.configure(address=str(socket_path))
-        yield socket_path
-        api.configure()
+def fleet(fleet_of):
+    socket_path = fleet_of(2)
+    api.configure(address=str(socket_path))
+    yield socket_path
+    api.configure()
 
 
 @pytest.fixture(scope="module")

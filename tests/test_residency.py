@@ -18,7 +18,6 @@ import os
 import pytest
 import torch
 
-from mgpu_backend.bundles.tiny import make_tiny_bundle
 from mgpu_backend.fleet.client import FleetError
 from mgpu_backend.ltx.loading import ModelSpec
 from mgpu_backend.ltx.residency import (
@@ -33,7 +32,7 @@ from mgpu_backend.ltx.residency import (
 from mgpu_backend.parallel.comm import Comm
 from tests.dist_harness import run_ranks
 
-from .fleet_harness import module_fleet, run_job
+from .fleet_harness import run_job
 from .helpers import _full_size_sizes
 
 GB = 10**9
@@ -196,16 +195,6 @@ def test_residency_and_the_memory_limit_are_checked(monkeypatch):
 # --- On the tiny bundle -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    return make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def spec(bundle) -> dict:
-    return bundle.spec().to_json()
-
-
 def _refused_before_loading(spec_json: dict, limit_gib: str) -> dict:
     from mgpu_backend.ltx.jobs import ResidentModel
 
@@ -246,11 +235,6 @@ def _two_stage_job(socket_path, spec: dict, residency: str, logs: list) -> dict:
         "contexts": contexts, "stage1_video": stage1.tensors["video_latent"], "stage1_audio": stage1.tensors["audio_latent"],
         "stage2_video": stage2.tensors["video_latent"], "frames": decoded.tensors["frames"], "waveform": decoded.tensors["waveform"],
     }  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "residencyfleet")
 
 
 def test_a_tiny_fleet_job_under_minimal_residency_gives_bitwise_the_latents_of_all(fleet, spec):

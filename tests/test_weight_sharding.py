@@ -22,7 +22,7 @@ from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel, rem
 from mgpu_backend.parallel.weight_sharding import apply_weight_sharding, idle_forward, local_state_dict, weight_sharding_comm
 
 from .dist_harness import run_ranks
-from .fleet_harness import module_fleet, run_job
+from .fleet_harness import run_job
 from .helpers import _full_size_sizes
 from .helpers import _run_cases, build_tiny_model, from_portable, portable, single_threaded, sp_forward_cases
 
@@ -100,14 +100,8 @@ def test_weights_sharded_over_2_ranks_give_the_unsharded_forward_bitwise_with_ha
 
 
 @pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return {version: tiny.make_tiny_bundle(root / version, version) for version in tiny.VERSIONS}
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "shardedfleet")
+def bundles(tiny_bundle_of):
+    return {version: tiny_bundle_of(version) for version in tiny.VERSIONS}
 
 
 GUIDANCE = {"cfg_scale": 3.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0, "stg_blocks": [1]}
@@ -185,8 +179,8 @@ def test_distilled_job_sharded_over_2_ranks_equals_the_unsharded_fleet(fleet, bu
 
 
 @pytest.fixture(scope="module")
-def fleet_of_four(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "shardedfleet4", 4)
+def fleet_of_four(fleet_of):
+    return fleet_of(4)
 
 
 @pytest.mark.slow

@@ -17,7 +17,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.weight_tracker import HostParking, TransformerWeightTracker, clean_shard_on_host, stage_lora_set
@@ -124,11 +123,6 @@ def _tracker_scenario(bundle: dict) -> dict:
     except RuntimeError as error:
         out["no_swap_error"] = str(error)
     return out
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> tiny.TinyBundle:
-    return tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

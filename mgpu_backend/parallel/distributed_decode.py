@@ -192,34 +192,6 @@ def distributed_decode_images(
     return images
 
 
-def single_gpu_decode_video(
-    decoder: VideoDecoder,
-    latent: torch.Tensor,
-    tiling_config: TilingConfig | None,
-    generator: torch.Generator | None = None,
-    *,
-    timestep: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """ltx-core's own single-GPU decode, assembled: the reference the distributed decode equals.
-
-    ``tiled_decode``'s chunks concatenated along frames, or ``decoder(latent)`` without tiling (what
-    ltx-core's ``decode_video`` does before converting to uint8). Note that ltx-core 1.0.0's
-    ``tiled_decode`` fails (TypeError) for a spatial-only tiling; the distributed decode handles it.
-    """
-    _check_latent(decoder, latent)
-    with torch.no_grad():
-        if tiling_config is None:
-            return decoder(latent, timestep, generator)
-        chunks = list(decoder.tiled_decode(latent, tiling_config, timestep=timestep, generator=generator))
-    return torch.cat(chunks, dim=2)
-
-
-def video_to_images(video: torch.Tensor) -> torch.Tensor:
-    """Decoded video [B, 3, F, H, W] (about -1..1) -> ComfyUI IMAGE [B*F, H, W, 3] float32 in 0..1."""
-    batch, channels, frames, height, width = video.shape
-    return _to_image_layout(video).reshape(batch * frames, height, width, channels)
-
-
 def decoded_images_shape(decoder: VideoDecoder, latent_shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
     """Shape of the IMAGE tensor a latent decodes to: (B*F, H, W, 3)."""
     batch, channels, frames, height, width = _decoded_video_shape(decoder, latent_shape)
