@@ -1,7 +1,7 @@
 """What every test module shares: the tiny bundles and their spec, fleets of CPU ranks, the fake api,
 and the rule that, where CI says every test must run, a skip fails.
 
-``bundle`` is the tiny bundle of ``version`` (LTX-2.0 unless a module overrides ``version``, for
+``bundle`` is the tiny bundle of ``bundle_version`` (LTX-2.0 unless a module overrides it, for
 instance with a fixture parametrised over ``tiny.VERSIONS``); each version's bundle is written once
 per session. ``spec`` is its wire spec. ``fleet_of(cpu_ranks, *serve_arguments, env=...)`` starts a
 fleet server for the module (one per distinct set of arguments, stopped when the module is done);
@@ -63,14 +63,14 @@ def tiny_bundle_of(tmp_path_factory) -> Callable[[str], tiny.TinyBundle]:
 
 
 @pytest.fixture(scope="module")
-def version() -> str:
-    """The model version of the module's ``bundle``; a module overrides it to test another or each."""
+def bundle_version() -> str:
+    """The model version of the module's ``bundle``; a module overrides it to test another, or each."""
     return "2.0"
 
 
 @pytest.fixture(scope="module")
-def bundle(tiny_bundle_of, version) -> tiny.TinyBundle:
-    return tiny_bundle_of(version)
+def bundle(tiny_bundle_of, bundle_version) -> tiny.TinyBundle:
+    return tiny_bundle_of(bundle_version)
 
 
 @pytest.fixture(scope="module")

@@ -30,7 +30,7 @@ PROMPT = "a paper boat drifts down a rain-filled gutter"
 
 
 @pytest.fixture(scope="module", params=tiny.VERSIONS, ids=version_id)
-def version(request):
+def bundle_version(request):
     return request.param
 
 

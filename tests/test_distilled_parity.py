@@ -36,7 +36,7 @@ HEIGHT, WIDTH, FRAMES, FRAME_RATE, SEED = 128, 192, 9, 24.0, 10
 
 
 @pytest.fixture(scope="module", params=tiny.VERSIONS, ids=official_reference.version_id)
-def version(request) -> str:
+def bundle_version(request) -> str:
     return request.param
 
 

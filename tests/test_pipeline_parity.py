@@ -59,7 +59,7 @@ TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 
 
 @pytest.fixture(scope="module", params=tiny.VERSIONS, ids=official_reference.version_id)
-def version(request) -> str:
+def bundle_version(request) -> str:
     """Each model version: LTX-2.0 (19B layout) and LTX-2.3 (22B layout)."""
     return request.param
 
