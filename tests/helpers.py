@@ -373,10 +373,30 @@ def segments_of(*pids: int) -> set[str]:
 
 
 def wait_until(condition, timeout: float = 30.0, what: str = "condition") -> None:
+    """Poll ``condition()`` until it is true; fail naming ``what`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
         time.sleep(0.1)
+
+
+def ranks_once(client, condition, what: str, timeout: float = 30.0) -> list[dict]:
+    """``client.status()``'s ranks once ``condition(ranks)`` holds: a rank's memory and weight report
+    ride on its heartbeat (one a second), so a report lags the job that changed it."""
+    seen: list[list[dict]] = []
+
+    def holds() -> bool:
+        seen.append(client.status()["ranks"])
+        return condition(seen[-1])
+
+    wait_until(holds, timeout, what)
+    return seen[-1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def submit(sock, op: str, args: dict | None = None, tensors=None, shm_descriptors=None, ref: int = 1) -> None:

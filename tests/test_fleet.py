@@ -21,6 +21,7 @@ from mgpu_backend.fleet.client import FleetCancelled, FleetClient, FleetError
 
 from . import fleet_harness
 from .fleet_harness import REPO, start_server, stop_server, wait_for_server, wait_gone
+from .helpers import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +194,8 @@ def test_several_clients_are_served_first_in_first_out(fleet):
 
     first = threading.Thread(target=submit, args=("first", 15))
     first.start()
-    time.sleep(0.3)
+    with connect(fleet) as observer:
+        wait_until(lambda: observer.status()["current_job"] is not None, what="the first job running")
     second = threading.Thread(target=submit, args=("second", 1))
     second.start()
     first.join(60)
