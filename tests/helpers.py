@@ -4,6 +4,7 @@ no test module imports another."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import importlib.util
 import inspect
@@ -18,6 +19,7 @@ import time
 import types
 from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
@@ -39,9 +41,11 @@ from mgpu_backend.bundles.tiny import LTX2_TRANSFORMER_ARCHITECTURE
 from mgpu_backend.fleet import protocol, shm
 from mgpu_backend.fleet.protocol import Message
 from mgpu_backend.ltx import api
+from mgpu_backend.ltx.latents import job_generator
 from mgpu_backend.ltx.passes import GuidancePass, PASS_NAMES
 from mgpu_backend.ltx.residency import sizes_from_headers
 from mgpu_backend.parallel.comm import Comm
+from mgpu_backend.parallel.compiled_blocks import apply_compiled_blocks, remove_compiled_blocks
 from mgpu_backend.parallel.guidance_parallel import apply_guidance_parallel, build_stage1_groups, plan_stage1
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel
 from mgpu_backend.tools import comfy_queue
@@ -218,7 +222,7 @@ SUCCESS_SCRIPT = [
 # Inputs and comparisons for the CUDA-graph and compiled-block forwards
 # --------------------------------------------------------------------------------------------------
 
-def _inputs(seed: int, frames: int = 3, sigma: float = 0.7, device="cpu", dtype=torch.float32, image_conditioning=False):
+def transformer_inputs(seed: int, frames: int = 3, sigma: float = 0.7, device="cpu", dtype=torch.float32, image_conditioning=False):
     video_state, audio_state = tiny_latent_states(seed, frames=frames, image_conditioning=image_conditioning)
     video_context, audio_context = tiny_contexts(seed)
     video, audio = modality(video_state, video_context, sigma), modality(audio_state, audio_context, sigma)
@@ -235,15 +239,15 @@ def _inputs(seed: int, frames: int = 3, sigma: float = 0.7, device="cpu", dtype=
     return moved(video), moved(audio)
 
 
-def _stg() -> BatchedPerturbationConfig:
+def stg_perturbations() -> BatchedPerturbationConfig:
     return BatchedPerturbationConfig([STG])
 
 
-def _isolated() -> BatchedPerturbationConfig:
+def isolated_perturbations() -> BatchedPerturbationConfig:
     return BatchedPerturbationConfig([ISOLATED])
 
 
-def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
@@ -561,7 +565,7 @@ def context_tensors(encoded):
     return {"positive_video_context": pv, "positive_audio_context": pa, "negative_video_context": nv, "negative_audio_context": na}
 
 
-def _generate(tmp_path, name, *extra, cpu_ranks=1):
+def run_generate(tmp_path, name, *extra, cpu_ranks=1):
     env = {**os.environ, "PYTHONPATH": str(REPO), "MGPU_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("MGPU_SOCKET", None)
     socket_dir = tmp_path / f"sock-{name}"
@@ -705,7 +709,7 @@ class FakeComfy:
 # Checkpoint sizes of the full-size models
 # --------------------------------------------------------------------------------------------------
 
-def _full_size_sizes(transformer_config: str):
+def full_size_sizes(transformer_config: str):
     transformer = json.loads((REPO / "configs" / transformer_config).read_text())["transformer"]
     config = full_size.full_size_config(transformer, gemma_layers=full_size.GEMMA_FULL_LAYERS)
     headers = {name: {key: ("BF16", shape) for key, shape in shapes.items()} for name, shapes in full_size.planned_shapes(config).items()}
@@ -886,7 +890,7 @@ def sp_forward_cases() -> dict[str, tuple[str, Modality, Modality, BatchedPertur
     }
 
 
-def _run_cases(models: dict[str, X0Model]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def run_sp_forward_cases(models: dict[str, X0Model]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     outputs = {}
     with torch.no_grad():
         for name, (variant, video, audio, perturbations) in sp_forward_cases().items():
@@ -920,7 +924,7 @@ def single_threaded(fn, *args):
         torch.set_num_threads(threads)
 
 
-class _CommOfSize:
+class CommOfSize:
     """Stands in for a group of ``world_size`` ranks; validation must refuse before any collective."""
 
     def __init__(self, world_size: int) -> None:
@@ -947,3 +951,48 @@ def load_builder():
 
 
 builder = load_builder()
+
+
+# --------------------------------------------------------------------------------------------------
+# Compositions of public entry points that only the tests need
+# --------------------------------------------------------------------------------------------------
+
+def decoder_generator(params, device: torch.device, dtype: torch.dtype) -> torch.Generator:
+    """The generator the official pipeline hands its video decoder: past every stage's noise."""
+    stages = (params.stage1, params.stage2) if params.two_stage else (params.stage1,)
+    return job_generator(params.seed, device, dtype, stages_before=stages)
+
+
+class PromptEncoder(torch.nn.Module):
+    """Gemma plus the LTX-2 embeddings processor: prompts -> video and audio text contexts.
+
+    ``encode`` does what ltx-pipelines' ``encode_prompts`` does (without prompt enhancement).
+    """
+
+    def __init__(self, gemma, embeddings_processor):
+        super().__init__()
+        self.gemma = gemma
+        self.embeddings_processor = embeddings_processor
+
+    def encode(self, prompts: list[str]) -> list:
+        """One ``EmbeddingsProcessorOutput`` (video_encoding, audio_encoding, attention_mask) per prompt."""
+        outputs = []
+        for prompt in prompts:
+            hidden_states, attention_mask = self.gemma.encode(prompt)
+            outputs.append(self.embeddings_processor.process_hidden_states(hidden_states, attention_mask))
+        return outputs
+
+
+@contextlib.contextmanager
+def compiled_blocks(model, enabled: bool, backend: str = "inductor") -> Iterator[None]:
+    """The blocks compiled for the duration when ``enabled`` (eager otherwise), eager afterwards.
+
+    Dynamo keeps compiled graphs with the block code, not with the wrapper, so compiling again in a
+    later job costs nothing for shapes seen before; other jobs (stage 2's tiles, a job that asks for
+    eager) never meet the compiled blocks or pay their compile time."""
+    started_here = enabled and apply_compiled_blocks(model, backend)
+    try:
+        yield
+    finally:
+        if started_here:
+            remove_compiled_blocks(model)

@@ -32,6 +32,7 @@ from PIL import Image
 
 from mgpu_backend.bundles import tiny
 from mgpu_backend.bundles.full_size import ltx_core_gemma_config
+from tests.helpers import max_abs_diff
 
 TEXT_TOKENS = 128  # a multiple of the connectors' 128 learnable registers, as Gemma's 1024 is
 # The 2.3 vocoder extends the bandwidth to 48 kHz; the 2.0 one stops at 24 kHz.
@@ -50,10 +51,6 @@ def stand_in_gemma_output(prompt: str) -> tuple[tuple[torch.Tensor, ...], torch.
     attention_mask = torch.zeros(1, TEXT_TOKENS, dtype=torch.int64)
     attention_mask[:, TEXT_TOKENS - real_tokens :] = 1
     return hidden_states, attention_mask
-
-
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
 
 
 def assert_bitwise(ours: torch.Tensor, reference: torch.Tensor, what: str) -> None:

@@ -32,8 +32,20 @@ from mgpu_backend.parallel.guidance_parallel import (
 )
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel
 from tests.dist_harness import run_ranks
-from tests.helpers import TINY_HEADS, VIDEO_TOKENS, euler_stage1_loop
-from tests.helpers import ISOLATED, STG, build_tiny_model, from_portable, modality, portable, single_threaded, tiny_contexts, tiny_latent_states
+from tests.helpers import (
+    ISOLATED,
+    STG,
+    TINY_HEADS,
+    VIDEO_TOKENS,
+    build_tiny_model,
+    euler_stage1_loop,
+    from_portable,
+    modality,
+    portable,
+    single_threaded,
+    tiny_contexts,
+    tiny_latent_states,
+)
 
 # Outputs are of size ~7; a batched kernel rounds differently from a batch-1 one by ~1e-6 there.
 TOLERANCE = 1e-5

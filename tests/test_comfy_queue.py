@@ -11,7 +11,7 @@ import json
 import pytest
 
 from mgpu_backend.tools import comfy_queue
-from tests.helpers import FakeComfyUI, PROMPT_ID, SUCCESS_SCRIPT, WORKFLOW, event
+from tests.helpers import PROMPT_ID, SUCCESS_SCRIPT, WORKFLOW, FakeComfyUI, event
 
 
 def run_cli(*argv: str) -> int:

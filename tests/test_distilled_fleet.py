@@ -25,6 +25,7 @@ from mgpu_backend.ltx.text import encode_prompts
 
 from .fleet_harness import run_job
 from .official_reference import first_frame_image, version_id
+from .helpers import decoder_generator
 
 PROMPT = "a paper boat drifts down a rain-filled gutter"
 
@@ -69,13 +70,13 @@ def one_process(spec, image) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        loader = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16)
+        loader = ModelLoader(ModelSpec.from_wire(spec), "cpu", torch.bfloat16)
         (context,) = encode_prompts(loader, [PROMPT])
         params = stage1_params(SampleRequest.from_wire(sample_args(spec)), layer_count=2)
         video, audio = sample_stage1(loader, params, context, None)
         image_video, image_audio = sample_stage1(loader, params, context, None, image=image)
         video2, audio2 = refine_stage2(loader, STAGE2, upsample_video(loader, video), audio, context, sigmas=STAGE_2_SIGMAS, lora_set="none", denoise_audio=True)
-        frames = decode_video(loader, video2, generator=STAGE2.decoder_generator(loader.device, loader.dtype))
+        frames = decode_video(loader, video2, generator=decoder_generator(STAGE2, loader.device, loader.dtype))
     finally:
         torch.set_num_threads(threads)
     return {

@@ -309,10 +309,11 @@ def test_residency_sizes_a_gemma_file_by_the_text_stack_it_builds_whatever_the_f
 
 
 def test_spec_names_a_gemma_file_or_says_where_it_should_be(bundle, comfy_file):
-    spec = ModelSpec.from_json(_spec(bundle, comfy_file).to_json())
+    spec = ModelSpec.from_wire(_spec(bundle, comfy_file).to_json())
+    spec.check_files_exist()
     assert spec.gemma_root == comfy_file
     with pytest.raises(ModelFileError, match="models/text_encoders/gemma_3_12B_it.safetensors"):
-        ModelSpec.from_json(_spec(bundle, comfy_file + ".missing").to_json())
+        ModelSpec.from_wire(_spec(bundle, comfy_file + ".missing").to_json()).check_files_exist()
 
 
 def test_generate_with_a_checkpoint_as_gemma_stops_before_starting_the_fleet(bundle, tmp_path):

@@ -13,8 +13,20 @@ from mgpu_backend.ltx.passes import PASS_NAMES, GuidancePass, SequentialPassRunn
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.guidance_parallel import GuidanceParallelRunner, Plan, plan_stage1
 from tests.dist_harness import run_ranks
-from tests.helpers import build_tiny_model, from_portable, modality, portable, single_threaded, tiny_contexts, tiny_latent_states
-from tests.helpers import TINY_HEADS, TOLERANCE, VIDEO_TOKENS, euler_stage1_loop, stage1_loops_on_ranks
+from tests.helpers import (
+    TINY_HEADS,
+    TOLERANCE,
+    VIDEO_TOKENS,
+    build_tiny_model,
+    euler_stage1_loop,
+    from_portable,
+    modality,
+    portable,
+    single_threaded,
+    stage1_loops_on_ranks,
+    tiny_contexts,
+    tiny_latent_states,
+)
 
 
 class _ScaledLatents:

@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.loading import ModelFileError, ModelLoader, ModelSpec, validate_model_files
+from tests.helpers import PromptEncoder
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def test_every_component_equals_the_one_model_ledger_builds(spec, tiny_gemma_in_
     _assert_same_weights(loader.audio_decoder(), ledger.audio_decoder())
     _assert_same_weights(loader.vocoder(), ledger.vocoder())
     _assert_same_weights(loader.spatial_upsampler(), ledger.spatial_upsampler())
-    prompt_encoder = loader.text_encoder()
+    prompt_encoder = PromptEncoder(loader.gemma(), loader.embeddings_processor())
     # Our Gemma is transformers' text stack alone (no vision tower, no tied lm_head): ltx-core's without the rest.
     # ltx-core also saves its hand-made rotary buffers; the encodings below compare what those compute.
     ours_gemma = dict(prompt_encoder.gemma.model.named_parameters())
@@ -179,7 +180,7 @@ def test_spec_round_trips_through_json(spec, bundle):
         **{**spec.__dict__, "loras": ((bundle.distilled_lora_path, 0.5),), "distilled_lora_strength": 0.8}
     )
     data = json.loads(json.dumps(with_loras.to_json()))
-    assert ModelSpec.from_json(data) == with_loras
+    assert ModelSpec.from_wire(data) == with_loras
 
 
 @pytest.mark.parametrize(
@@ -196,9 +197,9 @@ def test_spec_round_trips_through_json(spec, bundle):
         ({"gemma_root": "/nowhere/gemma"}, "Gemma folder /nowhere/gemma does not exist"),
     ],
 )
-def test_spec_from_json_says_what_is_wrong(spec, change, message):
+def test_spec_file_check_says_what_is_wrong(spec, change, message):
     with pytest.raises(ModelFileError) as error:
-        ModelSpec.from_json({**spec.to_json(), **change})
+        ModelSpec.from_wire({**spec.to_json(), **change}).check_files_exist()
     assert message in str(error.value)
 
 

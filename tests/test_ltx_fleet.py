@@ -17,7 +17,7 @@ from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stag
 from mgpu_backend.ltx.text import encode_prompts
 
 from .fleet_harness import run_job
-from .helpers import NEGATIVE, PROMPT, SINGLE_GPU_SIGMAS, _generate, context_tensors, contexts_of, ranks_once, sample_args
+from .helpers import NEGATIVE, PROMPT, SINGLE_GPU_SIGMAS, context_tensors, contexts_of, ranks_once, run_generate, sample_args
 
 
 run = run_job
@@ -33,7 +33,7 @@ def test_fleet_jobs_at_two_ranks_equal_the_in_process_stages_bf16(fleet, spec):
         {**stage1.tensors, "positive_video_context": tensors["positive_video_context"], "positive_audio_context": tensors["positive_audio_context"]},
     )  # fmt: skip
 
-    loader = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16)
+    loader = ModelLoader(ModelSpec.from_wire(spec), "cpu", torch.bfloat16)
     positive, negative = encode_prompts(loader, [PROMPT, NEGATIVE])
     params = stage1_params(SampleRequest.from_wire(sample_args(spec)), layer_count=2)
     video, audio = sample_stage1(loader, params, positive, negative)
@@ -107,7 +107,7 @@ def test_stage1_guidance_plan_at_two_ranks_equals_the_in_process_stage_bf16(flee
     encoded = run(fleet, "encode", {"spec": spec, "prompts": [PROMPT, NEGATIVE]})
     stage1 = run(fleet, "sample", sample_args(spec, parallel="guidance"), context_tensors(encoded))
 
-    loader = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16)
+    loader = ModelLoader(ModelSpec.from_wire(spec), "cpu", torch.bfloat16)
     positive, negative = encode_prompts(loader, [PROMPT, NEGATIVE])
     params = stage1_params(SampleRequest.from_wire(sample_args(spec)), layer_count=2)
     video, audio = sample_stage1(loader, params, positive, negative)
@@ -189,7 +189,7 @@ def test_tdp_refuses_pure_noise_unless_forced(fleet, spec):
 
 
 def test_generate_writes_an_h264_aac_mp4_on_the_tiny_bundle_and_says_so(tmp_path):
-    completed = _generate(tmp_path, "one")
+    completed = run_generate(tmp_path, "one")
     assert "embedded tiny LTX-2 bundle" in completed.stderr
     # The CLI named the bundle; the fleet's ranks wrote it into the cache.
     assert (tmp_path / "cache" / EMBEDDED_BUNDLE_FOLDER / "ltx-2-tiny.safetensors").is_file()
@@ -206,7 +206,7 @@ def test_generate_writes_an_h264_aac_mp4_on_the_tiny_bundle_and_says_so(tmp_path
 def test_debug_dump_is_identical_at_1_2_and_4_cpu_ranks(tmp_path):
     dumps = {}
     for ranks in (1, 2, 4):
-        _generate(tmp_path, f"r{ranks}", "--tiles", "1x1", cpu_ranks=ranks)
+        run_generate(tmp_path, f"r{ranks}", "--tiles", "1x1", cpu_ranks=ranks)
         dumps[ranks] = load_file(str(tmp_path / f"r{ranks}.safetensors"))
     for ranks in (2, 4):
         for name, tensor in dumps[1].items():

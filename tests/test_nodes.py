@@ -16,7 +16,7 @@ import torch
 
 from mgpu_backend.fleet.client import FleetCancelled, FleetError
 from mgpu_backend.ltx import api
-from tests.helpers import FakeComfy, NODES, PACK_DIR, SAMPLER_INPUTS, UPSCALE_INPUTS, av_latent, contexts, fleet_job, layouts, mgpu_conditioning, node, pack, tiny_handle
+from tests.helpers import NODES, PACK_DIR, SAMPLER_INPUTS, UPSCALE_INPUTS, FakeComfy, av_latent, contexts, fleet_job, layouts, mgpu_conditioning, node, pack, tiny_handle
 
 CATEGORY = "MGPU/LTX-2"
 DISPLAY_NAMES = {

@@ -34,7 +34,8 @@ from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stag
 from mgpu_backend.ltx.text import TextContext, contexts_from_gemma, encode_prompts
 
 from . import official_reference
-from .official_reference import assert_bitwise, first_frame_image, max_abs_diff, reference_uint8_frames, stand_in_gemma_output
+from .official_reference import assert_bitwise, first_frame_image, reference_uint8_frames, stand_in_gemma_output
+from .helpers import decoder_generator, max_abs_diff
 
 PROMPT = "A cat sleeping on a windowsill while rain runs down the glass."
 NEGATIVE_PROMPT = "blurry, out of focus, low contrast"
@@ -109,7 +110,7 @@ def run_ours(loader: ModelLoader, image: torch.Tensor | None) -> dict:
         image=image,
         on_step=lambda step, total, video_x0: progress.append((2, step, total)),
     )
-    frames = decode_video(loader, stage2_video, generator=PARAMS.decoder_generator(loader.device, loader.dtype))
+    frames = decode_video(loader, stage2_video, generator=decoder_generator(PARAMS, loader.device, loader.dtype))
     return {
         "contexts": (positive, negative),
         "stage1_video": stage1_video,

@@ -155,7 +155,7 @@ def prompts(fleet, spec):
 @pytest.fixture(scope="module")
 def factors(spec) -> LatentRGB:
     """The projection fitted in this process to the tiny bundle's decoder, as rank 0 fits it."""
-    loader = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16)
+    loader = ModelLoader(ModelSpec.from_wire(spec), "cpu", torch.bfloat16)
     return fit_latent_rgb(loader.video_decoder(), torch.device("cpu"), torch.bfloat16)
 
 
@@ -202,7 +202,7 @@ def test_decode_progress_counts_every_tile_and_never_goes_back(fleet, spec, prom
     # 64-pixel tiles without overlap of a 192x128 video: 2 x 3 tiles, 3 rounds on 2 ranks.
     frames, _, _ = api.decode(spec, video, audio, after_stages=1, spatial_tile_pixels=64, progress=events.append)
     decode = [(event["step"], event["total"]) for event in events if event["stage"] == "decode"]
-    decoder = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16).video_decoder()
+    decoder = ModelLoader(ModelSpec.from_wire(spec), "cpu", torch.bfloat16).video_decoder()
     tiling = TilingConfig(SpatialTilingConfig(64, 0), TemporalTilingConfig(64, 24))  # what the decode job builds
     tiles = len(decoder._prepare_tiles(video.to(torch.bfloat16), tiling))
     assert tiles == 6 and decode[-1] == (tiles, tiles) and {total for _, total in decode} == {tiles}

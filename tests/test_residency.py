@@ -33,7 +33,7 @@ from mgpu_backend.parallel.comm import Comm
 from tests.dist_harness import run_ranks
 
 from .fleet_harness import run_job
-from .helpers import _full_size_sizes
+from .helpers import full_size_sizes
 
 GB = 10**9
 EVERYTHING_BUT_THE_TRANSFORMER = {
@@ -43,12 +43,12 @@ EVERYTHING_BUT_THE_TRANSFORMER = {
 
 @pytest.fixture(scope="module")
 def sizes_19b():
-    return _full_size_sizes("ltx2-19b-transformer.json")
+    return full_size_sizes("ltx2-19b-transformer.json")
 
 
 @pytest.fixture(scope="module")
 def sizes_22b():
-    return _full_size_sizes("ltx2.3-22b-transformer.json")
+    return full_size_sizes("ltx2.3-22b-transformer.json")
 
 
 def test_19b_component_sizes_are_the_documented_ones(sizes_19b):
@@ -199,7 +199,7 @@ def _refused_before_loading(spec_json: dict, limit_gib: str) -> dict:
     from mgpu_backend.ltx.jobs import ResidentModel
 
     os.environ[MEMORY_LIMIT_ENV] = limit_gib
-    spec = ModelSpec.from_json(spec_json)
+    spec = ModelSpec.from_wire(spec_json)
     try:
         ResidentModel(spec, torch.device("cpu"), torch.bfloat16, Comm.world())
     except ResidencyError as error:
@@ -208,7 +208,7 @@ def _refused_before_loading(spec_json: dict, limit_gib: str) -> dict:
 
 
 def test_a_rank_refuses_a_model_larger_than_its_memory_limit_before_loading(spec, bundle):
-    sizes = component_sizes(ModelSpec.from_json(spec))
+    sizes = component_sizes(ModelSpec.from_wire(spec))
     limit_gib = f"{sizes.transformer_bytes / GIB / 2:.6f}"  # half the tiny transformer
     (out,) = run_ranks(1, _refused_before_loading, spec, limit_gib)
     assert out["error"] is not None and "even with residency 'minimal'" in out["error"], out

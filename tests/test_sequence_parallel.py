@@ -21,7 +21,7 @@ from mgpu_backend.parallel.sequence_parallel import (
     sequence_parallel_degree,
 )
 from tests.dist_harness import run_ranks
-from tests.helpers import _CommOfSize, _run_cases, build_tiny_model, from_portable, portable, single_threaded, sp_forward_cases
+from tests.helpers import CommOfSize, build_tiny_model, from_portable, portable, run_sp_forward_cases, single_threaded, sp_forward_cases
 
 TOLERANCE = 1e-5
 
@@ -42,16 +42,16 @@ def sp_forward_on_ranks() -> dict:
         for model in models.values():
             apply_sequence_parallel(model, comm, video_query_exchange=video_query_exchange)
             assert sequence_parallel_degree(model) == degree
-        results[key] = _run_cases(models)
+        results[key] = run_sp_forward_cases(models)
     for model in models.values():
         remove_sequence_parallel(model)
-    results["after_removal"] = _run_cases(models)
+    results["after_removal"] = run_sp_forward_cases(models)
     return portable(results)
 
 
 @pytest.fixture(scope="module")
 def single_rank_outputs():
-    return single_threaded(_run_cases, {variant: build_tiny_model(variant) for variant in ("19b", "22b")})
+    return single_threaded(run_sp_forward_cases, {variant: build_tiny_model(variant) for variant in ("19b", "22b")})
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def test_sp_degree_3_refused_with_the_valid_degrees():
 
     model = build_tiny_model()
     with pytest.raises(ValueError) as refused:
-        apply_sequence_parallel(model, _CommOfSize(3))
+        apply_sequence_parallel(model, CommOfSize(3))
     assert str(refused.value) == "SP degree 3 does not divide the 8 attention heads; use 1, 2, 4 or 8"
     assert sequence_parallel_degree(model) == 1
 
@@ -127,7 +127,7 @@ def test_sp_degree_refused_when_it_does_not_divide_the_audio_heads():
 def test_sp_on_cpu_weights_runs_the_video_query_cross_attentions_head_parallel_and_says_why(caplog):
     model = build_tiny_model()
     with caplog.at_level(logging.INFO, logger="mgpu_backend.parallel.sequence_parallel"):
-        apply_sequence_parallel(model, _CommOfSize(4))
+        apply_sequence_parallel(model, CommOfSize(4))
     blocks = model.velocity_model.transformer_blocks
     exchanged = {name for name in ("attn1", "attn2", "audio_to_video_attn", "video_to_audio_attn", "audio_attn1", "audio_attn2")
                  if getattr(blocks[0], name).attention_function.__class__.__module__ == "mgpu_backend.parallel.sequence_parallel"}  # fmt: skip
@@ -135,7 +135,7 @@ def test_sp_on_cpu_weights_runs_the_video_query_cross_attentions_head_parallel_a
     (line,) = [record.getMessage() for record in caplog.records]
     assert "text and video-from-audio cross-attention head-parallel over all video queries too (CPU attention rounds" in line
     with caplog.at_level(logging.INFO, logger="mgpu_backend.parallel.sequence_parallel"):
-        apply_sequence_parallel(model, _CommOfSize(4), video_query_exchange=False)
+        apply_sequence_parallel(model, CommOfSize(4), video_query_exchange=False)
     local = {name for name in ("attn2", "audio_to_video_attn") if getattr(blocks[0], name).attention_function.__class__.__module__ == "mgpu_backend.parallel.sequence_parallel"}
     assert local == set() and "on the local shards" in caplog.records[-1].getMessage()
     remove_sequence_parallel(model)

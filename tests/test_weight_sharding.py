@@ -23,8 +23,7 @@ from mgpu_backend.parallel.weight_sharding import apply_weight_sharding, idle_fo
 
 from .dist_harness import run_ranks
 from .fleet_harness import run_job
-from .helpers import _full_size_sizes
-from .helpers import _run_cases, build_tiny_model, from_portable, portable, single_threaded, sp_forward_cases
+from .helpers import build_tiny_model, from_portable, full_size_sizes, portable, run_sp_forward_cases, single_threaded, sp_forward_cases
 
 PROMPT = "a red fox in the snow"
 NEGATIVE = "blurry"
@@ -42,22 +41,22 @@ def sharded_forwards_on_ranks() -> bytes:
     full_bytes = sum(p.nbytes for p in models["19b"].parameters())
     for model in models.values():
         apply_weight_sharding(model, world, "cpu")
-    results = {"sharded": _run_cases(models), "full_bytes": full_bytes, "sharded_flag": weight_sharding_comm(models["19b"]) is world}
+    results = {"sharded": run_sp_forward_cases(models), "full_bytes": full_bytes, "sharded_flag": weight_sharding_comm(models["19b"]) is world}
     results["local_bytes"] = sum(t.nbytes for key, t in local_state_dict(models["19b"]).items() if "rope" not in key)
     for model in models.values():
         apply_sequence_parallel(model, world)
-    results["sharded_sp"] = _run_cases(models)
+    results["sharded_sp"] = run_sp_forward_cases(models)
     for model in models.values():
         remove_sequence_parallel(model)
     whole = {variant: apply_sequence_parallel(build_tiny_model(variant), world) for variant in ("19b", "22b")}
-    results["sp_whole_weights"] = _run_cases(whole)
+    results["sp_whole_weights"] = run_sp_forward_cases(whole)
     _, (variant, video, audio, perturbations) = next(iter(sp_forward_cases().items()))
     with torch.no_grad():
         if world.rank == 0:
             results["rank_0_alone"] = models[variant](video=video, audio=audio, perturbations=perturbations)[0]
         else:
             idle_forward(models[variant])
-    results["after_idle_round"] = _run_cases(models)
+    results["after_idle_round"] = run_sp_forward_cases(models)
     from mgpu_backend.ltx.parallelize import Stage1Cache, Stage1Options, parallelize_stage1
     from mgpu_backend.parallel.guidance_parallel import plan_stage1
 
@@ -70,7 +69,7 @@ def sharded_forwards_on_ranks() -> bytes:
 
 @pytest.fixture(scope="module")
 def unsharded():
-    return single_threaded(_run_cases, {variant: build_tiny_model(variant) for variant in ("19b", "22b")})
+    return single_threaded(run_sp_forward_cases, {variant: build_tiny_model(variant) for variant in ("19b", "22b")})
 
 
 def _assert_same_outputs(ours: dict, theirs: dict, what: str) -> None:
@@ -197,7 +196,7 @@ def test_two_stage_job_sharded_over_4_ranks_under_hybrid_groups_equals_the_unsha
 
 @pytest.fixture(scope="module")
 def sizes_22b():
-    return _full_size_sizes("ltx2.3-22b-transformer.json")
+    return full_size_sizes("ltx2.3-22b-transformer.json")
 
 
 def test_the_22b_fp8_cast_runs_sharded_on_two_24_gib_gpus_and_is_refused_on_one_naming_sharding(sizes_22b):

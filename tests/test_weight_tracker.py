@@ -21,8 +21,7 @@ from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.weight_tracker import HostParking, TransformerWeightTracker, clean_shard_on_host, stage_lora_set
 from tests.dist_harness import run_ranks
-from tests.helpers import _inputs
-from tests.helpers import build_tiny_model
+from tests.helpers import build_tiny_model, transformer_inputs
 
 WORLD_SIZE = 2
 BUCKET_BYTES = 64 * 1024  # small, so one swap needs several bucket broadcasts per owner
@@ -278,7 +277,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.gpu])])
 def test_parking_empties_every_storage_once_and_brings_weights_and_forward_back_bitwise(device):
     model = build_tiny_model(seed=1).to(device)
-    video, audio = _inputs(seed=2, device=device)
+    video, audio = transformer_inputs(seed=2, device=device)
     with torch.inference_mode():
         expected = model(video=video, audio=audio, perturbations=None)
     weights = _state(model)
