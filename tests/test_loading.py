@@ -134,7 +134,8 @@ def test_a_warm_second_use_of_every_component_reads_nothing(spec):
         "audio_decoder",
         "vocoder",
         "spatial_upsampler",
-        "text_encoder",
+        "gemma",
+        "embeddings_processor",
     ]
     for name in builds:
         getattr(loader, name)()
