@@ -4,6 +4,7 @@ no test module imports another."""
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import hashlib
 import importlib.util
@@ -384,16 +385,22 @@ def wait_until(condition, timeout: float = 30.0, what: str = "condition") -> Non
         time.sleep(0.1)
 
 
-def ranks_once(client, condition, what: str, timeout: float = 30.0) -> list[dict]:
-    """``client.status()``'s ranks once ``condition(ranks)`` holds: a rank's memory and weight report
-    ride on its heartbeat (one a second), so a report lags the job that changed it."""
+def ranks_reported_after(client, moment: float, timeout: float = 30.0) -> list[dict]:
+    """``client.status()``'s ranks once every rank's memory and weight report was taken after
+    ``moment`` (a ``time.time()`` after the job that changed them returned).
+
+    A report rides on a rank's heartbeat (one a second). A heartbeat that reached the server after
+    ``moment`` left the rank after the job's result, but may have been measured before it; the one
+    after it was measured after: so wait for two."""
     seen: list[list[dict]] = []
 
-    def holds() -> bool:
+    def every_rank_beat_after(moments: dict[int, float]) -> bool:
         seen.append(client.status()["ranks"])
-        return condition(seen[-1])
+        return all((rank["heartbeat"] or 0.0) > moments[rank["rank"]] for rank in seen[-1])
 
-    wait_until(holds, timeout, what)
+    wait_until(lambda: every_rank_beat_after(collections.defaultdict(lambda: moment)), timeout, "a heartbeat from every rank")
+    first = {rank["rank"]: rank["heartbeat"] for rank in seen[-1]}
+    wait_until(lambda: every_rank_beat_after(first), timeout, "a second heartbeat from every rank")
     return seen[-1]
 
 

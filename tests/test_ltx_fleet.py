@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stag
 from mgpu_backend.ltx.text import encode_prompts
 
 from .fleet_harness import run_job
-from .helpers import NEGATIVE, PROMPT, SINGLE_GPU_SIGMAS, context_tensors, contexts_of, ranks_once, run_generate, sample_args
+from .helpers import NEGATIVE, PROMPT, SINGLE_GPU_SIGMAS, context_tensors, contexts_of, ranks_reported_after, run_generate, sample_args
 
 
 run = run_job
@@ -225,8 +226,9 @@ def test_every_job_logs_its_disk_reads_and_status_reports_weight_memory_per_rank
     warm = [line for line in logs if line.startswith(("[rank 0] encode:", "[rank 0-1] encode:"))]
     assert cold and float(cold[0].split(": ")[1].split(" MiB")[0]) > 1.0, logs
     assert len(warm) == 2 and "0.0 MiB read from disk" in warm[1], logs
+    encoded_at = time.time()
     with FleetClient.connect(str(fleet), autostart=False) as client:
-        ranks = ranks_once(client, lambda ranks: all(rank["weights"] and rank["weights"]["working_bytes"] > 0 for rank in ranks), "every rank reporting its loaded weights")
+        ranks = ranks_reported_after(client, encoded_at)
     shards = [rank["weights"]["clean_shard_bytes"] for rank in ranks]
     working = [rank["weights"]["working_bytes"] for rank in ranks]
     assert working[0] == working[1] > 0, "every rank holds the whole working transformer"

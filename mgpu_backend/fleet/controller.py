@@ -647,6 +647,7 @@ class Fleet:
                 "alive": rank.process.poll() is None,
                 "memory": rank.info.get("memory"),
                 "weights": rank.info.get("weights"),
+                "heartbeat": rank.info.get("heartbeat"),  # time.time() of the heartbeat that brought memory and weights
             }
             for rank in self.ranks
         ]
