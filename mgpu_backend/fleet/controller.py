@@ -441,9 +441,6 @@ class Fleet:
         with self._spawn_lock:
             self._spawned = [other for other in self._spawned if other is not rank]
 
-    def alive(self) -> bool:
-        return bool(self.ranks) and all(rank.process.poll() is None for rank in self.ranks)
-
     def _read_rank(self, rank: RankProcess) -> None:
         try:
             while True:
