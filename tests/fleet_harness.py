@@ -77,12 +77,17 @@ def raw_handshake(sock, token: str):
     return protocol.recv_message(sock)
 
 
-def module_fleet(tmp_path_factory, name: str, cpu_ranks: int = 2, *extra: str, env: dict | None = None) -> Iterator[Path]:
+def module_fleet(tmp_path_factory, name: str, cpu_ranks: int = 2, *extra: str, env: dict | None = None, own_tmpdir: bool = False) -> Iterator[Path]:
     """A fleet server for one test module, in a private folder of its own; yields its socket and
-    stops it when the module is done (``yield from`` it in a module-scoped fixture)."""
+    stops it when the module is done (``yield from`` it in a module-scoped fixture, or take the
+    ``fleet_of`` fixture of tests/conftest.py). ``own_tmpdir``: the server's TMPDIR (its rendezvous
+    and store folders) is the folder ``tmp`` beside its socket."""
     directory = tmp_path_factory.mktemp(name)
     directory.chmod(0o700)
     socket_path = directory / "fleet.sock"
+    if own_tmpdir:
+        (directory / "tmp").mkdir()
+        env = {**(env or {}), "TMPDIR": str(directory / "tmp")}
     process = start_server(socket_path, cpu_ranks, "--idle-timeout", "0", *extra, env=env)
     try:
         yield socket_path

@@ -33,6 +33,7 @@ from PIL import Image
 
 from mgpu_backend.bundles import tiny
 from mgpu_backend.bundles.full_size import ltx_core_gemma_config
+from tests.helpers import max_abs_diff
 
 TRANSFORMERS_5 = int(transformers.__version__.split(".")[0]) >= 5
 needs_ltx_core_gemma = pytest.mark.skipif(
@@ -59,10 +60,6 @@ def stand_in_gemma_output(prompt: str) -> tuple[tuple[torch.Tensor, ...], torch.
     return hidden_states, attention_mask
 
 
-def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.float() - b.float()).abs().max().item()
-
-
 def assert_bitwise(ours: torch.Tensor, reference: torch.Tensor, what: str) -> None:
     assert ours.shape == reference.shape, f"{what}: shape {tuple(ours.shape)} != reference {tuple(reference.shape)}"
     assert torch.equal(ours.float(), reference.float()), f"{what}: max abs diff {max_abs_diff(ours, reference):.3e}"
@@ -76,11 +73,6 @@ def reference_uint8_frames(frames: torch.Tensor) -> torch.Tensor:
     """
     decoder_plus_one = (frames * 2).to(torch.bfloat16)
     return ((decoder_plus_one / 2.0).clamp(0.0, 1.0) * 255.0).to(torch.uint8)
-
-
-def tiny_bundle_of_each_version(request, tmp_path_factory) -> tiny.TinyBundle:
-    """The body of a module-scoped fixture parametrised over ``tiny.VERSIONS``."""
-    return tiny.make_tiny_bundle(tmp_path_factory.mktemp(f"tiny-ltx{request.param}"), version=request.param)
 
 
 def version_id(version: str) -> str:

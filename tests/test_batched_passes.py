@@ -32,11 +32,13 @@ from mgpu_backend.parallel.guidance_parallel import (
 )
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel
 from tests.dist_harness import run_ranks
-from tests.test_guidance_parallel import TINY_HEADS, VIDEO_TOKENS, euler_stage1_loop
-from tests.test_sequence_parallel import (
+from tests.helpers import (
     ISOLATED,
     STG,
+    TINY_HEADS,
+    VIDEO_TOKENS,
     build_tiny_model,
+    euler_stage1_loop,
     from_portable,
     modality,
     portable,

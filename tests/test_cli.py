@@ -2,19 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 from mgpu_backend.bundles.tiny import make_tiny_bundle
 
-from .fleet_harness import REPO
-
-
-def cli(*args: str, cwd=None, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), **(env_extra or {})}
-    env.pop("MGPU_SOCKET", None)
-    return subprocess.run([sys.executable, "-m", "mgpu_backend", *args], cwd=cwd or REPO, env=env, capture_output=True, text=True, timeout=120)
+from tests.helpers import cli
 
 
 def test_make_tiny_writes_the_same_bundle_as_the_library(tmp_path):

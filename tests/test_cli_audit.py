@@ -28,8 +28,8 @@ from mgpu_backend.ltx.decode import fit_audio_to_video
 from mgpu_backend.ltx.schema import EMBEDDED_TINY, audio_sample_count
 from mgpu_backend.tools import cli
 
-from .fleet_harness import REPO, start_server, stop_server
-from .test_nodes import NODES
+from .fleet_harness import REPO
+from .helpers import NODES
 
 PROMPT = "a red fox runs through fresh snow at dawn"
 
@@ -40,13 +40,8 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, cache_dir):
-    directory = tmp_path_factory.mktemp("audit-fleet")
-    directory.chmod(0o700)
-    socket_path = directory / "fleet.sock"
-    process = start_server(socket_path, 2, "--idle-timeout", "0", env={"MGPU_CACHE_DIR": str(cache_dir)})
-    yield socket_path
-    stop_server(process)
+def fleet(fleet_of, cache_dir):
+    return fleet_of(2, env={"MGPU_CACHE_DIR": str(cache_dir)})
 
 
 def jobs_served(socket_path: Path) -> int:
@@ -355,7 +350,7 @@ def test_an_input_error_is_shown_without_a_rank_in_the_cli_and_in_a_node(monkeyp
     from mgpu_backend.fleet.client import FleetError
     from mgpu_backend.tools.generate import describe_fleet_error
 
-    from .test_nodes import FakeComfy, fleet_job
+    from tests.helpers import FakeComfy, fleet_job
 
     input_error = FleetError("frames must be 8k+1, got 10; use 9", kind="input_error", rank=1, traceback="Traceback ...")
     fault = FleetError("out of memory on cuda:1", rank=1, traceback="Traceback ...\nOutOfMemoryError")

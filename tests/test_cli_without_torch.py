@@ -14,7 +14,7 @@ import pytest
 from mgpu_backend.tools import cli
 
 from .fleet_harness import REPO
-from .test_comfy_queue import PROMPT_ID, SUCCESS_SCRIPT, WORKFLOW, FakeComfyUI
+from .helpers import PROMPT_ID, SUCCESS_SCRIPT, WORKFLOW, FakeComfyUI
 
 
 @pytest.fixture(scope="session")

@@ -57,8 +57,8 @@ def lora_case(comfy, tiny, calls):
 
 
 @pytest.fixture(scope="module")
-def fleet_1(tmp_path_factory, comfy):
-    yield from module_fleet(tmp_path_factory, "comfy-engine-1", 1)
+def fleet_1(fleet_of, comfy):
+    return fleet_of(1)
 
 
 def test_load_reports_the_tiny_ltx23_model_as_comfyui_loads_it(fleet_1, tiny):

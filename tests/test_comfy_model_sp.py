@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 
 from tests import comfy_model_cases as cases
-from tests.fleet_harness import module_fleet
 
 ALIGNED = ("plain", "image_to_video", "keyframes")  # token counts of whole gate vectors: see cases.GATE_ROUNDING_BOUND
 
@@ -41,8 +40,8 @@ def batch_calls(comfy, tiny, calls):
 
 
 @pytest.fixture(scope="module")
-def fleet_2(tmp_path_factory, comfy):
-    yield from module_fleet(tmp_path_factory, "comfy-sp-2", 2)
+def fleet_2(fleet_of, comfy):
+    return fleet_of(2)
 
 
 @pytest.mark.parametrize("case", ALIGNED)
@@ -81,8 +80,8 @@ def test_batch_2_call_at_two_sigmas_runs_unsplit_bitwise(fleet_2, tiny, batch_ca
 
 
 @pytest.fixture(scope="module")
-def fleet_4(tmp_path_factory, comfy):
-    yield from module_fleet(tmp_path_factory, "comfy-sp-4", 4)
+def fleet_4(fleet_of, comfy):
+    return fleet_of(4)
 
 
 @pytest.mark.slow

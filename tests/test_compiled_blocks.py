@@ -20,7 +20,6 @@ from mgpu_backend.parallel.compiled_blocks import (
     apply_compiled_blocks,
     blocks_compiled,
     compile_blocks_wanted,
-    compiled_blocks,
     perturbations_for_block,
     remove_compiled_blocks,
     transformer_blocks,
@@ -28,11 +27,15 @@ from mgpu_backend.parallel.compiled_blocks import (
 from mgpu_backend.parallel.cuda_graphs import CapturedForward
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel
 from tests.dist_harness import run_ranks
-from tests.test_cuda_graphs import _inputs, _isolated, _max_abs_diff, _stg
-from tests.test_sequence_parallel import (
+from tests.helpers import (
     ISOLATED,
     STG,
+    transformer_inputs,
+    isolated_perturbations,
+    max_abs_diff,
+    stg_perturbations,
     build_tiny_model,
+    compiled_blocks,
     from_portable,
     portable,
     single_threaded,
@@ -66,8 +69,8 @@ def _forwards(model, calls):
 
 
 def _calls():
-    short, longer = _inputs(2), _inputs(3, frames=4)
-    return [(*short, None), (*longer, None), (*_inputs(4), None), (*short, _isolated()), (*short, _stg())]
+    short, longer = transformer_inputs(2), transformer_inputs(3, frames=4)
+    return [(*short, None), (*longer, None), (*transformer_inputs(4), None), (*short, isolated_perturbations()), (*short, stg_perturbations())]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -87,7 +90,7 @@ def test_compiled_blocks_equal_eager_and_share_graphs_across_blocks_with_torch_2
         graphs.append(counters["stats"]["unique_graphs"] - before)
     for index, (e, c) in enumerate(zip(eager, compiled)):
         for slot in range(2):
-            assert torch.equal(e[slot], c[slot]), f"call {index} output {slot} differs by {_max_abs_diff(e[slot], c[slot])}"
+            assert torch.equal(e[slot], c[slot]), f"call {index} output {slot} differs by {max_abs_diff(e[slot], c[slot])}"
     # With torch 2.14: one graph per shape for all blocks, none for new values of a seen shape, one
     # more per perturbation pattern (STG names a block, and that block gets a graph of its own).
     # torch 2.11 (seen on the GPU machine) breaks the graph at ltx-core's attention call and traces
@@ -100,7 +103,7 @@ def test_patterns_differing_only_in_the_perturbed_type_get_their_own_graphs():
     # Dynamo does not guard the type of a perturbation: without the per-block encoding, the graph
     # traced for skipping video self-attention was replayed for audio self-attention.
     model = _deep_model()
-    video, audio = _inputs(7)
+    video, audio = transformer_inputs(7)
     calls = [
         (video, audio, BatchedPerturbationConfig([PerturbationConfig([Perturbation(kind, None)])]))
         for kind in (PerturbationType.SKIP_VIDEO_SELF_ATTN, PerturbationType.SKIP_AUDIO_SELF_ATTN, PerturbationType.SKIP_A2V_CROSS_ATTN)
@@ -109,11 +112,11 @@ def test_patterns_differing_only_in_the_perturbed_type_get_their_own_graphs():
     apply_compiled_blocks(model, backend="aot_eager")
     for index, (e, c) in enumerate(zip(eager, _forwards(model, calls))):
         for slot in range(2):
-            assert torch.equal(e[slot], c[slot]), f"pattern {index} output {slot} differs by {_max_abs_diff(e[slot], c[slot])}"
+            assert torch.equal(e[slot], c[slot]), f"pattern {index} output {slot} differs by {max_abs_diff(e[slot], c[slot])}"
 
 
 def test_perturbations_for_a_block_answer_as_the_original_does():
-    configs = [_stg(), _isolated(), BatchedPerturbationConfig.empty(2), BatchedPerturbationConfig([STG, ISOLATED])]
+    configs = [stg_perturbations(), isolated_perturbations(), BatchedPerturbationConfig.empty(2), BatchedPerturbationConfig([STG, ISOLATED])]
     for config in configs:
         for block in range(4):
             view = perturbations_for_block(config, block)
@@ -178,7 +181,7 @@ def test_compiled_blocks_under_sp_degree_2_match_single_rank_eager_fp32():
         for variant in VARIANTS:
             for name in SP_CASES:
                 for slot, what in enumerate(("video", "audio")):
-                    diff = _max_abs_diff(outputs[variant][name][slot], reference[variant][name][slot])
+                    diff = max_abs_diff(outputs[variant][name][slot], reference[variant][name][slot])
                     assert diff <= 1e-5, f"{variant} rank {rank}, {name}, {what}: max abs diff {diff}"
 
 
@@ -187,7 +190,7 @@ def test_compiled_blocks_under_sp_degree_2_match_single_rank_eager_fp32():
 def test_gpu_inductor_blocks_with_graph_replay_match_eager_within_bf16_noise(variant):
     device = torch.device("cuda", torch.cuda.current_device())
     model = build_tiny_model(variant, seed=9).to(device=device, dtype=torch.bfloat16)
-    calls = [(*_inputs(seed, device=device, dtype=torch.bfloat16), None) for seed in (10, 11)]
+    calls = [(*transformer_inputs(seed, device=device, dtype=torch.bfloat16), None) for seed in (10, 11)]
     eager = _forwards(model, calls)
     wrapper = CapturedForward(model)
     with compiled_blocks(model, enabled=True):
@@ -200,7 +203,7 @@ def test_gpu_inductor_blocks_with_graph_replay_match_eager_within_bf16_noise(var
     for e, r in zip(eager, replayed):
         for slot in range(2):
             scale = float(e[slot].float().abs().max())
-            assert _max_abs_diff(e[slot], r[slot]) <= 0.02 * max(scale, 1.0), (_max_abs_diff(e[slot], r[slot]), scale)
+            assert max_abs_diff(e[slot], r[slot]) <= 0.02 * max(scale, 1.0), (max_abs_diff(e[slot], r[slot]), scale)
     for slot in range(2):
         scale = float(eager[0][slot].float().abs().max())
-        assert _max_abs_diff(eager[0][slot], eager_replayed[slot]) <= 0.02 * max(scale, 1.0)
+        assert max_abs_diff(eager[0][slot], eager_replayed[slot]) <= 0.02 * max(scale, 1.0)

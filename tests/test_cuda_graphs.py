@@ -24,38 +24,9 @@ from mgpu_backend.parallel.cuda_graphs import (
     forward_signature,
     keep_rope_grids_on_device,
 )
-from tests.test_sequence_parallel import ISOLATED, STG, build_tiny_model, modality, tiny_contexts, tiny_latent_states
+from tests.helpers import build_tiny_model, isolated_perturbations, max_abs_diff, stg_perturbations, transformer_inputs
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
-def _inputs(seed: int, frames: int = 3, sigma: float = 0.7, device="cpu", dtype=torch.float32, image_conditioning=False):
-    video_state, audio_state = tiny_latent_states(seed, frames=frames, image_conditioning=image_conditioning)
-    video_context, audio_context = tiny_contexts(seed)
-    video, audio = modality(video_state, video_context, sigma), modality(audio_state, audio_context, sigma)
-
-    def moved(m):
-        fields = {}
-        for name in ("latent", "sigma", "timesteps", "positions", "context", "attention_mask"):
-            value = getattr(m, name)
-            if value is not None:
-                # Latents and text in the model's dtype; sigma, timesteps, positions stay float32 as in stage 1.
-                fields[name] = value.to(device=device, dtype=dtype) if name in ("latent", "context") else value.to(device)
-        return replace(m, **fields)
-
-    return moved(video), moved(audio)
-
-
-def _stg() -> BatchedPerturbationConfig:
-    return BatchedPerturbationConfig([STG])
-
-
-def _isolated() -> BatchedPerturbationConfig:
-    return BatchedPerturbationConfig([ISOLATED])
-
-
-def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max())
 
 
 # -- CPU ---------------------------------------------------------------------------------------------
@@ -66,28 +37,28 @@ def test_cpu_wrapper_falls_back_to_eager_with_outputs_equal_to_plain_call(caplog
     wrapper = CapturedForward(model)
     caplog.set_level(logging.INFO, logger="mgpu_backend.parallel.cuda_graphs")
     with torch.inference_mode():
-        for seed, perturbations in ((2, None), (3, _stg()), (4, None)):
-            video, audio = _inputs(seed)
+        for seed, perturbations in ((2, None), (3, stg_perturbations()), (4, None)):
+            video, audio = transformer_inputs(seed)
             expected = model(video=video, audio=audio, perturbations=perturbations)
             got = wrapper(video=video, audio=audio, perturbations=perturbations)
             for name, e, g in zip(("video", "audio"), expected, got):
-                assert torch.equal(e, g), f"{name} differs from the plain call by {_max_abs_diff(e, g)}"
+                assert torch.equal(e, g), f"{name} differs from the plain call by {max_abs_diff(e, g)}"
     assert (wrapper.captures, wrapper.replays, wrapper.eager_calls) == (0, 0, 3)
     fallback_lines = [r.getMessage() for r in caplog.records if "eagerly" in r.getMessage()]
     assert len(fallback_lines) == 1 and "CUDA device" in fallback_lines[0], fallback_lines
 
 
 def test_signature_separates_shapes_and_perturbations_and_matches_equal_ones():
-    video, audio = _inputs(5)
-    other_values_video, other_values_audio = _inputs(6)
-    longer_video, _ = _inputs(5, frames=4)
+    video, audio = transformer_inputs(5)
+    other_values_video, other_values_audio = transformer_inputs(6)
+    longer_video, _ = transformer_inputs(5, frames=4)
     with torch.inference_mode():
         base = forward_signature(video, audio, None)
         assert forward_signature(other_values_video, other_values_audio, None) == base
-        assert forward_signature(video, audio, _stg()) == forward_signature(other_values_video, other_values_audio, _stg())
+        assert forward_signature(video, audio, stg_perturbations()) == forward_signature(other_values_video, other_values_audio, stg_perturbations())
         assert forward_signature(longer_video, audio, None) != base
-        assert forward_signature(video, audio, _stg()) != base
-        assert forward_signature(video, audio, _stg()) != forward_signature(video, audio, _isolated())
+        assert forward_signature(video, audio, stg_perturbations()) != base
+        assert forward_signature(video, audio, stg_perturbations()) != forward_signature(video, audio, isolated_perturbations())
         assert forward_signature(video, audio, BatchedPerturbationConfig.empty(1)) != base
         assert forward_signature(replace(video, enabled=False), audio, None) != base
         assert forward_signature(replace(video, latent=video.latent.half()), audio, None) != base
@@ -100,11 +71,11 @@ def test_signature_separates_shapes_and_perturbations_and_matches_equal_ones():
 def test_capturing_runner_gives_the_inner_runners_outputs():
     model = build_tiny_model(seed=7)
     with torch.inference_mode():
-        video, audio = _inputs(8)
+        video, audio = transformer_inputs(8)
         passes = [
             GuidancePass("conditional", video, audio, None),
-            GuidancePass("perturbed", video, audio, _stg()),
-            GuidancePass("isolated", video, audio, _isolated()),
+            GuidancePass("perturbed", video, audio, stg_perturbations()),
+            GuidancePass("isolated", video, audio, isolated_perturbations()),
         ]
         expected = SequentialPassRunner().run(model, passes)
         cache = Stage1Cache()
@@ -113,8 +84,8 @@ def test_capturing_runner_gives_the_inner_runners_outputs():
         again = runner.run(model, passes)
     for index, (e, g, a) in enumerate(zip(expected, got, again)):
         for slot in range(2):
-            assert torch.equal(e[slot], g[slot]), f"pass {index} output {slot} differs by {_max_abs_diff(e[slot], g[slot])}"
-            assert torch.equal(e[slot], a[slot]), f"pass {index} output {slot} (2nd run) differs by {_max_abs_diff(e[slot], a[slot])}"
+            assert torch.equal(e[slot], g[slot]), f"pass {index} output {slot} differs by {max_abs_diff(e[slot], g[slot])}"
+            assert torch.equal(e[slot], a[slot]), f"pass {index} output {slot} (2nd run) differs by {max_abs_diff(e[slot], a[slot])}"
     assert cache.captured_forward(model) is runner.captured, "the wrapper is not kept per transformer"
     assert runner.summary()["eager_calls"] == 6, runner.summary()
     cache.release_graphs()
@@ -123,7 +94,7 @@ def test_capturing_runner_gives_the_inner_runners_outputs():
 
 def test_rope_grids_on_device_give_bit_identical_outputs():
     model = build_tiny_model(seed=11)
-    video, audio = _inputs(12)
+    video, audio = transformer_inputs(12)
     with torch.inference_mode():
         before = model(video=video, audio=audio, perturbations=None)
         keep_rope_grids_on_device(model)
@@ -134,7 +105,7 @@ def test_rope_grids_on_device_give_bit_identical_outputs():
                if "_prepare_positional_embeddings" in vars(p)]  # fmt: skip
     assert len(patched) == 2, "both modalities' preprocessors must read the resident grids"
     for name, b, a in zip(("video", "audio"), before, after):
-        assert torch.equal(b, a), f"{name} changed by {_max_abs_diff(b, a)} with device-resident RoPE grids"
+        assert torch.equal(b, a), f"{name} changed by {max_abs_diff(b, a)} with device-resident RoPE grids"
 
 
 def test_cuda_graphs_argument_defaults_to_the_device_and_refuses_non_booleans():
@@ -157,14 +128,14 @@ def test_captured_forward_matches_eager_bf16_over_new_values_and_two_shapes(vari
     wrapper = CapturedForward(model)
     worst, scale = 0.0, 0.0
     calls = [(frames, seed, perturbations) for frames in (3, 5) for seed in (31, 32, 33) for perturbations in (None,)]
-    calls += [(3, 34, _stg()), (3, 35, _stg())]
+    calls += [(3, 34, stg_perturbations()), (3, 35, stg_perturbations())]
     with torch.inference_mode():
         for frames, seed, perturbations in calls:
-            video, audio = _inputs(seed, frames=frames, sigma=0.3 + 0.1 * (seed % 5), device=device, dtype=torch.bfloat16)
+            video, audio = transformer_inputs(seed, frames=frames, sigma=0.3 + 0.1 * (seed % 5), device=device, dtype=torch.bfloat16)
             got = wrapper(video=video, audio=audio, perturbations=perturbations)
             expected = model(video=video, audio=audio, perturbations=perturbations)
             for e, g in zip(expected, got):
-                worst = max(worst, _max_abs_diff(e, g))
+                worst = max(worst, max_abs_diff(e, g))
                 scale = max(scale, float(e.float().abs().max()))
     # 3 signatures (3 frames, 5 frames, 3 frames with STG): one capture each, the rest replays.
     assert (wrapper.captures, wrapper.replays, wrapper.eager_calls) == (3, 8, 0), wrapper.summary()
@@ -180,12 +151,12 @@ def test_captured_forward_reads_new_inputs_not_the_captured_ones(variant):
     model = build_tiny_model(variant, seed=22).to(device, torch.bfloat16)
     wrapper = CapturedForward(model)
     with torch.inference_mode():
-        first = wrapper(*_inputs(41, device=device, dtype=torch.bfloat16))
-        second_video, second_audio = _inputs(42, device=device, dtype=torch.bfloat16)
+        first = wrapper(*transformer_inputs(41, device=device, dtype=torch.bfloat16))
+        second_video, second_audio = transformer_inputs(42, device=device, dtype=torch.bfloat16)
         second = wrapper(second_video, second_audio)
         expected = model(video=second_video, audio=second_audio, perturbations=None)
-    assert _max_abs_diff(first[0], second[0]) > 0.1, "the replay returned the first call's outputs"
-    assert _max_abs_diff(second[0], expected[0]) <= 2e-2 * float(expected[0].float().abs().max())
+    assert max_abs_diff(first[0], second[0]) > 0.1, "the replay returned the first call's outputs"
+    assert max_abs_diff(second[0], expected[0]) <= 2e-2 * float(expected[0].float().abs().max())
     assert wrapper.captures == 1
 
 
@@ -196,10 +167,10 @@ def test_conditioning_attention_mask_runs_eagerly_and_exactly():
     model = build_tiny_model(seed=23).to(device, torch.bfloat16)
     wrapper = CapturedForward(model)
     with torch.inference_mode():
-        video, audio = _inputs(51, device=device, dtype=torch.bfloat16, image_conditioning=True)
+        video, audio = transformer_inputs(51, device=device, dtype=torch.bfloat16, image_conditioning=True)
         assert video.attention_mask is not None
         got = wrapper(video, audio)
         expected = model(video=video, audio=audio, perturbations=None)
-    assert torch.equal(got[0], expected[0]), _max_abs_diff(got[0], expected[0])
+    assert torch.equal(got[0], expected[0]), max_abs_diff(got[0], expected[0])
     assert (wrapper.captures, wrapper.eager_calls) == (0, 1)
     assert any("attention mask" in reason for reason in wrapper.summary()["eager_reasons"]), wrapper.summary()

@@ -8,13 +8,12 @@ from safetensors.torch import load_file
 
 from mgpu_backend.tools import media
 
-from .test_cli import cli
-from .test_ltx_fleet import _generate
+from tests.helpers import cli, run_generate
 
 
 @pytest.mark.slow
 def test_generate_runs_the_distilled_pipeline_on_the_embedded_tiny_bundle(tmp_path):
-    completed = _generate(tmp_path, "distilled", "--pipeline", "distilled")
+    completed = run_generate(tmp_path, "distilled", "--pipeline", "distilled")
     assert "embedded tiny LTX-2 bundle" in completed.stderr and "8 steps, distilled pipeline" in completed.stderr
     # One rank runs stage 2 untiled, so its audio is the official re-denoised one.
     assert "stage-2 plan (auto, distilled): SP degree 1 on 1 rank for" in completed.stderr
@@ -29,7 +28,7 @@ def test_generate_runs_the_distilled_pipeline_on_the_embedded_tiny_bundle(tmp_pa
 def test_distilled_debug_dump_under_sp_is_identical_at_1_and_2_cpu_ranks(tmp_path):
     dumps = {}
     for ranks in (1, 2):
-        completed = _generate(tmp_path, f"r{ranks}", "--pipeline", "distilled", "--stage2-parallel", "sp", cpu_ranks=ranks)
+        completed = run_generate(tmp_path, f"r{ranks}", "--pipeline", "distilled", "--stage2-parallel", "sp", cpu_ranks=ranks)
         assert f"SP degree {ranks} on {ranks} rank{'s' if ranks > 1 else ''} for" in completed.stderr
         dumps[ranks] = load_file(str(tmp_path / f"r{ranks}.safetensors"))
     for ranks in (2,):

@@ -23,26 +23,16 @@ from mgpu_backend.ltx.schema import STAGE_2_SIGMAS, SampleRequest
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import encode_prompts
 
-from .fleet_harness import module_fleet, run_job
+from .fleet_harness import run_job
 from .official_reference import first_frame_image, version_id
+from .helpers import decoder_generator
 
 PROMPT = "a paper boat drifts down a rain-filled gutter"
 
 
-@pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return {version: tiny.make_tiny_bundle(root / version, version) for version in tiny.VERSIONS}
-
-
 @pytest.fixture(scope="module", params=tiny.VERSIONS, ids=version_id)
-def version(request):
+def bundle_version(request):
     return request.param
-
-
-@pytest.fixture(scope="module")
-def bundle(bundles, version):
-    return bundles[version]
 
 
 @pytest.fixture(scope="module")
@@ -51,13 +41,8 @@ def spec(bundle) -> dict:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "distilledfleet")
-
-
-@pytest.fixture(scope="module")
-def fleet_of_four(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "distilledfleet4", 4)
+def fleet_of_four(fleet_of):
+    return fleet_of(4)
 
 
 run = run_job
@@ -85,13 +70,13 @@ def one_process(spec, image) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        loader = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16)
+        loader = ModelLoader(ModelSpec.from_wire(spec), "cpu", torch.bfloat16)
         (context,) = encode_prompts(loader, [PROMPT])
         params = stage1_params(SampleRequest.from_wire(sample_args(spec)), layer_count=2)
         video, audio = sample_stage1(loader, params, context, None)
         image_video, image_audio = sample_stage1(loader, params, context, None, image=image)
         video2, audio2 = refine_stage2(loader, STAGE2, upsample_video(loader, video), audio, context, sigmas=STAGE_2_SIGMAS, lora_set="none", denoise_audio=True)
-        frames = decode_video(loader, video2, generator=STAGE2.decoder_generator(loader.device, loader.dtype))
+        frames = decode_video(loader, video2, generator=decoder_generator(STAGE2, loader.device, loader.dtype))
     finally:
         torch.set_num_threads(threads)
     return {

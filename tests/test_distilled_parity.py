@@ -29,15 +29,16 @@ from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stag
 from mgpu_backend.ltx.text import contexts_from_gemma
 
 from . import official_reference
-from .official_reference import assert_bitwise, first_frame_image, max_abs_diff, reference_uint8_frames, stand_in_gemma_output
+from .official_reference import assert_bitwise, first_frame_image, reference_uint8_frames, stand_in_gemma_output
+from .helpers import decoder_generator, max_abs_diff
 
 PROMPT = "A cat sleeping on a windowsill while rain runs down the glass."
 HEIGHT, WIDTH, FRAMES, FRAME_RATE, SEED = 128, 192, 9, 24.0, 10
 
 
 @pytest.fixture(scope="module", params=tiny.VERSIONS, ids=official_reference.version_id)
-def bundle(request, tmp_path_factory):
-    return official_reference.tiny_bundle_of_each_version(request, tmp_path_factory)
+def bundle_version(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +81,7 @@ def run_ours(loader: ModelLoader, spec: ModelSpec, image: torch.Tensor | None) -
         loader, stage2, upsampled, stage1_audio, positive, image=image, sigmas=upscale_request.sigmas, lora_set="none",
         denoise_audio=True, on_step=lambda step, total, video_x0: progress.append((2, step, total)),
     )  # fmt: skip
-    frames = decode_video(loader, stage2_video, generator=stage2.decoder_generator(loader.device, loader.dtype))
+    frames = decode_video(loader, stage2_video, generator=decoder_generator(stage2, loader.device, loader.dtype))
     waveform, sample_rate = decode_audio(loader, stage2_audio)
     return {
         "version": sample_request.model_version, "context": positive, "passes": passes, "stage1_sigmas": stage1.stage1_sigmas,

@@ -11,48 +11,28 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from ltx_core.model.video_vae import (
-    SpatialTilingConfig,
-    TemporalTilingConfig,
-    TilingConfig,
-    VideoDecoder,
-    VideoDecoderConfigurator,
-)
+from ltx_core.model.video_vae import VideoDecoder
 
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.distributed_decode import (
     decoded_images_shape,
     distributed_decode_images,
-    distributed_decode_video,
     last_decode_stats,
+)
+from tests.dist_harness import run_ranks
+from tests.helpers import (
+    SCENARIOS,
+    TINY_DECODER_CONFIG,
+    build_tiny_decoder,
+    distributed_decode_video,
+    noise_seed,
+    scenario_latent,
     single_gpu_decode_video,
     video_to_images,
 )
-from tests.dist_harness import run_ranks
 
 TOLERANCE = 1e-5
 
-TINY_DECODER_CONFIG = {
-    "vae": {
-        "dims": 3,
-        "latent_channels": 128,
-        "out_channels": 3,
-        "patch_size": 4,
-        "norm_layer": "pixel_norm",
-        "causal_decoder": False,
-        "timestep_conditioning": True,
-        "decoder_base_channels": 4,
-        "spatial_padding_mode": "reflect",
-        # Listed encoder-side first, as in checkpoints; the decoder runs them in reverse.
-        "decoder_blocks": [
-            ["res_x", {"num_layers": 1, "inject_noise": True}],
-            ["compress_all", {"residual": True, "multiplier": 2}],
-            ["compress_all", {"residual": True, "multiplier": 2}],
-            ["compress_all", {"residual": True, "multiplier": 2}],
-            ["res_x", {"num_layers": 1, "inject_noise": True}],
-        ],
-    }
-}
 
 # The LTX-2.3 decoder's layout at tiny width: space and time upsampled by separate blocks, no
 # timestep conditioning (so no decoder noise), zero padding (configs/ltx2.3-22b-transformer.json's
@@ -76,66 +56,10 @@ TINY_LTX23_DECODER_CONFIG = {
     }
 }
 
-SPATIAL_64_32 = SpatialTilingConfig(tile_size_in_pixels=64, tile_overlap_in_pixels=32)
 
-# name -> (latent shape [B, 128, F', H', W'], tiling for the distributed decode, tiling for
-# ltx-core's reference, tile count). The reference tiling differs only for the spatial-only case:
-# ltx-core 1.0.0's tiled_decode fails without a temporal tiling, so it gets one temporal tile that
-# covers the whole video, which yields the same tiles and weights.
-SCENARIOS = {
-    # 3 temporal x 2 x 3 spatial tiles: more tiles than ranks, 2D corners where 4 tiles overlap.
-    "spatial_and_temporal": (
-        (1, 128, 6, 3, 4),
-        TilingConfig(SPATIAL_64_32, TemporalTilingConfig(24, 8)),
-        TilingConfig(SPATIAL_64_32, TemporalTilingConfig(24, 8)),
-        18,
-    ),
-    # Temporal tiles of 2 latent frames with overlap 1: up to three temporal groups overlap a frame.
-    "three_way_temporal_overlap": (
-        (1, 128, 6, 2, 3),
-        TilingConfig(SPATIAL_64_32, TemporalTilingConfig(16, 8)),
-        TilingConfig(SPATIAL_64_32, TemporalTilingConfig(16, 8)),
-        10,
-    ),
-    # Two tiles, batch 2: fewer tiles than four ranks, two ranks idle.
-    "fewer_tiles_than_ranks": (
-        (2, 128, 5, 2, 2),
-        TilingConfig(None, TemporalTilingConfig(24, 8)),
-        TilingConfig(None, TemporalTilingConfig(24, 8)),
-        2,
-    ),
-    "spatial_only": (
-        (1, 128, 3, 2, 3),
-        TilingConfig(SPATIAL_64_32, None),
-        TilingConfig(SPATIAL_64_32, TemporalTilingConfig(64, 8)),
-        2,
-    ),
-    "no_tiling": ((1, 128, 2, 2, 2), None, None, 1),
-}
 # This scenario decodes with generator=None (the default CPU generator, seeded alike on every rank).
 DEFAULT_GENERATOR_SCENARIO = "three_way_temporal_overlap"
 IMAGE_SCENARIO = "spatial_and_temporal"
-
-
-def build_tiny_decoder(config: dict = TINY_DECODER_CONFIG) -> VideoDecoder:
-    decoder = VideoDecoderConfigurator.from_config(config).eval()
-    weights = torch.Generator().manual_seed(1234)
-    with torch.no_grad():
-        # Several parameters and the latent statistics are created with torch.empty: fill them all.
-        for parameter in decoder.parameters():
-            parameter.copy_(torch.randn(parameter.shape, generator=weights) * 0.2)
-        decoder.per_channel_statistics.get_buffer("std-of-means").copy_(torch.rand(128, generator=weights) + 0.5)
-        decoder.per_channel_statistics.get_buffer("mean-of-means").copy_(torch.randn(128, generator=weights) * 0.1)
-    return decoder
-
-
-def scenario_latent(name: str) -> torch.Tensor:
-    shape = SCENARIOS[name][0]
-    return torch.randn(shape, generator=torch.Generator().manual_seed(len(name)))
-
-
-def noise_seed(name: str) -> int:
-    return 100 + list(SCENARIOS).index(name)
 
 
 def _generator_state_after(name: str, generator: torch.Generator | None) -> torch.Tensor:
@@ -320,7 +244,7 @@ def test_decoder_drawing_unexpected_noise_is_refused(decoder):
 
 def test_wrong_latent_and_out_shapes_get_actionable_errors(decoder):
     with pytest.raises(ValueError, match=r"\[batch, 128, frames, height, width\]"):
-        distributed_decode_video(decoder, torch.zeros(1, 16, 2, 2, 2), None, Comm(None))
+        distributed_decode_images(decoder, torch.zeros(1, 16, 2, 2, 2), None, Comm(None))
     latent = scenario_latent("no_tiling")
     with pytest.raises(ValueError, match="decoded_images_shape"):
         distributed_decode_images(decoder, latent, None, Comm(None), out=torch.zeros(1, 64, 64, 3))

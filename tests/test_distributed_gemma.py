@@ -16,7 +16,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.ltx.text import encode_prompts
 from mgpu_backend.parallel import distributed_gemma
@@ -71,11 +70,6 @@ def _fleet_scenario(bundle: dict, mode: str) -> dict:
     out["single"] = _as_lists(encode_prompts_distributed(loader, SINGLE_PROMPT, comm, mode))
     out["single_stats"] = last_encode_stats()
     return out
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> tiny.TinyBundle:
-    return tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

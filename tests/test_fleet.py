@@ -21,16 +21,12 @@ from mgpu_backend.fleet.client import FleetCancelled, FleetClient, FleetError
 
 from . import fleet_harness
 from .fleet_harness import REPO, start_server, stop_server, wait_for_server, wait_gone
+from .helpers import wait_until
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("fleet")
-    directory.chmod(0o700)
-    socket_path = directory / "fleet.sock"
-    process = start_server(socket_path, 2, "--rank-timeout", "6", "--idle-timeout", "0")
-    yield socket_path
-    stop_server(process)
+def fleet(fleet_of):
+    return fleet_of(2, "--rank-timeout", "6")
 
 
 def connect(socket_path) -> FleetClient:
@@ -198,7 +194,8 @@ def test_several_clients_are_served_first_in_first_out(fleet):
 
     first = threading.Thread(target=submit, args=("first", 15))
     first.start()
-    time.sleep(0.3)
+    with connect(fleet) as observer:
+        wait_until(lambda: observer.status()["current_job"] is not None, what="the first job running")
     second = threading.Thread(target=submit, args=("second", 1))
     second.start()
     first.join(60)

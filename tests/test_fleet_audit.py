@@ -24,22 +24,15 @@ from mgpu_backend.fleet.protocol import Message
 
 from . import fleet_harness
 from .fleet_harness import REPO, raw_handshake, start_server, stop_server, token_of, wait_gone
-from .test_fleet_hardening import next_of, ranks_of, segments_of, submit, wait_until
+from .helpers import next_of, ranks_of, segments_of, submit, wait_until
 
 UNACKNOWLEDGED_BYTES = 6 << 20
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
+def fleet(fleet_of):
     """Two CPU ranks; their rendezvous files under the fleet's own TMPDIR; 6 MiB of unread results per client."""
-    directory = tmp_path_factory.mktemp("audit")
-    directory.chmod(0o700)
-    (directory / "tmp").mkdir()
-    socket_path = directory / "fleet.sock"
-    env = {"TMPDIR": str(directory / "tmp"), "MGPU_UNACKNOWLEDGED_BYTES": str(UNACKNOWLEDGED_BYTES)}
-    process = start_server(socket_path, 2, "--idle-timeout", "0", env=env)
-    yield socket_path
-    stop_server(process)
+    return fleet_of(2, env={"MGPU_UNACKNOWLEDGED_BYTES": str(UNACKNOWLEDGED_BYTES)}, own_tmpdir=True)
 
 
 def connect(socket_path) -> FleetClient:

@@ -20,19 +20,15 @@ from safetensors.torch import save_file
 
 from mgpu_backend.fleet.client import FleetCancelled, FleetClient, FleetError
 
-from .fleet_harness import REPO, start_server, stop_server, wait_for_server, wait_gone
+from .fleet_harness import REPO, wait_for_server, wait_gone
+from .helpers import cpu_seconds, wait_until
 
 RANK_TIMEOUT = 5
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("faults")
-    directory.chmod(0o700)
-    socket_path = directory / "fleet.sock"
-    process = start_server(socket_path, 2, "--rank-timeout", str(RANK_TIMEOUT), "--idle-timeout", "0")
-    yield socket_path
-    stop_server(process)
+def fleet(fleet_of):
+    return fleet_of(2, "--rank-timeout", str(RANK_TIMEOUT))
 
 
 def connect(socket_path) -> FleetClient:
@@ -285,7 +281,8 @@ def test_shutdown_during_a_long_step_ends_every_rank_and_starts_none(tmp_path, h
         with connect(socket_path) as probe:
             pids = rank_pids(probe)
         client, runner, _ = _start_a_long_step(socket_path)
-        time.sleep(1.0)  # rank 1 is inside its long step now
+        computing_from = cpu_seconds(pids[1])
+        wait_until(lambda: cpu_seconds(pids[1]) > computing_from + 0.2, what="rank 1 computing its long step")
         if how == "stop":
             with connect(socket_path) as other:
                 other.shutdown()

@@ -25,16 +25,12 @@ from mgpu_backend.fleet.protocol import Message
 
 from . import fleet_harness
 from .fleet_harness import REPO, raw_handshake, start_server, token_of
+from .helpers import next_of, ranks_of, segments_of, submit, wait_until
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    directory = tmp_path_factory.mktemp("hardening")
-    directory.chmod(0o700)
-    socket_path = directory / "fleet.sock"
-    process = start_server(socket_path, 1, "--idle-timeout", "0")
-    yield socket_path
-    fleet_harness.stop_server(process)
+def fleet(fleet_of):
+    return fleet_of(1)
 
 
 def connect(socket_path) -> FleetClient:
@@ -69,45 +65,6 @@ def reply_then_closed(sock) -> Message:
             protocol.recv_message(sock)
     sock.close()
     return reply
-
-
-def segments_of(*pids: int) -> set[str]:
-    """Segments in /dev/shm created by ``pids`` (other tests may run beside this one)."""
-    prefixes = tuple(f"mgpu-{os.getuid()}-{pid}-" for pid in pids)
-    return {name for name in os.listdir(shm.SHM_DIR) if name.startswith(prefixes)}
-
-
-def wait_until(condition, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
-        time.sleep(0.1)
-
-
-def submit(sock, op: str, args: dict | None = None, tensors=None, shm_descriptors=None, ref: int = 1) -> None:
-    fields = {"op": op, "args": args or {}, "ref": ref}
-    protocol.send_message(sock, Message("submit", fields, tensors or {}, shm=shm_descriptors or []))
-
-
-def next_of(sock, *types: str) -> Message:
-    while (message := protocol.recv_message(sock)).type not in types:
-        pass
-    return message
-
-
-def ranks_of(server_pid: int) -> list[int]:
-    """Live rank processes started by server ``server_pid``, whoever their parent is now."""
-    marker = b"rank\0--rank", f"--owner-pid\0{server_pid}\0".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
-                text = cmdline.read()
-        except OSError:
-            continue
-        if all(part in text for part in marker) and fleet_harness.process_alive(int(entry)):
-            pids.append(int(entry))
-    return pids
 
 
 def start_wrapped_server(tmp_path, *wrapper: str):

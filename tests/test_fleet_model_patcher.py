@@ -20,7 +20,6 @@ import torch
 from mgpu_backend.comfy_model import remote
 from mgpu_backend.ltx import api
 from tests import comfy_model_cases as cases
-from tests.fleet_harness import module_fleet
 
 DISTILLED_SIGMAS = (1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0)  # the template's ManualSigmas
 
@@ -42,13 +41,13 @@ def use_fleet(socket_path):
 
 
 @pytest.fixture(scope="module")
-def fleet_1(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "fleet-model-1", 1)
+def fleet_1(fleet_of):
+    return fleet_of(1)
 
 
 @pytest.fixture(scope="module")
-def fleet_2(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "fleet-model-2", 2)
+def fleet_2(fleet_of):
+    return fleet_of(2)
 
 
 def fleet_model(comfy, path, socket_path):

@@ -10,22 +10,15 @@ import signal
 import pytest
 import torch
 
-from mgpu_backend.bundles.tiny import make_tiny_bundle
 from mgpu_backend.fleet.client import FleetClient
 
-from .fleet_harness import module_fleet, wait_gone
-from .test_ltx_fleet import NEGATIVE, PROMPT, SINGLE_GPU_SIGMAS, context_tensors, sample_args
+from .fleet_harness import wait_gone
+from .helpers import NEGATIVE, PROMPT, SINGLE_GPU_SIGMAS, context_tensors, sample_args
 
 
 @pytest.fixture(scope="module")
-def spec(tmp_path_factory) -> dict:
-    bundle = make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-    return bundle.spec().to_json()
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "replacement", 2, "--rank-timeout", "60")
+def fleet(fleet_of):
+    return fleet_of(2, "--rank-timeout", "60")
 
 
 def mib_read(lines: list[str], job: str) -> dict[int, float]:

@@ -2,7 +2,7 @@
 the LoRA hot-swap round trip on fp8 weights, and Lightricks-style fp8 checkpoint files in both modes.
 
 Every number comes from real builds of ltx-core's transformer from real safetensors files (the tiny
-bundle's checkpoint, and fp8 copies of it written by ``fp8.convert_checkpoint_to_fp8``); the
+bundle's checkpoint, and fp8 copies of it written by ``tests.helpers.convert_checkpoint_to_fp8``); the
 hot-swap runs on two real gloo ranks.
 """
 
@@ -19,7 +19,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx import fp8
 from mgpu_backend.ltx.jobs import ResidentModel, stage1_params
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
@@ -29,6 +28,7 @@ from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stag
 from mgpu_backend.ltx.text import encode_prompts
 from mgpu_backend.parallel.comm import Comm
 from tests.dist_harness import run_ranks
+from tests.helpers import convert_checkpoint_to_fp8
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["a red fox runs through fresh snow at dawn", "blurry, low quality"]
@@ -63,12 +63,13 @@ def _stage1(loader, contexts) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> dict:
-    made = tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
+def bundle(bundle, tmp_path_factory) -> dict:
+    """The tiny bundle's paths, and its checkpoint converted to scaled fp8 and to cast fp8."""
+    made = bundle
     folder = tmp_path_factory.mktemp("fp8files")
     paths = {name: getattr(made, name) for name in ("checkpoint_path", "gemma_root", "spatial_upsampler_path", "distilled_lora_path")}
-    paths["scaled_fp8_path"] = str(fp8.convert_checkpoint_to_fp8(made.checkpoint_path, folder / "tiny-fp8.safetensors"))
-    paths["cast_fp8_path"] = str(fp8.convert_checkpoint_to_fp8(made.checkpoint_path, folder / "tiny-fp8-cast.safetensors", scaled=False))
+    paths["scaled_fp8_path"] = str(convert_checkpoint_to_fp8(made.checkpoint_path, folder / "tiny-fp8.safetensors"))
+    paths["cast_fp8_path"] = str(convert_checkpoint_to_fp8(made.checkpoint_path, folder / "tiny-fp8-cast.safetensors", scaled=False))
     return paths
 
 

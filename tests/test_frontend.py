@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_workflows import builder
+from tests.helpers import builder
 
 PACK_DIR = Path(__file__).resolve().parent.parent
 pack = builder.load_pack()

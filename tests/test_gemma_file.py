@@ -33,7 +33,7 @@ from mgpu_backend.ltx.gemma_file import (
 from mgpu_backend.ltx.loading import ModelFileError, ModelLoader, ModelSpec, validate_model_files
 from mgpu_backend.ltx.text import encode_prompts
 
-from .test_cli import cli
+from tests.helpers import cli
 
 PROMPTS = [
     "A fox steps through fresh snow at the edge of a pine forest.",
@@ -41,11 +41,6 @@ PROMPTS = [
     "  <start_of_turn>user Rain drums on a tin roof at 3:45, 1200 drops a second!<end_of_turn>  ",
     "snow " * 1500,  # longer than 1024 tokens: cut, as the folder's tokenizer cuts it
 ]
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> tiny.TinyBundle:
-    return tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -314,10 +309,11 @@ def test_residency_sizes_a_gemma_file_by_the_text_stack_it_builds_whatever_the_f
 
 
 def test_spec_names_a_gemma_file_or_says_where_it_should_be(bundle, comfy_file):
-    spec = ModelSpec.from_json(_spec(bundle, comfy_file).to_json())
+    spec = ModelSpec.from_wire(_spec(bundle, comfy_file).to_json())
+    spec.check_files_exist()
     assert spec.gemma_root == comfy_file
     with pytest.raises(ModelFileError, match="models/text_encoders/gemma_3_12B_it.safetensors"):
-        ModelSpec.from_json(_spec(bundle, comfy_file + ".missing").to_json())
+        ModelSpec.from_wire(_spec(bundle, comfy_file + ".missing").to_json()).check_files_exist()
 
 
 def test_generate_with_a_checkpoint_as_gemma_stops_before_starting_the_fleet(bundle, tmp_path):

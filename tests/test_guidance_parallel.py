@@ -5,133 +5,28 @@ ranks, must equal the same loop on one rank; and the planner's choices for typic
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 import torch
-from ltx_core.components.diffusion_steps import EulerDiffusionStep
-from ltx_core.components.guiders import MultiModalGuiderFactory, MultiModalGuiderParams
-from ltx_core.guidance.perturbations import (
-    BatchedPerturbationConfig,
-    Perturbation,
-    PerturbationConfig,
-    PerturbationType,
-)
 
 from mgpu_backend.ltx.passes import PASS_NAMES, GuidancePass, SequentialPassRunner
 from mgpu_backend.parallel.comm import Comm
-from mgpu_backend.parallel.guidance_parallel import (
-    GuidanceParallelRunner,
-    Plan,
-    apply_guidance_parallel,
-    build_stage1_groups,
-    plan_stage1,
-)
-from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel
+from mgpu_backend.parallel.guidance_parallel import GuidanceParallelRunner, Plan, plan_stage1
 from tests.dist_harness import run_ranks
-from tests.test_sequence_parallel import (
-    ISOLATED,
+from tests.helpers import (
+    TINY_HEADS,
+    TOLERANCE,
+    VIDEO_TOKENS,
     build_tiny_model,
+    euler_stage1_loop,
     from_portable,
     modality,
     portable,
     single_threaded,
+    stage1_loops_on_ranks,
     tiny_contexts,
     tiny_latent_states,
 )
-
-TOLERANCE = 1e-5
-SIGMAS = torch.tensor([1.0, 0.7, 0.4, 0.0])
-TINY_HEADS = {"attention_heads": 8, "audio_attention_heads": 8}
-VIDEO_TOKENS = 45  # 2 latent frames of 3 x 5 plus one appended keyframe of 3 x 5
-
-
-def _guider_factories() -> tuple[MultiModalGuiderFactory, MultiModalGuiderFactory]:
-    """Guidance that changes the active passes between steps: all four at sigma 1.0, no STG at
-    0.7 (three passes: uneven on two groups), CFG only at 0.4 (two passes: idle groups)."""
-    negative_video, negative_audio = tiny_contexts(seed=11)
-
-    def schedule(cfg: float, stg: float, modality_scale: float, rescale: float) -> dict:
-        # Bins by sigma upper bound: (0.75, 1.0] all passes, (0.5, 0.75] no STG, below 0.5 CFG only.
-        return {
-            1.0: MultiModalGuiderParams(
-                cfg_scale=cfg, stg_scale=stg, stg_blocks=[1], rescale_scale=rescale, modality_scale=modality_scale
-            ),
-            0.75: MultiModalGuiderParams(
-                cfg_scale=cfg, stg_scale=0.0, stg_blocks=[1], rescale_scale=rescale, modality_scale=modality_scale
-            ),
-            0.5: MultiModalGuiderParams(cfg_scale=cfg, stg_scale=0.0, rescale_scale=0.0, modality_scale=1.0),
-        }
-
-    return (
-        MultiModalGuiderFactory.from_dict(schedule(3.0, 1.0, 3.0, 0.7), negative_context=negative_video),
-        MultiModalGuiderFactory.from_dict(schedule(7.0, 1.0, 3.0, 0.0), negative_context=negative_audio),
-    )
-
-
-def _step_passes(video, audio, video_guider, audio_guider) -> list[GuidancePass]:
-    passes = [GuidancePass("conditional", video, audio, None)]
-    if video_guider.do_unconditional_generation() or audio_guider.do_unconditional_generation():
-        negative_video = replace(video, context=video_guider.negative_context)
-        negative_audio = replace(audio, context=audio_guider.negative_context)
-        passes.append(GuidancePass("unconditional", negative_video, negative_audio, None))
-    if video_guider.do_perturbed_generation() or audio_guider.do_perturbed_generation():
-        skipped = [Perturbation(PerturbationType.SKIP_VIDEO_SELF_ATTN, video_guider.params.stg_blocks)]
-        skipped.append(Perturbation(PerturbationType.SKIP_AUDIO_SELF_ATTN, audio_guider.params.stg_blocks))
-        passes.append(GuidancePass("perturbed", video, audio, BatchedPerturbationConfig([PerturbationConfig(skipped)])))
-    if video_guider.do_isolated_modality_generation() or audio_guider.do_isolated_modality_generation():
-        passes.append(GuidancePass("isolated", video, audio, BatchedPerturbationConfig([ISOLATED])))
-    return passes
-
-
-def _guided(guider, outputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    return guider.calculate(
-        outputs["conditional"],
-        outputs.get("unconditional", 0.0),
-        outputs.get("perturbed", 0.0),
-        outputs.get("isolated", 0.0),
-    )
-
-
-def euler_stage1_loop(transformer, runner) -> dict:
-    """Three Euler steps of image-conditioned AV denoising with full multi-modal guidance."""
-    video_state, audio_state = tiny_latent_states(seed=5, frames=2, image_conditioning=True)
-    video_context, audio_context = tiny_contexts(seed=6)
-    video_factory, audio_factory = _guider_factories()
-    stepper = EulerDiffusionStep()
-    pass_names = []
-    with torch.no_grad():
-        for step in range(len(SIGMAS) - 1):
-            sigma = float(SIGMAS[step])
-            video_guider, audio_guider = video_factory.build_from_sigma(sigma), audio_factory.build_from_sigma(sigma)
-            passes = _step_passes(
-                modality(video_state, video_context, sigma),
-                modality(audio_state, audio_context, sigma),
-                video_guider,
-                audio_guider,
-            )
-            pass_names.append([guidance_pass.name for guidance_pass in passes])
-            outputs = runner.run(transformer, passes)
-            denoised_video = _guided(video_guider, {p.name: out[0] for p, out in zip(passes, outputs)})
-            denoised_audio = _guided(audio_guider, {p.name: out[1] for p, out in zip(passes, outputs)})
-            # Clean conditioning tokens (denoise mask 0) keep their clean latent.
-            mask = video_state.denoise_mask
-            denoised_video = denoised_video * mask + video_state.clean_latent * (1 - mask)
-            video_state = replace(video_state, latent=stepper.step(video_state.latent, denoised_video, SIGMAS, step))
-            audio_state = replace(audio_state, latent=stepper.step(audio_state.latent, denoised_audio, SIGMAS, step))
-    return {"video": video_state.latent, "audio": audio_state.latent, "passes": pass_names}
-
-
-def stage1_loops_on_ranks(modes: list[str], variant: str = "19b") -> dict:
-    torch.set_num_threads(1)
-    world = Comm.world()
-    results = {}
-    for mode in modes:
-        plan = plan_stage1(world.world_size, VIDEO_TOKENS, PASS_NAMES, mode, **TINY_HEADS)
-        sp_comm, runner = build_stage1_groups(world, plan), apply_guidance_parallel(world, plan)
-        transformer = apply_sequence_parallel(build_tiny_model(variant), sp_comm)
-        results[mode] = {"layout": (plan.guidance_groups, plan.sp_degree), **euler_stage1_loop(transformer, runner)}
-    return portable(results)
 
 
 class _ScaledLatents:

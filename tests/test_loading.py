@@ -13,12 +13,8 @@ from safetensors.torch import save_file
 
 from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.loading import ModelFileError, ModelLoader, ModelSpec, validate_model_files
+from tests.helpers import PromptEncoder
 from tests.official_reference import needs_ltx_core_gemma
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> tiny.TinyBundle:
-    return tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +77,7 @@ def test_every_component_equals_the_one_model_ledger_builds(spec, tiny_gemma_in_
     _assert_same_weights(loader.audio_decoder(), ledger.audio_decoder())
     _assert_same_weights(loader.vocoder(), ledger.vocoder())
     _assert_same_weights(loader.spatial_upsampler(), ledger.spatial_upsampler())
-    prompt_encoder = loader.text_encoder()
+    prompt_encoder = PromptEncoder(loader.gemma(), loader.embeddings_processor())
     # Our Gemma is transformers' text stack alone (no vision tower, no tied lm_head): ltx-core's without the rest.
     # ltx-core also saves its hand-made rotary buffers; the encodings below compare what those compute.
     ours_gemma = dict(prompt_encoder.gemma.model.named_parameters())
@@ -140,7 +136,8 @@ def test_a_warm_second_use_of_every_component_reads_nothing(spec):
         "audio_decoder",
         "vocoder",
         "spatial_upsampler",
-        "text_encoder",
+        "gemma",
+        "embeddings_processor",
     ]
     for name in builds:
         getattr(loader, name)()
@@ -186,7 +183,7 @@ def test_spec_round_trips_through_json(spec, bundle):
         **{**spec.__dict__, "loras": ((bundle.distilled_lora_path, 0.5),), "distilled_lora_strength": 0.8}
     )
     data = json.loads(json.dumps(with_loras.to_json()))
-    assert ModelSpec.from_json(data) == with_loras
+    assert ModelSpec.from_wire(data) == with_loras
 
 
 @pytest.mark.parametrize(
@@ -203,9 +200,9 @@ def test_spec_round_trips_through_json(spec, bundle):
         ({"gemma_root": "/nowhere/gemma"}, "Gemma folder /nowhere/gemma does not exist"),
     ],
 )
-def test_spec_from_json_says_what_is_wrong(spec, change, message):
+def test_spec_file_check_says_what_is_wrong(spec, change, message):
     with pytest.raises(ModelFileError) as error:
-        ModelSpec.from_json({**spec.to_json(), **change})
+        ModelSpec.from_wire({**spec.to_json(), **change}).check_files_exist()
     assert message in str(error.value)
 
 

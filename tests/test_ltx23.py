@@ -37,8 +37,8 @@ from mgpu_backend.ltx.schema import (
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import encode_prompts
 
-from .fleet_harness import REPO, module_fleet, run_job
-from .test_ltx_fleet import sample_args as ltx_fleet_sample_args
+from .fleet_harness import REPO, run_job
+from .helpers import sample_args as ltx_fleet_sample_args
 
 PROMPT = "a lighthouse beam sweeps over a stormy sea at night"
 NEGATIVE = "blurry, low quality"
@@ -46,9 +46,8 @@ SINGLE_GPU_SIGMAS = [0.909375, 0.725, 0.421875, 0.0]
 
 
 @pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny-both")
-    return {version: make_tiny_bundle(root / version, version) for version in ("2.0", "2.3")}
+def bundles(tiny_bundle_of):
+    return {version: tiny_bundle_of(version) for version in ("2.0", "2.3")}
 
 
 def spec_of(bundle, distilled_lora: str | None = None) -> ModelSpec:
@@ -162,8 +161,8 @@ def cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, cache):
-    yield from module_fleet(tmp_path_factory, "ltx23fleet", 4, env={"MGPU_CACHE_DIR": str(cache)})
+def fleet(fleet_of, cache):
+    return fleet_of(4, env={"MGPU_CACHE_DIR": str(cache)})
 
 
 run = run_job
@@ -280,8 +279,8 @@ def test_ltx23_transformer_layout_stage1_loop_at_two_ranks_sp_and_guidance_match
     AdaLN, split RoPE) at two ranks; four ranks under sp, guidance and hybrid run in the fleet test."""
     from mgpu_backend.ltx.passes import SequentialPassRunner
     from tests.dist_harness import run_ranks
-    from tests.test_guidance_parallel import TOLERANCE, euler_stage1_loop, stage1_loops_on_ranks
-    from tests.test_sequence_parallel import build_tiny_model, from_portable, single_threaded
+    from tests.helpers import TOLERANCE, euler_stage1_loop, stage1_loops_on_ranks
+    from tests.helpers import build_tiny_model, from_portable, single_threaded
 
     reference = single_threaded(euler_stage1_loop, build_tiny_model("22b"), SequentialPassRunner())
     per_rank = from_portable(run_ranks(2, stage1_loops_on_ranks, ["sp", "guidance"], "22b"))

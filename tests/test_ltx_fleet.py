@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -19,50 +16,12 @@ from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.ltx.schema import CONTEXT_MISSING, SampleRequest, prompt_digest
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import encode_prompts
-from mgpu_backend.bundles.tiny import make_tiny_bundle
 
-from .fleet_harness import REPO, module_fleet, run_job
-
-PROMPT = "a red fox runs through fresh snow at dawn"
-NEGATIVE = "blurry, low quality"
-SINGLE_GPU_SIGMAS = [0.909375, 0.725, 0.421875, 0.0]
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    return make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def spec(bundle) -> dict:
-    return bundle.spec().to_json()
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "ltxfleet")
+from .fleet_harness import run_job
+from .helpers import NEGATIVE, PROMPT, SINGLE_GPU_SIGMAS, context_tensors, contexts_of, ranks_reported_after, run_generate, sample_args
 
 
 run = run_job
-
-
-def contexts_of(result, index):
-    return result.tensors[f"video_context_{index}"], result.tensors[f"audio_context_{index}"]
-
-
-def sample_args(spec, **overrides):
-    args = {
-        "spec": spec, "width": 96, "height": 64, "num_frames": 9, "frame_rate": 24.0, "seed": 7, "steps": 3,
-        "video_guidance": {"cfg_scale": 3.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0, "stg_blocks": [1]},
-        "audio_guidance": {"cfg_scale": 7.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0, "stg_blocks": [1]},
-    }  # fmt: skip
-    args.update(overrides)
-    return args
-
-
-def context_tensors(encoded):
-    (pv, pa), (nv, na) = contexts_of(encoded, 0), contexts_of(encoded, 1)
-    return {"positive_video_context": pv, "positive_audio_context": pa, "negative_video_context": nv, "negative_audio_context": na}
 
 
 def test_fleet_jobs_at_two_ranks_equal_the_in_process_stages_bf16(fleet, spec):
@@ -75,7 +34,7 @@ def test_fleet_jobs_at_two_ranks_equal_the_in_process_stages_bf16(fleet, spec):
         {**stage1.tensors, "positive_video_context": tensors["positive_video_context"], "positive_audio_context": tensors["positive_audio_context"]},
     )  # fmt: skip
 
-    loader = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16)
+    loader = ModelLoader(ModelSpec.from_wire(spec), "cpu", torch.bfloat16)
     positive, negative = encode_prompts(loader, [PROMPT, NEGATIVE])
     params = stage1_params(SampleRequest.from_wire(sample_args(spec)), layer_count=2)
     video, audio = sample_stage1(loader, params, positive, negative)
@@ -149,7 +108,7 @@ def test_stage1_guidance_plan_at_two_ranks_equals_the_in_process_stage_bf16(flee
     encoded = run(fleet, "encode", {"spec": spec, "prompts": [PROMPT, NEGATIVE]})
     stage1 = run(fleet, "sample", sample_args(spec, parallel="guidance"), context_tensors(encoded))
 
-    loader = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16)
+    loader = ModelLoader(ModelSpec.from_wire(spec), "cpu", torch.bfloat16)
     positive, negative = encode_prompts(loader, [PROMPT, NEGATIVE])
     params = stage1_params(SampleRequest.from_wire(sample_args(spec)), layer_count=2)
     video, audio = sample_stage1(loader, params, positive, negative)
@@ -230,22 +189,8 @@ def test_tdp_refuses_pure_noise_unless_forced(fleet, spec):
     assert torch.equal(forced.tensors["audio_latent"], stage1.tensors["audio_latent"])
 
 
-def _generate(tmp_path, name, *extra, cpu_ranks=1):
-    env = {**os.environ, "PYTHONPATH": str(REPO), "MGPU_CACHE_DIR": str(tmp_path / "cache")}
-    env.pop("MGPU_SOCKET", None)
-    socket_dir = tmp_path / f"sock-{name}"
-    socket_dir.mkdir(mode=0o700)
-    command = [
-        sys.executable, "-m", "mgpu_backend", "generate", "--prompt", PROMPT, "--output", str(tmp_path / f"{name}.mp4"),
-        "--cpu-ranks", str(cpu_ranks), "--socket", str(socket_dir / "fleet.sock"), "--debug-dump", str(tmp_path / f"{name}.safetensors"), *extra,
-    ]  # fmt: skip
-    completed = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert completed.returncode == 0, completed.stderr[-3000:]
-    return completed
-
-
 def test_generate_writes_an_h264_aac_mp4_on_the_tiny_bundle_and_says_so(tmp_path):
-    completed = _generate(tmp_path, "one")
+    completed = run_generate(tmp_path, "one")
     assert "embedded tiny LTX-2 bundle" in completed.stderr
     # The CLI named the bundle; the fleet's ranks wrote it into the cache.
     assert (tmp_path / "cache" / EMBEDDED_BUNDLE_FOLDER / "ltx-2-tiny.safetensors").is_file()
@@ -262,7 +207,7 @@ def test_generate_writes_an_h264_aac_mp4_on_the_tiny_bundle_and_says_so(tmp_path
 def test_debug_dump_is_identical_at_1_2_and_4_cpu_ranks(tmp_path):
     dumps = {}
     for ranks in (1, 2, 4):
-        _generate(tmp_path, f"r{ranks}", "--tiles", "1x1", cpu_ranks=ranks)
+        run_generate(tmp_path, f"r{ranks}", "--tiles", "1x1", cpu_ranks=ranks)
         dumps[ranks] = load_file(str(tmp_path / f"r{ranks}.safetensors"))
     for ranks in (2, 4):
         for name, tensor in dumps[1].items():
@@ -281,9 +226,9 @@ def test_every_job_logs_its_disk_reads_and_status_reports_weight_memory_per_rank
     warm = [line for line in logs if line.startswith(("[rank 0] encode:", "[rank 0-1] encode:"))]
     assert cold and float(cold[0].split(": ")[1].split(" MiB")[0]) > 1.0, logs
     assert len(warm) == 2 and "0.0 MiB read from disk" in warm[1], logs
-    time.sleep(2.5)  # one heartbeat carries the weight report
+    encoded_at = time.time()
     with FleetClient.connect(str(fleet), autostart=False) as client:
-        ranks = client.status()["ranks"]
+        ranks = ranks_reported_after(client, encoded_at)
     shards = [rank["weights"]["clean_shard_bytes"] for rank in ranks]
     working = [rank["weights"]["working_bytes"] for rank in ranks]
     assert working[0] == working[1] > 0, "every rank holds the whole working transformer"

@@ -19,8 +19,8 @@ from mgpu_backend.ltx import api
 from mgpu_backend.ltx.loading import ModelLoader
 from mgpu_backend.ltx.text import COMFY_CONNECTOR_TOKENS, comfy_connector_rope, connector_widths, contexts_from_comfy
 
-from .fleet_harness import module_fleet, run_job
-from .test_nodes import SAMPLER_INPUTS, UPSCALE_INPUTS, av_latent, fake_api, layouts, mgpu_conditioning, node, tiny_handle  # noqa: F401
+from .fleet_harness import run_job
+from .helpers import SAMPLER_INPUTS, UPSCALE_INPUTS, av_latent, layouts, mgpu_conditioning, node, tiny_handle
 
 STOCK_SAMPLER = "use ComfyUI's own sampler with Load Checkpoint (MGPU fleet)"
 
@@ -256,8 +256,8 @@ def test_processed_stacked_contexts_split_back_exactly_and_a_foreign_width_is_re
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "stockcond", cpu_ranks=1)
+def fleet(fleet_of):
+    return fleet_of(1)
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ onto ComfyUI (fake ComfyUI modules; one test against a real one-rank fleet)."""
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import logging
 import math
 import sys
@@ -17,8 +16,8 @@ import torch
 
 from mgpu_backend.fleet.client import FleetCancelled, FleetError
 from mgpu_backend.ltx import api
+from tests.helpers import NODES, PACK_DIR, SAMPLER_INPUTS, UPSCALE_INPUTS, FakeComfy, av_latent, contexts, fleet_job, layouts, mgpu_conditioning, node, pack, tiny_handle
 
-PACK_DIR = Path(__file__).resolve().parent.parent
 CATEGORY = "MGPU/LTX-2"
 DISPLAY_NAMES = {
     "Load Checkpoint MGPU", "MGPU Text Encode", "SP Sampler", "TDP Upscale", "Distributed VAE Decode", "MGPU Fleet Control",
@@ -27,27 +26,8 @@ DISPLAY_NAMES = {
 WIDGET_KINDS = {"INT", "FLOAT", "STRING", "BOOLEAN"}
 
 
-def load_pack():
-    """The pack imported the way ComfyUI imports it (a package from its folder path)."""
-    name = "comfyui_mgpu_pack"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, PACK_DIR / "__init__.py", submodule_search_locations=[str(PACK_DIR)])
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-pack = load_pack()
-layouts = sys.modules["comfyui_mgpu_pack.nodes.layouts"]
-fleet_job = sys.modules["comfyui_mgpu_pack.nodes.fleet_job"]
 model_nodes = sys.modules["comfyui_mgpu_pack.nodes.model_nodes"]
 sampling_nodes = sys.modules["comfyui_mgpu_pack.nodes.sampling_nodes"]
-NODES = pack.NODE_CLASS_MAPPINGS
-
-
-def node(name):
-    return NODES[name]()
 
 
 def test_pack_entry_imported_as_a_plain_module_registers_nothing_and_does_not_fail():
@@ -58,57 +38,6 @@ def test_pack_entry_imported_as_a_plain_module_registers_nothing_and_does_not_fa
     spec.loader.exec_module(module)
     assert module.NODE_CLASS_MAPPINGS == {} and module.NODE_DISPLAY_NAME_MAPPINGS == {}
     assert len(NODES) == len(DISPLAY_NAMES), "as ComfyUI's package the pack still registers every node"
-
-
-class ApiRecorder:
-    """Stands in for one mgpu_backend.ltx.api function: records its calls, returns a canned result, and
-    shows the real function's signature (nodes look at it to see what the fleet api takes)."""
-
-    def __init__(self, signature_of=None, result=None) -> None:
-        self.calls, self.result = [], result
-        if signature_of is not None:
-            self.__signature__ = inspect.signature(signature_of)
-
-    def __call__(self, *args, **kwargs):
-        self.calls.append((args, kwargs))
-        return self.result(*args, **kwargs) if callable(self.result) else self.result
-
-
-@pytest.fixture
-def fake_api(monkeypatch):
-    """Every fleet-facing api function replaced; a test that reaches the fleet by mistake fails."""
-    recorders = {name: ApiRecorder(getattr(api, name)) for name in ("configure", "load", "encode", "sample", "upscale", "decode", "unload", "restart", "status")}
-    for name, recorder in recorders.items():
-        monkeypatch.setattr(api, name, recorder)
-    return recorders
-
-
-def contexts(seed: int, tokens: int = 5):
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randn(1, tokens, 32, generator=generator), torch.randn(1, tokens, 16, generator=generator)
-
-
-def mgpu_conditioning(seed: int, prompt: str = "a prompt"):
-    return layouts.make_conditioning(api.PromptEncoding(*contexts(seed), digest=f"{seed:064x}"), prompt)
-
-
-def tiny_handle(**overrides):
-    spec = {"checkpoint_path": "/m/ckpt.safetensors", "gemma_root": "/m/gemma", "spatial_upsampler_path": "/m/up.safetensors", "distilled_lora": "/m/lora.safetensors", "distilled_lora_strength": 1.0, "loras": []}
-    return layouts.make_model_handle({**spec, **overrides}, dtype="float32", gemma_mode="sharded", parallel="sp", gpus="all")
-
-
-def av_latent(frames: int = 2, height: int = 2, width: int = 3, audio_frames: int = 9, frame_rate=24.0):
-    generator = torch.Generator().manual_seed(frames * 100 + width)
-    video = torch.randn(1, 128, frames, height, width, generator=generator)
-    audio = torch.randn(1, 8, audio_frames, 16, generator=generator)
-    return layouts.make_av_latent(video, audio, frame_rate), video, audio
-
-
-SAMPLER_INPUTS = dict(
-    width=96, height=64, length=9, frame_rate=25.0, seed=7, steps=3, video_cfg=3.5, audio_cfg=6.0,
-    stg_scale=1.0, stg_blocks="1", rescale=0.5, modality_scale=2.0, parallel="(from loader)",
-)  # fmt: skip
-UPSCALE_INPUTS = dict(seed=11, sigmas="0.625, 0.4, 0.0", tiles="auto", overlap=2, frame_rate=0.0, force_from_noise=False)
 
 
 # --- declarations ----------------------------------------------------------------------------------
@@ -458,54 +387,6 @@ def test_nodes_refuse_a_model_input_that_is_not_an_mgpu_handle(fake_api):
 
 
 # --- progress, cancel and errors ----------------------------------------------------------------------
-
-
-class FakeComfy:
-    """comfy.utils / comfy.model_management / server stand-ins with ComfyUI's interrupt semantics."""
-
-    class InterruptProcessingException(Exception):
-        pass
-
-    def __init__(self, monkeypatch) -> None:
-        self.interrupted = False
-        self.bar_updates, self.texts, self.events = [], [], []
-        fake = self
-
-        class ProgressBar:
-            def __init__(self, total, node_id=None):
-                self.total, self.node_id = total, node_id
-
-            def update_absolute(self, value, total=None, preview=None):
-                fake.bar_updates.append((self.node_id, value, total))
-                fake.throw_exception_if_processing_interrupted()  # as ComfyUI's progress hook does
-
-        class PromptServer:
-            instance = None
-
-            def send_sync(self, event, data, sid=None):
-                fake.events.append((event, data))
-
-            def send_progress_text(self, text, node_id, sid=None):
-                fake.texts.append((node_id, text))
-
-        PromptServer.instance = PromptServer()
-        management = types.ModuleType("comfy.model_management")
-        management.InterruptProcessingException = self.InterruptProcessingException
-        management.processing_interrupted = lambda: self.interrupted
-        management.throw_exception_if_processing_interrupted = self.throw_exception_if_processing_interrupted
-        utils = types.ModuleType("comfy.utils")
-        utils.ProgressBar = ProgressBar
-        server = types.ModuleType("server")
-        server.PromptServer = PromptServer
-        comfy = types.ModuleType("comfy")
-        comfy.__path__ = []
-        for name, module in (("comfy", comfy), ("comfy.model_management", management), ("comfy.utils", utils), ("server", server)):
-            monkeypatch.setitem(sys.modules, name, module)
-
-    def throw_exception_if_processing_interrupted(self):
-        if self.interrupted:
-            self.interrupted = False
-            raise self.InterruptProcessingException()
 
 
 def scripted_job(steps: int, cancel_at_poll: int | None = None, interrupt_after_step: int | None = None, comfy=None):

@@ -12,7 +12,6 @@ import re
 import pytest
 import torch
 
-from mgpu_backend.bundles.tiny import make_tiny_bundle
 from mgpu_backend.fleet.jobs import JobContext
 from mgpu_backend.ltx.parallelize import (
     COMPILED_BLOCKS,
@@ -32,8 +31,7 @@ from mgpu_backend.parallel.compiled_blocks import blocks_compiled
 from mgpu_backend.parallel.guidance_parallel import plan_stage1
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel
 from tests.dist_harness import run_ranks
-from tests.test_cuda_graphs import _inputs, _max_abs_diff, _stg
-from tests.test_sequence_parallel import _CommOfSize, build_tiny_model
+from tests.helpers import CommOfSize, build_tiny_model, max_abs_diff, stg_perturbations, transformer_inputs
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 PROMPTS = ["a red fox runs through fresh snow at dawn", "blurry, low quality"]
@@ -105,9 +103,7 @@ def stage_jobs_on_ranks(spec: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def stage_jobs(tmp_path_factory):
-    bundle = make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-    spec = bundle.spec().to_json()
+def stage_jobs(spec):
     return run_ranks(2, stage_jobs_on_ranks, spec)
 
 
@@ -169,7 +165,7 @@ def test_stage1_undoes_its_techniques_when_the_loop_raises():
 
 
 def test_stage2_refuses_a_transformer_that_is_still_sequence_parallel():
-    model = apply_sequence_parallel(build_tiny_model(), _CommOfSize(2))
+    model = apply_sequence_parallel(build_tiny_model(), CommOfSize(2))
     with pytest.raises(RuntimeError, match="stage 2 got the resident transformer with sequence parallel still applied"):
         with parallelize_stage2(model, Comm(None), None, (2, 3, 5)):
             pass
@@ -187,8 +183,8 @@ def test_gpu_graphs_captured_in_one_job_replay_in_the_next_and_leave_the_model_u
     clean = instance_overrides(model)
     plan = plan_stage1(1, 45, 2, "auto", attention_heads=8, audio_attention_heads=8)
     cache, options = Stage1Cache(), Stage1Options(cuda_graphs=True)
-    video, audio = _inputs(8, device=device, dtype=torch.bfloat16)
-    passes = [GuidancePass("conditional", video, audio, None), GuidancePass("perturbed", video, audio, _stg())]
+    video, audio = transformer_inputs(8, device=device, dtype=torch.bfloat16)
+    passes = [GuidancePass("conditional", video, audio, None), GuidancePass("perturbed", video, audio, stg_perturbations())]
     outputs, captures = [], []
     for _job in range(2):
         with torch.inference_mode(), parallelize_stage1(model, plan, Comm(None), device, options, cache) as stage:
@@ -203,4 +199,4 @@ def test_gpu_graphs_captured_in_one_job_replay_in_the_next_and_leave_the_model_u
         for slot in range(2):
             assert torch.equal(first[slot], second[slot]), "the second job's replay differs from the first job's"
             scale = float(expected[slot].float().abs().max())
-            assert _max_abs_diff(first[slot], expected[slot]) <= 2e-2 * scale, (_max_abs_diff(first[slot], expected[slot]), scale)
+            assert max_abs_diff(first[slot], expected[slot]) <= 2e-2 * scale, (max_abs_diff(first[slot], expected[slot]), scale)

@@ -26,20 +26,15 @@ from ltx_core.types import VideoPixelShape
 
 from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.decode import decode_audio, decode_video
-from mgpu_backend.ltx.latents import (
-    audio_latent_to_tokens,
-    audio_tokens_to_latent,
-    image_to_pixels,
-    video_latent_to_tokens,
-    video_tokens_to_latent,
-)
+from mgpu_backend.ltx.latents import StageGeometry, image_to_pixels
 from mgpu_backend.ltx.loading import ModelLoader
 from mgpu_backend.ltx.passes import SequentialPassRunner
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import TextContext, contexts_from_gemma, encode_prompts
 
 from . import official_reference
-from .official_reference import assert_bitwise, first_frame_image, max_abs_diff, reference_uint8_frames, stand_in_gemma_output
+from .official_reference import assert_bitwise, first_frame_image, reference_uint8_frames, stand_in_gemma_output
+from .helpers import decoder_generator, max_abs_diff
 
 PROMPT = "A cat sleeping on a windowsill while rain runs down the glass."
 NEGATIVE_PROMPT = "blurry, out of focus, low contrast"
@@ -63,9 +58,9 @@ PARAMS = GenerationParams(
 
 
 @pytest.fixture(scope="module", params=tiny.VERSIONS, ids=official_reference.version_id)
-def bundle(request, tmp_path_factory):
-    """The tiny bundle of each model version: LTX-2.0 (19B layout) and LTX-2.3 (22B layout)."""
-    return official_reference.tiny_bundle_of_each_version(request, tmp_path_factory)
+def bundle_version(request) -> str:
+    """Each model version: LTX-2.0 (19B layout) and LTX-2.3 (22B layout)."""
+    return request.param
 
 
 def official_two_stages(bundle):
@@ -113,7 +108,7 @@ def run_ours(loader: ModelLoader, image: torch.Tensor | None) -> dict:
         image=image,
         on_step=lambda step, total, video_x0: progress.append((2, step, total)),
     )
-    frames = decode_video(loader, stage2_video, generator=PARAMS.decoder_generator(loader.device, loader.dtype))
+    frames = decode_video(loader, stage2_video, generator=decoder_generator(PARAMS, loader.device, loader.dtype))
     return {
         "contexts": (positive, negative),
         "stage1_video": stage1_video,
@@ -360,14 +355,16 @@ def test_on_step_exception_stops_the_stage_at_that_step_and_propagates():
     assert len(transformer.calls) == 2 * 4, "the stage ran past the step whose callback raised"
 
 
-def test_latent_layout_helpers_round_trip_in_frame_row_column_token_order():
-    video = torch.randn(2, 128, 3, 4, 5)
-    tokens = video_latent_to_tokens(video)
-    assert tuple(tokens.shape) == (2, 3 * 4 * 5, 128)
-    assert torch.equal(tokens[1, 2 * 20 + 1 * 5 + 3], video[1, :, 2, 1, 3])
-    assert torch.equal(video_tokens_to_latent(tokens, frames=3, height=4, width=5), video)
-    audio = torch.randn(2, 8, 7, 16)
-    tokens = audio_latent_to_tokens(audio)
-    assert tuple(tokens.shape) == (2, 7, 128)
-    assert torch.equal(tokens[1, 5], audio[1, :, 5, :].reshape(-1))
-    assert torch.equal(audio_tokens_to_latent(tokens), audio)
+def test_stage_latent_tools_round_trip_in_frame_row_column_token_order():
+    geometry = StageGeometry(height=128, width=160, num_frames=17, frame_rate=25.0)  # latent 3 x 4 x 5, 17 audio steps
+    video_patchifier, audio_patchifier = geometry.video_tools().patchifier, geometry.audio_tools().patchifier
+    video = torch.randn(1, 128, 3, 4, 5)
+    tokens = video_patchifier.patchify(video)
+    assert tuple(tokens.shape) == (1, 3 * 4 * 5, 128)
+    assert torch.equal(tokens[0, 2 * 20 + 1 * 5 + 3], video[0, :, 2, 1, 3])
+    assert torch.equal(video_patchifier.unpatchify(tokens, output_shape=geometry.video_shape), video)
+    audio = torch.randn(1, 8, 17, 16)
+    tokens = audio_patchifier.patchify(audio)
+    assert tuple(tokens.shape) == (1, 17, 128)
+    assert torch.equal(tokens[0, 5], audio[0, :, 5, :].reshape(-1))
+    assert torch.equal(audio_patchifier.unpatchify(tokens, output_shape=geometry.audio_shape), audio)

@@ -20,7 +20,6 @@ import pytest
 import torch
 from ltx_core.model.video_vae import SpatialTilingConfig, TemporalTilingConfig, TilingConfig
 
-from mgpu_backend.bundles.tiny import make_tiny_bundle
 from mgpu_backend.fleet import protocol
 from mgpu_backend.fleet.client import FleetClient, FleetUnavailable
 from mgpu_backend.fleet.protocol import Message
@@ -28,12 +27,10 @@ from mgpu_backend.ltx import api
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.ltx.previews import LatentRGB, fit_latent_rgb, preview_due, side_by_side
 from mgpu_backend.parallel.comm import Comm
-from mgpu_backend.parallel.distributed_decode import distributed_decode_video, single_gpu_decode_video
 from tests.dist_harness import run_ranks
-from tests.test_distributed_decode import SCENARIOS, build_tiny_decoder, noise_seed, scenario_latent
-from tests.test_nodes import FakeComfy, fleet_job
+from .helpers import SCENARIOS, FakeComfy, build_tiny_decoder, distributed_decode_video, fleet_job, noise_seed, scenario_latent, single_gpu_decode_video
 
-from .fleet_harness import REPO, module_fleet, start_server, stop_server
+from .fleet_harness import REPO, start_server, stop_server
 
 PROMPT = "a red fox runs through fresh snow at dawn"
 NEGATIVE = "blurry, low quality"
@@ -142,17 +139,11 @@ def test_decode_reports_every_tile_across_ranks_in_step_on_every_rank(scenario, 
 
 
 @pytest.fixture(scope="module")
-def spec(tmp_path_factory) -> dict:
-    bundle = make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-    return bundle.spec().to_json()
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    for socket_path in module_fleet(tmp_path_factory, "previewfleet"):
-        api.configure(address=str(socket_path))
-        yield socket_path
-        api.configure()
+def fleet(fleet_of):
+    socket_path = fleet_of(2)
+    api.configure(address=str(socket_path))
+    yield socket_path
+    api.configure()
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +154,7 @@ def prompts(fleet, spec):
 @pytest.fixture(scope="module")
 def factors(spec) -> LatentRGB:
     """The projection fitted in this process to the tiny bundle's decoder, as rank 0 fits it."""
-    loader = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16)
+    loader = ModelLoader(ModelSpec.from_wire(spec), "cpu", torch.bfloat16)
     return fit_latent_rgb(loader.video_decoder(), torch.device("cpu"), torch.bfloat16)
 
 
@@ -210,7 +201,7 @@ def test_decode_progress_counts_every_tile_and_never_goes_back(fleet, spec, prom
     # 64-pixel tiles without overlap of a 192x128 video: 2 x 3 tiles, 3 rounds on 2 ranks.
     frames, _, _ = api.decode(spec, video, audio, after_stages=1, spatial_tile_pixels=64, progress=events.append)
     decode = [(event["step"], event["total"]) for event in events if event["stage"] == "decode"]
-    decoder = ModelLoader(ModelSpec.from_json(spec), "cpu", torch.bfloat16).video_decoder()
+    decoder = ModelLoader(ModelSpec.from_wire(spec), "cpu", torch.bfloat16).video_decoder()
     tiling = TilingConfig(SpatialTilingConfig(64, 0), TemporalTilingConfig(64, 24))  # what the decode job builds
     tiles = len(decoder._prepare_tiles(video.to(torch.bfloat16), tiling))
     assert tiles == 6 and decode[-1] == (tiles, tiles) and {total for _, total in decode} == {tiles}

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from mgpu_backend.bundles import full_size as random_bundle
 from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.loading import ModelLoader, validate_model_files
+from tests.helpers import PromptEncoder
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -195,7 +196,7 @@ def test_small_bundle_loads_through_model_loader_and_model_ledger_with_the_same_
     # encoder turns a prompt into [1, 1024, hidden] contexts through it.
     hidden = gemma["text_config"]["hidden_size"]
     assert pairs[2][1].feature_extractor.aggregate_embed.in_features == hidden * (3 + 1)
-    (context,) = loader.text_encoder().encode(["a red fox runs through fresh snow"])
+    (context,) = PromptEncoder(loader.gemma(), loader.embeddings_processor()).encode(["a red fox runs through fresh snow"])
     assert tuple(context.video_encoding.shape) == (1, 1024, hidden), context.video_encoding.shape
     assert torch.isfinite(context.video_encoding.float()).all() and context.video_encoding.float().std() > 0.01
 

@@ -13,14 +13,11 @@ allocated.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 
-from mgpu_backend.bundles import full_size
-from mgpu_backend.bundles.tiny import make_tiny_bundle
 from mgpu_backend.fleet.client import FleetError
 from mgpu_backend.ltx.loading import ModelSpec
 from mgpu_backend.ltx.residency import (
@@ -31,12 +28,12 @@ from mgpu_backend.ltx.residency import (
     device_memory_bytes,
     parse_residency,
     plan_residency,
-    sizes_from_headers,
 )
 from mgpu_backend.parallel.comm import Comm
 from tests.dist_harness import run_ranks
 
-from .fleet_harness import REPO, module_fleet, run_job
+from .fleet_harness import run_job
+from .helpers import full_size_sizes
 
 GB = 10**9
 EVERYTHING_BUT_THE_TRANSFORMER = {
@@ -44,22 +41,14 @@ EVERYTHING_BUT_THE_TRANSFORMER = {
 }  # fmt: skip
 
 
-def _full_size_sizes(transformer_config: str):
-    transformer = json.loads((REPO / "configs" / transformer_config).read_text())["transformer"]
-    config = full_size.full_size_config(transformer, gemma_layers=full_size.GEMMA_FULL_LAYERS)
-    headers = {name: {key: ("BF16", shape) for key, shape in shapes.items()} for name, shapes in full_size.planned_shapes(config).items()}
-    gemma = next(tensors for name, tensors in headers.items() if name.startswith(full_size.GEMMA_DIR_NAME))
-    return sizes_from_headers(headers[full_size.CHECKPOINT_NAME], headers[full_size.SPATIAL_UPSAMPLER_NAME], gemma)
-
-
 @pytest.fixture(scope="module")
 def sizes_19b():
-    return _full_size_sizes("ltx2-19b-transformer.json")
+    return full_size_sizes("ltx2-19b-transformer.json")
 
 
 @pytest.fixture(scope="module")
 def sizes_22b():
-    return _full_size_sizes("ltx2.3-22b-transformer.json")
+    return full_size_sizes("ltx2.3-22b-transformer.json")
 
 
 def test_19b_component_sizes_are_the_documented_ones(sizes_19b):
@@ -206,21 +195,11 @@ def test_residency_and_the_memory_limit_are_checked(monkeypatch):
 # --- On the tiny bundle -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory):
-    return make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
-def spec(bundle) -> dict:
-    return bundle.spec().to_json()
-
-
 def _refused_before_loading(spec_json: dict, limit_gib: str) -> dict:
     from mgpu_backend.ltx.jobs import ResidentModel
 
     os.environ[MEMORY_LIMIT_ENV] = limit_gib
-    spec = ModelSpec.from_json(spec_json)
+    spec = ModelSpec.from_wire(spec_json)
     try:
         ResidentModel(spec, torch.device("cpu"), torch.bfloat16, Comm.world())
     except ResidencyError as error:
@@ -229,7 +208,7 @@ def _refused_before_loading(spec_json: dict, limit_gib: str) -> dict:
 
 
 def test_a_rank_refuses_a_model_larger_than_its_memory_limit_before_loading(spec, bundle):
-    sizes = component_sizes(ModelSpec.from_json(spec))
+    sizes = component_sizes(ModelSpec.from_wire(spec))
     limit_gib = f"{sizes.transformer_bytes / GIB / 2:.6f}"  # half the tiny transformer
     (out,) = run_ranks(1, _refused_before_loading, spec, limit_gib)
     assert out["error"] is not None and "even with residency 'minimal'" in out["error"], out
@@ -256,11 +235,6 @@ def _two_stage_job(socket_path, spec: dict, residency: str, logs: list) -> dict:
         "contexts": contexts, "stage1_video": stage1.tensors["video_latent"], "stage1_audio": stage1.tensors["audio_latent"],
         "stage2_video": stage2.tensors["video_latent"], "frames": decoded.tensors["frames"], "waveform": decoded.tensors["waveform"],
     }  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "residencyfleet")
 
 
 def test_a_tiny_fleet_job_under_minimal_residency_gives_bitwise_the_latents_of_all(fleet, spec):

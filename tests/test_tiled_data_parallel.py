@@ -9,6 +9,7 @@ conditioning items, so the token layout is the one the real stage-2 loop produce
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -192,7 +193,7 @@ def test_blend_masks_sum_to_exactly_one_for_uneven_splits_in_all_dimensions(vide
     coverage = torch.zeros(plan.num_video_tokens, dtype=torch.int64)
     for tile_index in range(plan.num_tiles):
         mask_sum.index_add_(0, plan.token_indices(tile_index), plan.blend_mask(tile_index).flatten())
-        ones = torch.ones(plan.tiles[tile_index].num_tokens, dtype=torch.int64)
+        ones = torch.ones(math.prod(plan.tiles[tile_index].shape), dtype=torch.int64)
         coverage.index_add_(0, plan.token_indices(tile_index), ones)
     max_abs_diff = (mask_sum - 1.0).abs().max().item()
     assert max_abs_diff == 0.0, f"blend masks must sum to exactly 1; max abs diff {max_abs_diff}"
@@ -323,7 +324,7 @@ def test_conditioning_tokens_are_averaged_over_the_tiles_that_kept_them_and_audi
     # Kept by tiles 1..4 (call numbers 1..4), weight 1/4 each: (1+2+3+4)/4.
     assert torch.equal(reference_out, torch.full_like(reference_out, 2.5)), reference_out[:, 0]
     assert torch.equal(denoised_audio, torch.full_like(denoised_audio, 2.5)), denoised_audio.flatten()[:4]
-    kept_counts = [call.latent.shape[1] - tile.num_tokens for call, tile in zip(tdp.model.calls, tdp.plan.tiles)]
+    kept_counts = [call.latent.shape[1] - math.prod(tile.shape) for call, tile in zip(tdp.model.calls, tdp.plan.tiles)]
     assert kept_counts == [8, 4, 4, 4], kept_counts
     # The tile's conditioning tokens were sliced out of the attention mask along with their latents.
     assert all(call.attention_mask.shape[1:] == (call.latent.shape[1],) * 2 for call in tdp.model.calls)

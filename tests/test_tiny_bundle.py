@@ -29,11 +29,6 @@ def _hashes(root: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> tiny.TinyBundle:
-    return tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
 def loader(bundle) -> ModelLoader:
     spec = ModelSpec(
         bundle.checkpoint_path, bundle.gemma_root, bundle.spatial_upsampler_path, bundle.distilled_lora_path
@@ -42,8 +37,8 @@ def loader(bundle) -> ModelLoader:
 
 
 @pytest.fixture(scope="module")
-def bundle_2_3(tmp_path_factory) -> tiny.TinyBundle:
-    return tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny-2.3"), version="2.3")
+def bundle_2_3(tiny_bundle_of) -> tiny.TinyBundle:
+    return tiny_bundle_of("2.3")
 
 
 # sha256 of the files of the first tiny bundles (format 1), as the first writer wrote them: caches and

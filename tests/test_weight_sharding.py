@@ -19,12 +19,11 @@ from mgpu_backend.ltx.residency import GIB, ResidencyError, plan_residency
 from mgpu_backend.ltx.schema import ModelSpec
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel
-from mgpu_backend.parallel.weight_sharding import apply_weight_sharding, idle_forward, is_weight_sharded, local_state_dict
+from mgpu_backend.parallel.weight_sharding import apply_weight_sharding, idle_forward, local_state_dict, weight_sharding_comm
 
 from .dist_harness import run_ranks
-from .fleet_harness import module_fleet, run_job
-from .test_residency import _full_size_sizes
-from .test_sequence_parallel import _run_cases, build_tiny_model, from_portable, portable, single_threaded, sp_forward_cases
+from .fleet_harness import run_job
+from .helpers import build_tiny_model, from_portable, full_size_sizes, portable, run_sp_forward_cases, single_threaded, sp_forward_cases
 
 PROMPT = "a red fox in the snow"
 NEGATIVE = "blurry"
@@ -42,22 +41,22 @@ def sharded_forwards_on_ranks() -> bytes:
     full_bytes = sum(p.nbytes for p in models["19b"].parameters())
     for model in models.values():
         apply_weight_sharding(model, world, "cpu")
-    results = {"sharded": _run_cases(models), "full_bytes": full_bytes, "sharded_flag": is_weight_sharded(models["19b"])}
+    results = {"sharded": run_sp_forward_cases(models), "full_bytes": full_bytes, "sharded_flag": weight_sharding_comm(models["19b"]) is world}
     results["local_bytes"] = sum(t.nbytes for key, t in local_state_dict(models["19b"]).items() if "rope" not in key)
     for model in models.values():
         apply_sequence_parallel(model, world)
-    results["sharded_sp"] = _run_cases(models)
+    results["sharded_sp"] = run_sp_forward_cases(models)
     for model in models.values():
         remove_sequence_parallel(model)
     whole = {variant: apply_sequence_parallel(build_tiny_model(variant), world) for variant in ("19b", "22b")}
-    results["sp_whole_weights"] = _run_cases(whole)
+    results["sp_whole_weights"] = run_sp_forward_cases(whole)
     _, (variant, video, audio, perturbations) = next(iter(sp_forward_cases().items()))
     with torch.no_grad():
         if world.rank == 0:
             results["rank_0_alone"] = models[variant](video=video, audio=audio, perturbations=perturbations)[0]
         else:
             idle_forward(models[variant])
-    results["after_idle_round"] = _run_cases(models)
+    results["after_idle_round"] = run_sp_forward_cases(models)
     from mgpu_backend.ltx.parallelize import Stage1Cache, Stage1Options, parallelize_stage1
     from mgpu_backend.parallel.guidance_parallel import plan_stage1
 
@@ -70,7 +69,7 @@ def sharded_forwards_on_ranks() -> bytes:
 
 @pytest.fixture(scope="module")
 def unsharded():
-    return single_threaded(_run_cases, {variant: build_tiny_model(variant) for variant in ("19b", "22b")})
+    return single_threaded(run_sp_forward_cases, {variant: build_tiny_model(variant) for variant in ("19b", "22b")})
 
 
 def _assert_same_outputs(ours: dict, theirs: dict, what: str) -> None:
@@ -100,14 +99,8 @@ def test_weights_sharded_over_2_ranks_give_the_unsharded_forward_bitwise_with_ha
 
 
 @pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    return {version: tiny.make_tiny_bundle(root / version, version) for version in tiny.VERSIONS}
-
-
-@pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "shardedfleet")
+def bundles(tiny_bundle_of):
+    return {version: tiny_bundle_of(version) for version in tiny.VERSIONS}
 
 
 GUIDANCE = {"cfg_scale": 3.0, "stg_scale": 1.0, "rescale_scale": 0.7, "modality_scale": 3.0, "stg_blocks": [1]}
@@ -185,8 +178,8 @@ def test_distilled_job_sharded_over_2_ranks_equals_the_unsharded_fleet(fleet, bu
 
 
 @pytest.fixture(scope="module")
-def fleet_of_four(tmp_path_factory):
-    yield from module_fleet(tmp_path_factory, "shardedfleet4", 4)
+def fleet_of_four(fleet_of):
+    return fleet_of(4)
 
 
 @pytest.mark.slow
@@ -203,7 +196,7 @@ def test_two_stage_job_sharded_over_4_ranks_under_hybrid_groups_equals_the_unsha
 
 @pytest.fixture(scope="module")
 def sizes_22b():
-    return _full_size_sizes("ltx2.3-22b-transformer.json")
+    return full_size_sizes("ltx2.3-22b-transformer.json")
 
 
 def test_the_22b_fp8_cast_runs_sharded_on_two_24_gib_gpus_and_is_refused_on_one_naming_sharding(sizes_22b):

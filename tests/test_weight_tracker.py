@@ -17,13 +17,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.loading import ModelLoader, ModelSpec
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.weight_tracker import HostParking, TransformerWeightTracker, clean_shard_on_host, stage_lora_set
 from tests.dist_harness import run_ranks
-from tests.test_cuda_graphs import _inputs
-from tests.test_sequence_parallel import build_tiny_model
+from tests.helpers import build_tiny_model, transformer_inputs
 
 WORLD_SIZE = 2
 BUCKET_BYTES = 64 * 1024  # small, so one swap needs several bucket broadcasts per owner
@@ -79,7 +77,7 @@ def _tracker_scenario(bundle: dict) -> dict:
     tracker.apply(())
     out["warm_job_bytes"] = loader.bytes_read_from_disk - out["cold_job_bytes"]
     out["stats_end"] = vars(tracker.stats).copy()
-    out["owned_keys"] = tracker.owned_keys()
+    out["owned_keys"] = list(tracker._clean)  # the clean weights this rank really holds: its shard
     out["key_bytes"] = {key: value.nbytes for key, value in model.velocity_model.state_dict().items()}
     out["memory"] = tracker.memory_report()
     # Parking on a CPU rank frees nothing: a no-op, said once (the weights stay where they were).
@@ -124,11 +122,6 @@ def _tracker_scenario(bundle: dict) -> dict:
     except RuntimeError as error:
         out["no_swap_error"] = str(error)
     return out
-
-
-@pytest.fixture(scope="module")
-def bundle(tmp_path_factory) -> tiny.TinyBundle:
-    return tiny.make_tiny_bundle(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +277,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.gpu])])
 def test_parking_empties_every_storage_once_and_brings_weights_and_forward_back_bitwise(device):
     model = build_tiny_model(seed=1).to(device)
-    video, audio = _inputs(seed=2, device=device)
+    video, audio = transformer_inputs(seed=2, device=device)
     with torch.inference_mode():
         expected = model(video=video, audio=audio, perturbations=None)
     weights = _state(model)

@@ -9,7 +9,6 @@ table against a running ComfyUI's /object_info)."""
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import io
 import json
@@ -18,22 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
-PACK_DIR = Path(__file__).resolve().parent.parent
-WORKFLOWS = PACK_DIR / "workflows"
+from tests.helpers import WORKFLOWS, builder
 
 
-def load_builder():
-    name = "comfyui_mgpu_make_workflows"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, WORKFLOWS / "make_workflows.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-builder = load_builder()
 SCHEMAS = builder.node_schemas()
 UI_FILES = sorted(WORKFLOWS.glob("*.json"))
 API_FILES = sorted((WORKFLOWS / "api").glob("*.json"))

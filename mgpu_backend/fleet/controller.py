@@ -441,9 +441,6 @@ class Fleet:
         with self._spawn_lock:
             self._spawned = [other for other in self._spawned if other is not rank]
 
-    def alive(self) -> bool:
-        return bool(self.ranks) and all(rank.process.poll() is None for rank in self.ranks)
-
     def _read_rank(self, rank: RankProcess) -> None:
         try:
             while True:
@@ -647,6 +644,7 @@ class Fleet:
                 "alive": rank.process.poll() is None,
                 "memory": rank.info.get("memory"),
                 "weights": rank.info.get("weights"),
+                "heartbeat": rank.info.get("heartbeat"),  # time.time() of the heartbeat that brought memory and weights
             }
             for rank in self.ranks
         ]

@@ -26,7 +26,7 @@ def decode_video(
 
     ``tiling`` defaults to ``TilingConfig.default()``, the official pipeline's tiling.
     ``generator`` feeds the noise a timestep-conditioned decoder adds to the latent (once per
-    tile); ``params.decoder_generator(device, dtype)`` is the one the official pipeline uses.
+    tile); the official pipeline's is ``job_generator(seed, ..., stages_before=<every stage>)``.
     Without it the decoder draws from torch's default generator, as ltx-core does.
     """
     if video_latent.ndim != 5 or video_latent.shape[0] != 1 or video_latent.shape[1] != 128:

@@ -37,9 +37,7 @@ This module never edits or forks ltx-core and never reads weights itself: the lo
 
 from __future__ import annotations
 
-import json
 import types
-from pathlib import Path
 
 import torch
 from ltx_core.loader.fuse_loras import apply_loras
@@ -192,38 +190,3 @@ def lora_targets(keys, loras: list[LoraStateDictWithStrength]) -> set[str]:
                 touched.add(key)
     return touched
 
-
-# --- Files ---------------------------------------------------------------------------------------------
-
-
-def convert_checkpoint_to_fp8(source: str | Path, destination: str | Path, scaled: bool = True) -> Path:
-    """Write an fp8 copy of an LTX-2 checkpoint in the layout of Lightricks' fp8 files: the layers
-    fp8-cast quantizes stored as float8_e4m3fn (biases left as they are), each, when ``scaled``,
-    with a float32 per-tensor ``weight_scale`` (absmax / 448) and an ``input_scale``, plus ComfyUI's
-    ``_quantization_metadata`` header entry. Everything else, and the metadata, is copied.
-    For tests and for making small fp8 files; it reads the whole checkpoint into memory."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    prefix = "model.diffusion_model."
-    tensors, layers = {}, {}
-    with safe_open(str(source), framework="pt") as f:
-        metadata = dict(f.metadata() or {})
-        for name in f.keys():
-            value = f.get_tensor(name)
-            model_key = name[len(prefix) :] if name.startswith(prefix) else None
-            if model_key is None or not model_key.endswith(".weight") or not downcast_by_policy(model_key, "fp8-cast"):
-                tensors[name] = value
-                continue
-            layer = name[: -len(".weight")]
-            if scaled:
-                scale = (value.float().abs().max() / _FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-                tensors[name] = quantize_with_scale(value, scale)
-                tensors[layer + WEIGHT_SCALE_SUFFIX] = scale.reshape(())
-                tensors[layer + INPUT_SCALE_SUFFIX] = torch.ones((), dtype=torch.float32)
-            else:
-                tensors[name] = value.to(FP8_DTYPE)
-            layers[layer] = {"format": "float8_e4m3fn"}
-    metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": layers})
-    save_file(tensors, str(destination), metadata=metadata)
-    return Path(destination)

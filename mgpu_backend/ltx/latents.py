@@ -73,28 +73,6 @@ class StageGeometry:
         return AudioLatentTools(_AUDIO_PATCHIFIER, self.audio_shape)
 
 
-def video_latent_to_tokens(video_latent: torch.Tensor) -> torch.Tensor:
-    """``[B, 128, F', H', W']`` -> ``[B, F' * H' * W', 128]``, tokens in (frame, row, column) order."""
-    return _VIDEO_PATCHIFIER.patchify(video_latent)
-
-
-def video_tokens_to_latent(tokens: torch.Tensor, frames: int, height: int, width: int) -> torch.Tensor:
-    """Inverse of ``video_latent_to_tokens`` for a latent grid of ``frames`` x ``height`` x ``width``."""
-    shape = VideoLatentShape(tokens.shape[0], tokens.shape[2], frames, height, width)
-    return _VIDEO_PATCHIFIER.unpatchify(tokens, output_shape=shape)
-
-
-def audio_latent_to_tokens(audio_latent: torch.Tensor) -> torch.Tensor:
-    """``[B, 8, T, 16]`` -> ``[B, T, 128]``: one token per latent time step (channels x mel bins)."""
-    return _AUDIO_PATCHIFIER.patchify(audio_latent)
-
-
-def audio_tokens_to_latent(tokens: torch.Tensor, channels: int = 8, mel_bins: int = 16) -> torch.Tensor:
-    """Inverse of ``audio_latent_to_tokens``."""
-    shape = AudioLatentShape(tokens.shape[0], channels, tokens.shape[1], mel_bins)
-    return _AUDIO_PATCHIFIER.unpatchify(tokens, output_shape=shape)
-
-
 def check_latent_shape(name: str, latent: torch.Tensor, expected: torch.Size, hint: str) -> None:
     """Raise a user-facing error when a latent handed to a stage does not fit its parameters."""
     if tuple(latent.shape) != tuple(expected):

@@ -318,26 +318,6 @@ def _embeddings_processor_configurator(gemma_text_config: dict) -> type:
     return SizedEmbeddingsProcessorConfigurator
 
 
-class PromptEncoder(torch.nn.Module):
-    """Gemma plus the LTX-2 embeddings processor: prompts -> video and audio text contexts.
-
-    ``encode`` does what ltx-pipelines' ``encode_prompts`` does (without prompt enhancement).
-    """
-
-    def __init__(self, gemma, embeddings_processor):
-        super().__init__()
-        self.gemma = gemma
-        self.embeddings_processor = embeddings_processor
-
-    def encode(self, prompts: list[str]) -> list:
-        """One ``EmbeddingsProcessorOutput`` (video_encoding, audio_encoding, attention_mask) per prompt."""
-        outputs = []
-        for prompt in prompts:
-            hidden_states, attention_mask = self.gemma.encode(prompt)
-            outputs.append(self.embeddings_processor.process_hidden_states(hidden_states, attention_mask))
-        return outputs
-
-
 class _SizedRegistry(StateDictRegistry):
     """ltx-core's registry, also counting the host bytes it holds (each storage once)."""
 
@@ -541,7 +521,3 @@ class ModelLoader:
 
         configurator = _embeddings_processor_configurator(gemma_text_config(self.spec.gemma_root))
         return self._build(self._builder(self.spec.checkpoint_path, configurator, EMBEDDINGS_PROCESSOR_KEY_OPS))
-
-    def text_encoder(self) -> PromptEncoder:
-        """Gemma and the embeddings processor together: ``text_encoder().encode(prompts)``."""
-        return PromptEncoder(self.gemma(), self.embeddings_processor()).eval()

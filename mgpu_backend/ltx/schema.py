@@ -481,13 +481,6 @@ class ModelSpec:
             residency=parse_residency(data.get("residency", "auto")),
         )
 
-    @classmethod
-    def from_json(cls, data: dict) -> ModelSpec:
-        """``from_wire``, and every named file must exist (embedded paths are resolved later)."""
-        spec = cls.from_wire(data)
-        spec.check_files_exist()
-        return spec
-
     def check_files_exist(self) -> None:
         """Raise ModelFileError naming the first file or folder that is not there."""
         files = [("checkpoint", self.checkpoint_path)]

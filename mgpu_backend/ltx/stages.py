@@ -158,11 +158,6 @@ class GenerationParams:
     def stage2(self) -> StageGeometry:
         return StageGeometry(self.height, self.width, self.num_frames, self.frame_rate)
 
-    def decoder_generator(self, device: torch.device, dtype: torch.dtype) -> torch.Generator:
-        """The generator the official pipeline hands its video decoder: past every stage's noise."""
-        stages = (self.stage1, self.stage2) if self.two_stage else (self.stage1,)
-        return job_generator(self.seed, device, dtype, stages_before=stages)
-
 
 def check_generation_fits(
     params: GenerationParams,

@@ -40,14 +40,22 @@ class TextContext:
     audio_context: torch.Tensor
 
 
-def encode_prompts(loader, prompts: list[str]) -> list[TextContext]:
-    """Encode every prompt; one ``TextContext`` per prompt, in order."""
+def encode_prompts(loader, prompts: list[str], gemma=None) -> list[TextContext]:
+    """Encode every prompt; one ``TextContext`` per prompt, in order, on ``loader.device``.
+
+    ``gemma`` is an already built Gemma (the fleet's cached one, perhaps with its layers over several
+    GPUs); without it the loader builds one and lets it go before the embeddings processor is built."""
     if not prompts:
         raise ValueError("no prompts to encode; pass at least one (an empty string is a valid prompt)")
     with torch.inference_mode():
-        gemma = loader.gemma()
-        gemma_outputs = [gemma.encode(prompt) for prompt in prompts]
-        # Gemma is by far the largest text model: let it go before the processor is built.
+        if gemma is None:
+            gemma = loader.gemma()
+        gemma_outputs = []
+        for prompt in prompts:
+            hidden_states, attention_mask = gemma.encode(prompt)
+            # Sharded: each layer's output sits on that layer's GPU; the processor runs on the loader's device.
+            gemma_outputs.append((tuple(state.to(loader.device) for state in hidden_states), attention_mask.to(loader.device)))
+        # Gemma is by far the largest text model: this frame lets it go before the processor is built.
         del gemma
     return contexts_from_gemma(loader, gemma_outputs)
 

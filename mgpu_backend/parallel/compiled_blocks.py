@@ -33,9 +33,7 @@ talks to other ranks.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 
 import torch
 from ltx_core.guidance.perturbations import BatchedPerturbationConfig, Perturbation, PerturbationConfig, PerturbationType
@@ -133,21 +131,6 @@ def perturbations_for_block(perturbations: BatchedPerturbationConfig, block_inde
         filler = (1 << len(kinds)) + code - len(perturbed)
         samples.append(PerturbationConfig([*(Perturbation(kind, None) for kind in perturbed), *[_FILLER] * filler]))
     return BatchedPerturbationConfig(samples)
-
-
-@contextlib.contextmanager
-def compiled_blocks(model, enabled: bool, backend: str = "inductor") -> Iterator[None]:
-    """The blocks compiled for the duration when ``enabled`` (eager otherwise), eager afterwards.
-
-    Dynamo keeps compiled graphs with the block code, not with the wrapper, so compiling again in a
-    later job costs nothing for shapes seen before; other jobs (stage 2's tiles, a job that asks for
-    eager) never meet the compiled blocks or pay their compile time."""
-    started_here = enabled and apply_compiled_blocks(model, backend)
-    try:
-        yield
-    finally:
-        if started_here:
-            remove_compiled_blocks(model)
 
 
 def compile_blocks_wanted(value, device: torch.device) -> bool:

@@ -123,36 +123,6 @@ def last_decode_stats() -> DecodeStats | None:
 # --------------------------------------------------------------------------------------------------
 
 
-def distributed_decode_video(
-    decoder: VideoDecoder,
-    latent: torch.Tensor,
-    tiling_config: TilingConfig | None,
-    comm: Comm,
-    generator: torch.Generator | None = None,
-    *,
-    timestep: torch.Tensor | None = None,
-    on_tiles: OnTiles | None = None,
-) -> torch.Tensor | None:
-    """Decode ``latent`` [B, 128, F', H', W'] with its tiles spread over ``comm``'s ranks.
-
-    Returns on rank 0 the decoded video [B, 3, F, H, W] (decoder range, about -1..1; F = 8(F'-1)+1,
-    H = 32 H', W = 32 W') in the latent's dtype and device: ltx-core's ``tiled_decode`` chunks
-    concatenated along frames, or ``decoder(latent)`` when ``tiling_config`` is None. Returns
-    ``None`` on the other ranks.
-    """
-    _check_latent(decoder, latent)
-    video = None
-    if comm.rank == 0:
-        batch, _, frames, height, width = _decoded_video_shape(decoder, latent.shape)
-        video = torch.empty((batch, 3, frames, height, width), device=latent.device, dtype=latent.dtype)
-
-    def write_frames(first_frame: int, chunk: torch.Tensor) -> None:
-        video[:, :, first_frame : first_frame + chunk.shape[2]] = chunk
-
-    _decode_tiles_and_assemble(decoder, latent, tiling_config, comm, generator, timestep, write_frames, on_tiles)
-    return video
-
-
 def distributed_decode_images(
     decoder: VideoDecoder,
     latent: torch.Tensor,
@@ -164,8 +134,8 @@ def distributed_decode_images(
     out: torch.Tensor | None = None,
     on_tiles: OnTiles | None = None,
 ) -> torch.Tensor | None:
-    """Like ``distributed_decode_video`` but rank 0 gets ComfyUI IMAGE frames: float32
-    [B*F, H, W, 3] in 0..1, written chunk by chunk into ``out`` when given (for instance a tensor
+    """Decode ``latent`` [B, 128, F', H', W'] with its tiles spread over ``comm``'s ranks; rank 0 gets
+    ComfyUI IMAGE frames: float32 [B*F, H, W, 3] in 0..1 (F = 8(F'-1)+1, H = 32 H', W = 32 W'), written chunk by chunk into ``out`` when given (for instance a tensor
     over a shared-memory segment of ``decoded_images_shape``), so no second full copy is made.
     Returns ``None`` on the other ranks (``out`` is only used on rank 0)."""
     _check_latent(decoder, latent)
@@ -188,41 +158,13 @@ def distributed_decode_images(
         per_batch = images.view(batch, -1, *images.shape[1:])
         per_batch[:, first_frame : first_frame + chunk.shape[2]] = _to_image_layout(chunk).to(images.device)
 
-    _decode_tiles_and_assemble(decoder, latent, tiling_config, comm, generator, timestep, write_frames, on_tiles)
+    decode_tiles(decoder, latent, tiling_config, comm, generator, timestep, write_frames, on_tiles)
     return images
-
-
-def single_gpu_decode_video(
-    decoder: VideoDecoder,
-    latent: torch.Tensor,
-    tiling_config: TilingConfig | None,
-    generator: torch.Generator | None = None,
-    *,
-    timestep: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """ltx-core's own single-GPU decode, assembled: the reference the distributed decode equals.
-
-    ``tiled_decode``'s chunks concatenated along frames, or ``decoder(latent)`` without tiling (what
-    ltx-core's ``decode_video`` does before converting to uint8). Note that ltx-core 1.0.0's
-    ``tiled_decode`` fails (TypeError) for a spatial-only tiling; the distributed decode handles it.
-    """
-    _check_latent(decoder, latent)
-    with torch.no_grad():
-        if tiling_config is None:
-            return decoder(latent, timestep, generator)
-        chunks = list(decoder.tiled_decode(latent, tiling_config, timestep=timestep, generator=generator))
-    return torch.cat(chunks, dim=2)
-
-
-def video_to_images(video: torch.Tensor) -> torch.Tensor:
-    """Decoded video [B, 3, F, H, W] (about -1..1) -> ComfyUI IMAGE [B*F, H, W, 3] float32 in 0..1."""
-    batch, channels, frames, height, width = video.shape
-    return _to_image_layout(video).reshape(batch * frames, height, width, channels)
 
 
 def decoded_images_shape(decoder: VideoDecoder, latent_shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
     """Shape of the IMAGE tensor a latent decodes to: (B*F, H, W, 3)."""
-    batch, channels, frames, height, width = _decoded_video_shape(decoder, latent_shape)
+    batch, channels, frames, height, width = decoded_video_shape(decoder, latent_shape)
     return (batch * frames, height, width, channels)
 
 
@@ -241,7 +183,8 @@ class _TemporalGroup:
     frames: int
 
 
-def _decoded_video_shape(decoder: VideoDecoder, latent_shape) -> tuple[int, int, int, int, int]:
+def decoded_video_shape(decoder: VideoDecoder, latent_shape) -> tuple[int, int, int, int, int]:
+    """Shape of the video a latent decodes to: (B, 3, F, H, W)."""
     scale = decoder.video_downscale_factors
     batch, _, latent_frames, latent_height, latent_width = latent_shape
     return (batch, 3, (latent_frames - 1) * scale.time + 1, latent_height * scale.height, latent_width * scale.width)
@@ -431,7 +374,7 @@ class _FrameWindow:
         self.values = self.weights = None
 
 
-def _decode_tiles_and_assemble(
+def decode_tiles(
     decoder: VideoDecoder,
     latent: torch.Tensor,
     tiling_config: TilingConfig | None,
@@ -441,7 +384,12 @@ def _decode_tiles_and_assemble(
     emit: Callable[[int, torch.Tensor], None],
     on_tiles: OnTiles | None = None,
 ) -> None:
+    """The distributed decode itself: ltx-core's tiles of ``latent`` decoded round-robin over ``comm``'s
+    ranks, blended as ltx-core's ``tiled_decode`` blends them (``decoder(latent)`` when
+    ``tiling_config`` is None), and handed to ``emit(first_frame, chunk)`` on rank 0 in frame order,
+    each chunk [B, 3, frames, H, W] in the decoder's range (about -1..1). Every rank must call it."""
     global _last_stats
+    _check_latent(decoder, latent)
     started = time.perf_counter()
     on_cuda = latent.device.type == "cuda"
     if on_cuda:
@@ -449,7 +397,7 @@ def _decode_tiles_and_assemble(
 
     with torch.no_grad():
         tiles = decoder._prepare_tiles(latent, tiling_config)  # ltx-core's tiles: the single source of truth
-        batch, channels, total_frames, height, width = _decoded_video_shape(decoder, latent.shape)
+        batch, channels, total_frames, height, width = decoded_video_shape(decoder, latent.shape)
         groups = _temporal_groups(tiles, total_frames)
         assert groups[-1].first_frame + groups[-1].frames == total_frames, "ltx-core's tiles cover every frame"
         group_of_tile = [index for index, group in enumerate(groups) for _ in range(group.first_tile, group.end_tile)]

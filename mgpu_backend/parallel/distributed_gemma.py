@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from mgpu_backend.ltx.loading import storage_bytes
-from mgpu_backend.ltx.text import TextContext, contexts_from_gemma
+from mgpu_backend.ltx.text import TextContext, encode_prompts
 from mgpu_backend.parallel.comm import Comm
 
 log = logging.getLogger(__name__)
@@ -248,21 +248,8 @@ def _encode_here(loader, mode: str, rank: int, prompts: list[str], mine: list[in
     entry, built = _cached(loader, mode), False
     if entry is None:
         entry, built = _build(loader, mode, rank, keep_host_copy=free_after), True
-    local = dict(zip(mine, _encode(entry, loader, [prompts[index] for index in mine]), strict=True))
+    local = dict(zip(mine, encode_prompts(loader, [prompts[index] for index in mine], gemma=entry.gemma), strict=True))
     return local, placement_text(entry.gemma), built
-
-
-def _encode(entry: _CachedEncoder, loader, prompts: list[str]) -> list[TextContext]:
-    with torch.inference_mode():
-        gemma_outputs = []
-        for prompt in prompts:
-            hidden_states, attention_mask = entry.gemma.encode(prompt)
-            # Sharded: each layer's output sits on that layer's GPU; the processor runs on this rank's device.
-            gemma_outputs.append(
-                (tuple(state.to(loader.device) for state in hidden_states), attention_mask.to(loader.device))
-            )
-    # The processor is small and built from the registry in moments: it is not worth caching.
-    return contexts_from_gemma(loader, gemma_outputs)
 
 
 def _share_contexts(comm: Comm, owners: list[int], local: dict[int, TextContext], device) -> list[TextContext]:

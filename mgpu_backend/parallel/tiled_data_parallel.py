@@ -204,10 +204,6 @@ class VideoTile:
     def shape(self) -> tuple[int, int, int]:
         return tuple(end - start for start, end in self.bounds)
 
-    @property
-    def num_tokens(self) -> int:
-        return math.prod(self.shape)
-
 
 class VideoTilePlan:
     """The tiles of a latent grid (F', H', W') under a ``TileCounts``: bounds, token indices into

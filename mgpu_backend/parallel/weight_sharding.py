@@ -76,10 +76,6 @@ def _state(model: torch.nn.Module) -> _ShardingState | None:
     return getattr(inner, _STATE_ATTRIBUTE, None)
 
 
-def is_weight_sharded(model: torch.nn.Module) -> bool:
-    return _state(model) is not None
-
-
 def weight_sharding_comm(model: torch.nn.Module) -> Comm | None:
     """The Comm whose ranks share ``model``'s weights, or None when it is not sharded."""
     state = _state(model)
@@ -188,12 +184,6 @@ def idle_forward(model: torch.nn.Module) -> None:
     for unit in state.units:
         unit.unshard()
         unit.reshard()
-
-
-def idle_forwards(model: torch.nn.Module, count: int) -> None:
-    """``idle_forward`` ``count`` times."""
-    for _ in range(count):
-        idle_forward(model)
 
 
 def _is_dtensor(tensor) -> bool:

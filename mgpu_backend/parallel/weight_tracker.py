@@ -562,10 +562,6 @@ class TransformerWeightTracker:
 
     # --- Reporting ------------------------------------------------------------------------------------
 
-    def owned_keys(self) -> list[str]:
-        """The keys whose clean weights this rank holds (its shard), in model order."""
-        return [key for key, owner in self._owners.items() if owner == self.comm.rank]
-
     def memory_report(self) -> dict:
         """Bytes held on this rank, for ``status``: the working copy and the clean shard."""
         return {

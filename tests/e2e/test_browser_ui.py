@@ -94,7 +94,7 @@ class DevTools:
         """docs-size PNG (three quarters of the window) into MGPU_SCREENSHOTS, when set."""
         if not SCREENSHOTS:
             return
-        time.sleep(0.5)  # let the canvas draw its last frame
+        self.evaluate("new Promise((done) => requestAnimationFrame(() => requestAnimationFrame(() => done(true))))")  # the canvas's last frame drawn
         clip = {"x": 0, "y": 0, "width": WINDOW[0], "height": WINDOW[1], "scale": 0.75}
         data = self.call("Page.captureScreenshot", format="png", clip=clip)["data"]
         Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
@@ -188,7 +188,7 @@ def close_dialogs(page: DevTools) -> None:
             return
         for kind in ("keyDown", "keyUp"):
             page.call("Input.dispatchKeyEvent", type=kind, key="Escape", code="Escape", windowsVirtualKeyCode=27)
-        time.sleep(0.5)
+        settled(page, OPEN_DIALOGS, "value === 0", timeout=2.0)
     assert not page.evaluate(OPEN_DIALOGS), "a dialog stays open after Escape"
 
 
@@ -213,7 +213,17 @@ def type_into(page: DevTools, placeholder_pattern: str, text: str) -> None:
           box.focus(); box.value = {json.dumps(text)}; box.dispatchEvent(new Event('input', {{bubbles: true}})); return true;
         }})()"""
     )
-    time.sleep(1.2)  # the dialogs debounce their search
+
+
+def settled(page: DevTools, expression: str, condition: str, timeout: float = 30.0):
+    """``expression``'s value once ``condition`` (JavaScript over ``value``) holds for it (the dialogs
+    debounce their search, so the list changes a moment after the typing), or its last value when the
+    condition never held within ``timeout`` s, for the test's assertion to show."""
+    try:
+        page.wait_for(f"((value) => {condition})({expression})", timeout=timeout)
+    except TimeoutError:
+        pass
+    return page.evaluate(expression)
 
 
 def click_text(page: DevTools, selector: str, text: str) -> None:
@@ -263,8 +273,8 @@ def test_template_browser_lists_the_packs_workflows_by_title_with_the_no_downloa
 def test_template_search_finds_the_packs_workflows_by_the_words_users_type(page, query, expected):
     open_pack_templates(page)
     type_into(page, "Search", query)
-    found = set(page.evaluate(CARD_TITLES))
     wanted = {template.title for template in builder().TEMPLATES if expected(template)}
+    found = set(settled(page, CARD_TITLES, f"JSON.stringify([...new Set(value)].sort()) === {json.dumps(json.dumps(sorted(wanted), separators=(',', ':')))}"))
     assert wanted <= found, f"{query!r} misses {sorted(wanted - found)}"
     if query == "image to video":
         assert found == wanted, f"{query!r} also finds {sorted(found - wanted)}"
@@ -276,14 +286,16 @@ def test_template_search_finds_the_packs_workflows_by_the_words_users_type(page,
 SEARCH_RESULTS = "[...document.querySelectorAll('div.h-14.cursor-pointer')].map((row) => row.textContent.trim())"
 
 
-def node_search(page: DevTools, query: str) -> list[str]:
+def node_search(page: DevTools, query: str, expected: set[str]) -> list[str]:
+    """The search box's result rows for ``query``, read once rows starting with each ``expected`` name
+    are shown (or after 30 s)."""
     dismiss_notices(page)
     if not page.evaluate("[...document.querySelectorAll('input')].some((input) => input.offsetParent !== null && /Add a node/i.test(input.placeholder))"):
         close_dialogs(page)
         page.evaluate("app.extensionManager.command.execute('Workspace.SearchBox.Toggle').then(() => true)")
         page.wait_for("[...document.querySelectorAll('input')].some((input) => input.offsetParent !== null && /Add a node/i.test(input.placeholder))")
     type_into(page, "Add a node", query)
-    return page.evaluate(SEARCH_RESULTS)
+    return settled(page, SEARCH_RESULTS, f"{json.dumps(sorted(expected))}.every((name) => value.some((row) => row.startsWith(name)))")
 
 
 @pytest.mark.parametrize(
@@ -300,7 +312,7 @@ def node_search(page: DevTools, query: str) -> list[str]:
     ],
 )
 def test_node_search_finds_the_pack_nodes_by_model_name_and_function(page, query, expected):
-    rows = node_search(page, query)
+    rows = node_search(page, query, expected)
     found = {name for name in PACK_NODES.values() if any(row.startswith(name) for row in rows)}
     assert expected <= found, f"{query!r} finds {sorted(found)} of the pack's nodes; rows: {rows}"
     if query == "ltx-2.3":
@@ -452,8 +464,11 @@ def test_a_tiny_run_prints_the_stage_2_plan_on_tdp_upscale_without_overlapping_n
         page.evaluate(f"app.graph.nodes.find((node) => node.type === '{node_type}').widgets.find((widget) => widget.name === 'seed').value = {seed}; true")
     page.evaluate("app.queuePrompt(0, 1).then(() => true)")
     assert page.wait_for("window.mgpuRun", timeout=600) == "success"
-    time.sleep(1.5)
-    notes = dict(page.evaluate("app.graph.nodes.map((node) => [node.type, node.widgets?.find((widget) => widget.name === '$$node-text-preview')?.value ?? null])"))
+    notes = dict(settled(
+        page,
+        "app.graph.nodes.map((node) => [node.type, node.widgets?.find((widget) => widget.name === '$$node-text-preview')?.value ?? null])",
+        "value.some(([type, note]) => type === 'MGPUTDPUpscale' && note)",
+    ))  # fmt: skip
     assert notes["MGPUTDPUpscale"].startswith("stage-2 plan (auto, two-stage): tiled data parallel on 1 rank"), notes
     assert overlaps(page.evaluate(NODE_BOXES)) == []
     if nodes_2:

@@ -21,7 +21,7 @@ import pytest
 
 from mgpu_backend.tools import comfy_queue
 
-from .test_comfyui_e2e import COMFYUI_DIR, PACK_DIR, START_TIMEOUT_SECONDS, TINY_WORKFLOW, ComfyUI
+from .comfyui_harness import COMFYUI_DIR, PACK_DIR, START_TIMEOUT_SECONDS, TINY_WORKFLOW, ComfyUI
 
 pytestmark = [
     pytest.mark.e2e,

@@ -22,7 +22,7 @@ from mgpu_backend.tools.comfy_server import ComfyUIServer
 
 from mgpu_backend.tools.processes import process_alive
 
-from .test_comfyui_e2e import COMFYUI_DIR, PACK_DIR, START_TIMEOUT_SECONDS, get_json, queue, saved_video
+from .comfyui_harness import COMFYUI_DIR, PACK_DIR, START_TIMEOUT_SECONDS, get_json, queue, saved_video
 
 pytestmark = [
     pytest.mark.e2e,
