@@ -23,6 +23,7 @@ from ltx_pipelines.utils.constants import LTX_2_3_HQ_PARAMS
 from mgpu_backend.ltx.jobs import active_passes
 from mgpu_backend.ltx.loading import ModelLoader
 from mgpu_backend.ltx.parallelize import Stage1Cache, Stage1Options, parallelize_stage1, parallelize_stage2
+from mgpu_backend.ltx.res2s import MIDPOINT_NOISE_SEED, STEP_NOISE_SEED, res2s_coefficients, sde_noise
 from mgpu_backend.ltx.schema import STAGE_2_SIGMAS, ModelSpec
 from mgpu_backend.ltx.stages import GenerationParams, refine_stage2, sample_stage1, upsample_video
 from mgpu_backend.ltx.text import contexts_from_gemma
@@ -201,6 +202,28 @@ def test_res2s_differs_from_euler_on_the_same_stage1(bundle, single_rank_text_to
     positive, negative = contexts_from_gemma(stage1_loader.loader, [stand_in_gemma_output(p) for p in (PROMPT, NEGATIVE_PROMPT)])
     euler_video, _ = single_threaded(sample_stage1, stage1_loader, replace(PARAMS, stepper="euler"), positive, negative, None)
     assert max_abs_diff(euler_video, single_rank_text_to_video["stage1_video"]) > 0.05
+
+
+def test_res2s_coefficients_equal_the_official_ones_bitwise_from_tiny_to_large_steps():
+    from ltx_pipelines.utils.res2s import get_res2s_coefficients
+
+    for h in (0.0, 1e-12, 1e-3, 0.1, 0.4648, 1.8378, 4.51, 40.0):
+        assert res2s_coefficients(h) == get_res2s_coefficients(h, {}), h
+
+
+def test_sde_noise_is_the_same_for_the_same_seed_and_standardised_per_sample():
+    latent = torch.zeros(1, 45, 128, dtype=torch.bfloat16)
+    first = sde_noise(latent, torch.Generator().manual_seed(STEP_NOISE_SEED))
+    again = sde_noise(latent, torch.Generator().manual_seed(STEP_NOISE_SEED))
+    other = sde_noise(latent, torch.Generator().manual_seed(MIDPOINT_NOISE_SEED))
+    assert first.dtype == torch.float64 and first.shape == latent.shape
+    assert torch.equal(first, again) and max_abs_diff(first, other) > 1.0
+    assert abs(first.mean().item()) < 1e-12 and abs(first.std().item() - 1.0) < 1e-12
+
+
+def test_an_unknown_stepper_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match=r"stepper must be one of \('euler', 'res2s'\), got 'heun'"):
+        replace(PARAMS, stepper="heun").validate()
 
 
 def hq_stages_on_ranks(wire_spec: dict, modes: list[str]) -> dict:
