@@ -13,8 +13,9 @@ holds each recipe's values):
 
 The functions, shared by both recipes:
 
-- ``sample_stage1``: from noise at half the output size, Euler steps over the recipe's sigmas
-  (``GenerationParams.stage1_sigmas``, or LTX2Scheduler's over ``num_inference_steps``), with the
+- ``sample_stage1``: from noise at half the output size, steps over the recipe's sigmas
+  (``GenerationParams.stage1_sigmas``, or LTX2Scheduler's over ``num_inference_steps``) of the
+  recipe's stepper (``GenerationParams.stepper``: Euler, or the res_2s sampler of ``res2s.py``), with the
   multimodal guidance asked for (CFG, STG, modality isolation, rescale, skip_step). Each step's
   transformer calls are ``GuidancePass`` objects handed to a ``PassRunner``: the sequential runner
   runs them here; the guidance-parallel runner runs them on separate rank groups. The combine step
@@ -125,6 +126,10 @@ class GenerationParams:
     image_crf: int = DEFAULT_IMAGE_CRF
     two_stage: bool = True
     stage1_sigmas: tuple[float, ...] | None = None  # a fixed schedule (the distilled recipe's), else LTX2Scheduler's
+    # LTX2Scheduler's shift from stage 1's own token count (the HQ recipe passes it the latent) instead of
+    # its default 4096-token anchor (the two-stage recipe passes none).
+    shift_sigmas_by_tokens: bool = False
+    stepper: str = "euler"  # one of STEPPERS: how both stages step from one sigma to the next
 
     def validate(self) -> None:
         validate_generation(
@@ -135,6 +140,8 @@ class GenerationParams:
             num_inference_steps=self.num_inference_steps,
             frame_rate=self.frame_rate,
         )
+        if self.stepper not in STEPPERS:
+            raise ValueError(f"stepper must be one of {STEPPERS}, got {self.stepper!r}")
         if self.stage1_sigmas is not None:
             validate_sigmas(self.stage1_sigmas)
             if len(self.stage1_sigmas) - 1 != self.num_inference_steps:
@@ -147,7 +154,9 @@ class GenerationParams:
         """Stage 1's sigmas, float32: the fixed schedule, or LTX2Scheduler's over the step count."""
         if self.stage1_sigmas is not None:
             return torch.tensor(self.stage1_sigmas, dtype=torch.float32, device=device)
-        return LTX2Scheduler().execute(steps=self.num_inference_steps).to(dtype=torch.float32, device=device)
+        # The scheduler reads only the latent's shape: a meta tensor allocates nothing.
+        latent = torch.empty(self.stage1.video_shape.to_torch_shape(), device="meta") if self.shift_sigmas_by_tokens else None
+        return LTX2Scheduler().execute(steps=self.num_inference_steps, latent=latent).to(dtype=torch.float32, device=device)
 
     @property
     def stage1(self) -> StageGeometry:
@@ -198,12 +207,28 @@ def modality_input(state: LatentState, context: torch.Tensor, sigma: torch.Tenso
     )
 
 
-def _keep_clean_tokens(denoised: torch.Tensor, state: LatentState) -> torch.Tensor:
+def keep_clean_tokens(denoised: torch.Tensor, state: LatentState) -> torch.Tensor:
     """Where the denoise mask is 0 (conditioning tokens) the prediction is the clean latent."""
     return (denoised * state.denoise_mask + state.clean_latent.float() * (1 - state.denoise_mask)).to(denoised.dtype)
 
 
 DenoiseFn = Callable[[LatentState, LatentState, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+"""``denoise(video_state, audio_state, sigmas, step)``: both modalities' predictions at ``sigmas[step]``."""
+
+STEPPERS = ("euler", "res2s")
+"""``euler``: ltx-core's Euler step, one denoise per step. ``res2s``: the second-order res_2s sampler of
+the official HQ recipe (``mgpu_backend.ltx.res2s``), two denoises per step."""
+
+
+def report_step(on_step: OnStep | None, step: int, total: int, denoised_video: torch.Tensor, video_state: LatentState, video_tools) -> None:
+    """``on_step`` after step ``step`` of ``total`` (with the step's video x0 when ``video_tools`` can put it in
+    ComfyUI layout): the progress report and cancel point, where an exception ends the stage at a step boundary."""
+    if on_step is None:
+        return
+    if video_tools is None:
+        on_step(step, total)
+    else:
+        on_step(step, total, lambda x0=denoised_video, state=video_state: state_to_comfy(replace(state, latent=x0), video_tools))
 
 
 def _euler_loop(
@@ -220,17 +245,21 @@ def _euler_loop(
     total = len(sigmas) - 1
     for step in range(total):
         denoised_video, denoised_audio = denoise(video_state, audio_state, sigmas, step)
-        denoised_video = _keep_clean_tokens(denoised_video, video_state)
-        denoised_audio = _keep_clean_tokens(denoised_audio, audio_state)
+        denoised_video = keep_clean_tokens(denoised_video, video_state)
+        denoised_audio = keep_clean_tokens(denoised_audio, audio_state)
         video_state = replace(video_state, latent=stepper.step(video_state.latent, denoised_video, sigmas, step))
         audio_state = replace(audio_state, latent=stepper.step(audio_state.latent, denoised_audio, sigmas, step))
-        if on_step is not None:
-            # Progress report and cancel point: an exception here ends the stage at a step boundary.
-            if video_tools is None:
-                on_step(step + 1, total)
-            else:
-                on_step(step + 1, total, lambda x0=denoised_video, state=video_state: state_to_comfy(replace(state, latent=x0), video_tools))
+        report_step(on_step, step + 1, total, denoised_video, video_state, video_tools)
     return video_state, audio_state
+
+
+def denoising_loop(stepper: str):
+    """The loop of ``stepper`` (one of ``STEPPERS``), with ``_euler_loop``'s signature."""
+    if stepper == "res2s":
+        from mgpu_backend.ltx.res2s import res2s_loop  # res2s builds on this module's pieces
+
+        return res2s_loop
+    return _euler_loop
 
 
 def transformer_layer_count(transformer: torch.nn.Module) -> int | None:
@@ -353,9 +382,12 @@ def sample_stage1(
     image: torch.Tensor | None = None,
     pass_runner: PassRunner = SequentialPassRunner(),  # noqa: B008 - stateless
     on_step: OnStep | None = None,
+    lora_set: str = "none",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1 from pure noise: ``(video [1,128,F',H1/32,W1/32], audio [1,8,T,16])``, float32.
 
+    ``lora_set``: ``"none"`` (the two-stage and distilled recipes) or ``"distilled"`` (the HQ recipe
+    runs stage 1 with the distilled LoRA too, at its own strength).
     ``image`` (``[H, W, 3]`` in 0..1) becomes the clean first latent frame at strength 1.0.
     Noise comes from a generator seeded with ``params.seed``: video tokens first, then audio.
     ``negative`` may be None when no step runs the unconditional pass (the distilled recipe).
@@ -367,7 +399,7 @@ def sample_stage1(
     video_tools, audio_tools = geometry.video_tools(), geometry.audio_tools()
     with torch.inference_mode():
         conditionings = _image_conditionings(loader, params, geometry, image)
-        transformer = loader.transformer("none")
+        transformer = loader.transformer(lora_set)
         layer_count = transformer_layer_count(transformer)
         validate_stg_blocks(params.video_guider, layer_count, "video")
         validate_stg_blocks(params.audio_guider, layer_count, "audio")
@@ -382,10 +414,13 @@ def sample_stage1(
         sigma_values = sigmas.tolist()
         previous: tuple[torch.Tensor, torch.Tensor] | None = None
 
-        def guided_denoise(video_state, audio_state, sigmas, step):
+        def guided_denoise(video_state, audio_state, sigmas_of_call, step):
             nonlocal previous
-            video_guider = video_guiders.build_from_sigma(sigma_values[step])
-            audio_guider = audio_guiders.build_from_sigma(sigma_values[step])
+            # The Euler loop hands the schedule itself (its values read once, no device sync per step);
+            # res_2s hands its own (a midpoint sigma, the extra last sigma before 0).
+            sigma = sigma_values[step] if sigmas_of_call is sigmas else float(sigmas_of_call[step])
+            video_guider = video_guiders.build_from_sigma(sigma)
+            audio_guider = audio_guiders.build_from_sigma(sigma)
             guidance = StepGuidance(
                 video_guider, audio_guider, video_guider.should_skip_step(step), audio_guider.should_skip_step(step)
             )
@@ -393,12 +428,13 @@ def sample_stage1(
                 return previous
             if guidance.needs_unconditional and negative is None:
                 raise ValueError("the guidance asks for the unconditional pass (cfg_scale != 1) but no negative prompt was given; encode one")
-            passes = guidance_passes(guidance, video_state, audio_state, sigmas[step], positive, negative)
+            passes = guidance_passes(guidance, video_state, audio_state, sigmas_of_call[step], positive, negative)
             outputs = pass_runner.run(transformer, passes)
             previous = combine_guidance(guidance, passes, outputs, previous)
             return previous
 
-        video_state, audio_state = _euler_loop(sigmas, video_state, audio_state, guided_denoise, on_step, video_tools)
+        loop = denoising_loop(params.stepper)
+        video_state, audio_state = loop(sigmas, video_state, audio_state, guided_denoise, on_step, video_tools)
         return state_to_comfy(video_state, video_tools), state_to_comfy(audio_state, audio_tools)
 
 
@@ -443,7 +479,7 @@ def refine_stage2(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Refine the upsampled video at full size on the stage-2 transformer; audio passes through.
 
-    ``lora_set``: ``"distilled"`` (the two-stage recipe: the distilled LoRA on the dev checkpoint) or
+    ``lora_set``: ``"distilled"`` (the two-stage and HQ recipes: the distilled LoRA on the dev checkpoint) or
     ``"none"`` (the distilled recipe: the distilled checkpoint as stage 1 ran it).
 
     ``video_latent`` is the upsampled stage-1 latent at ``params.height`` x ``params.width``.
@@ -503,7 +539,8 @@ def refine_stage2(
                 perturbations=None,
             )
 
-        video_state, denoised_audio = _euler_loop(sigmas, video_state, audio_state, positive_only, on_step, video_tools)
+        loop = denoising_loop(params.stepper)
+        video_state, denoised_audio = loop(sigmas, video_state, audio_state, positive_only, on_step, video_tools)
         if denoise_audio:
             return state_to_comfy(video_state, video_tools), state_to_comfy(denoised_audio, audio_tools)
         return state_to_comfy(video_state, video_tools), audio_latent
