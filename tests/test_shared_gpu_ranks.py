@@ -412,7 +412,7 @@ COMFY_CASES = ("long", "image_to_video", "keyframes")  # 1280 tokens; 48 and 64 
 
 def _comfy_transformer() -> dict:
     """The 22B (LTX-2.3) transformer cut to ``COMFY_BLOCKS`` blocks and one text-connector layer (the
-    connectors run once per call, before the blocks SP splits): a checkpoint of about 2.5 GB."""
+    connectors run once per call, before the blocks SP splits): a checkpoint of 3.2 GB."""
     from mgpu_backend.ltx.diagnostics import bench_config
 
     transformer = bench_config("2.3")["transformer"]
