@@ -13,12 +13,12 @@ output's largest value, and whether it is bitwise):
 - the transformer blocks compiled by Inductor under SP 4 over gloo against the eager forward (both
   layouts, 4 blocks, 6144 tokens). CUDA graphs are not captured over a gloo SP group (the refusal
   below), so here the compiled blocks run without graph replay;
-- ComfyUI's own LTX-2.3 model (the drop-in engine's ranks: ComfyUI's loader, the fleet's SP plan) at
-  the 22B block layout cut to 2 blocks, SP 2 and 4 against world 1 (needs COMFYUI_DIR);
+- (ComfyUI's own model on shared ranks: tests/test_comfy_model_shared_gpu.py);
 - a fleet started with ``--gpus 0`` and 2 shared ranks answering the doctor's SP check.
 
-Every GPU case has a CPU twin (``device="cpu", tiny=True``) that the default suite runs on 2 CPU
-ranks, so its code is exercised without a GPU; each GPU test prints its figures for docs/BENCHMARKS.md.
+Every GPU case has a CPU twin (``device="cpu", tiny=True``) that a CPU test runs on 2 CPU ranks (the
+layouts on 8; all but the decode's under ``-m slow``), so its code runs without a GPU; each GPU test
+prints its figures for docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from mgpu_backend.fleet.controller import DeviceSpec
 
 from .dist_harness import run_ranks
 from .fleet_harness import REPO, run_job, stop_server, wait_for_server
-from .helpers import SCENARIOS, build_tiny_decoder, distributed_decode_video, scenario_latent, write_diffusion_checkpoint
+from .helpers import SCENARIOS, build_tiny_decoder, distributed_decode_video, scenario_latent
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -212,11 +212,22 @@ BF16_NOISE = 2e-2  # relative to the output's largest value, as the CUDA-graph a
 def test_8_ranks_sharing_one_gpu_match_degree_1_under_sp_guidance_hybrid_and_tdp_and_sharding_is_bitwise(version):
     results = run_ranks(8, shared_gpu_layouts, version, timeout=600)
     print(f"LTX-{version}, 8 ranks on one GPU:", results[0])
+    _check_layouts(results)
+
+
+def _check_layouts(results: list[dict]) -> None:
     for rank, result in enumerate(results):
         for name, value in result.items():
             if name.startswith(("SP", "guidance", "hybrid", "TDP", "sharded SP")):
                 assert value <= BF16_NOISE, f"rank {rank}: {name} differs from degree 1 by {value:.3g} of the output scale"
         assert result["sharded bitwise"], f"rank {rank}: sharded forward differs from the unsharded one by {result['sharded max diff']}"
+
+
+@pytest.mark.slow
+def test_the_gpu_layouts_check_runs_on_8_cpu_ranks_at_tiny_widths():
+    results = run_ranks(8, shared_gpu_layouts, "2.3", "cpu", True)
+    _check_layouts(results)
+    assert {"SP 8", "guidance 4x2", "hybrid 4x2", "TDP 8 tiles on 8 ranks"} <= set(results[0]), results[0]
 
 
 @pytest.mark.gpu
@@ -402,108 +413,3 @@ def test_the_gpu_compiled_blocks_check_runs_on_2_cpu_ranks_with_aot_eager():
     results = run_ranks(2, shared_gpu_compiled_blocks, ("2.3",), "cpu", True, "aot_eager")
     _check_compiled(results, BF16_NOISE)  # bf16 on the CPU: shards round their matrix products by their own row count
     assert set(results[0]) == {"LTX-2.3 compiled SP 2", "LTX-2.3 bitwise"}, results[0]
-
-
-# --- ComfyUI's own model (the drop-in engine) on ranks sharing a GPU -----------------------------------
-
-COMFY_BLOCKS = 2
-COMFY_CASES = ("long", "image_to_video", "keyframes")  # 1280 tokens; 48 and 64 tokens with a first-frame image or a guide
-
-
-def _comfy_transformer() -> dict:
-    """The 22B (LTX-2.3) transformer cut to ``COMFY_BLOCKS`` blocks and one text-connector layer (the
-    connectors run once per call, before the blocks SP splits): a checkpoint of 3.2 GB."""
-    from mgpu_backend.ltx.diagnostics import bench_config
-
-    transformer = bench_config("2.3")["transformer"]
-    transformer.update(num_layers=COMFY_BLOCKS, connector_num_layers=1)
-    return transformer
-
-
-def shared_gpu_comfy_model(comfy_dir: str, checkpoint: str, device: str = "cuda:0", tiny: bool = False) -> dict:
-    """On every rank: ComfyUI's model loaded as the drop-in engine's ranks load it (``runtime.load_model``:
-    ComfyUI's checkpoint loader, weights on ``device``) from a random 22B-layout checkpoint that rank 0
-    writes at ``checkpoint`` (``tiny``: the tiny LTX-2.3 bundle's), denoiser calls made by ComfyUI's own
-    conditioning code, ComfyUI's forward at world 1, then at SP 2 and 4 with the fleet's plan
-    (``plan.apply_plan``, and on CUDA the captured blocks, which run eagerly over gloo, as ``comfy.forward``
-    applies them): each call's relative difference and whether it is bitwise; or ``{"skipped": why}``
-    where ComfyUI's requirements are not importable."""
-    from mgpu_backend.bundles.tiny import default_tiny_bundle
-    from mgpu_backend.comfy_model import jobs, plan, runtime
-    from mgpu_backend.comfy_model.captured_blocks import capture_blocks
-    from mgpu_backend.parallel.comm import Comm
-
-    from . import comfy_model_cases as cases
-
-    device = _use(device)
-    world = Comm.world()
-    try:
-        comfy, _ = runtime.import_comfy(comfy_dir, device)
-        why = None
-    except runtime.ComfyInputError as exc:
-        why = str(exc)
-    why = _agreed(why, world, "another rank cannot import ComfyUI")
-    if why is not None:
-        return {"skipped": why}
-    if tiny:
-        checkpoint = default_tiny_bundle("2.3").checkpoint_path
-    elif world.rank == 0:
-        write_diffusion_checkpoint(checkpoint, _comfy_transformer(), device)
-    world.barrier()
-    patcher = runtime.load_model(checkpoint, "checkpoint", "default", device)
-    names = COMFY_CASES[1:] if tiny else COMFY_CASES
-    calls = {name: cases.make_call(comfy, patcher, name, seed, device=device) for seed, name in enumerate(names)}
-    model = patcher.model.diffusion_model
-    plan.check_model(model)
-    threads = torch.get_num_threads()
-    reference = {name: cases.in_process(patcher, call, threads) for name, call in calls.items()}
-    results = {}
-    for degree in _degrees(world.world_size):
-        sp_comm = _group_of(world, degree)
-        loaded = runtime.LoadedModel("shared", patcher, plan=plan.apply_plan(model, sp_comm, video_query_exchange=device.type == "cpu"))
-        if device.type == "cuda":
-            loaded.captured = capture_blocks(model, sp_comm)
-        try:
-            for name, call in calls.items():
-                out = cases.in_process(patcher, call, threads)
-                results[f"{name} SP {degree}"] = _relative(out, reference[name])
-                results[f"{name} SP {degree} bitwise"] = _bitwise(out, reference[name])
-            results[f"SP {degree} graph replays"] = loaded.captured.replays if loaded.captured is not None else 0
-        finally:
-            jobs.release_parallelism(loaded)
-    return results
-
-
-def _comfyui_dir_or_skip() -> str:
-    """COMFYUI_DIR, or a skip. ComfyUI is imported by the ranks only: on the test process's path it
-    would reach the spawned ranks, whose import of this pack's ``__init__`` then imports ComfyUI's server."""
-    from . import comfy_model_cases as cases
-
-    if not cases.COMFYUI_DIR:
-        pytest.skip("set COMFYUI_DIR to a ComfyUI v0.20.1 checkout (and run under its Python) to test ComfyUI's model on shared ranks")
-    return os.path.abspath(cases.COMFYUI_DIR)
-
-
-def _check_comfy(results: list[dict], tolerance: float) -> None:
-    if "skipped" in results[0]:
-        pytest.skip(f"{results[0]['skipped']} (run the tests under ComfyUI's Python)")
-    for rank, result in enumerate(results):
-        for name, value in result.items():
-            if name.endswith(("SP 2", "SP 4")):
-                assert value <= tolerance, f"rank {rank}: {name} differs from ComfyUI's world-1 forward by {value:.3g} of the output scale"
-
-
-@pytest.mark.gpu
-@gpu
-def test_comfyui_model_at_sp_2_and_4_on_ranks_sharing_one_gpu_matches_its_world_1_forward(tmp_path):
-    checkpoint = str(tmp_path / f"ltx-2.3-{COMFY_BLOCKS}-blocks.safetensors")
-    results = run_ranks(4, shared_gpu_comfy_model, _comfyui_dir_or_skip(), checkpoint, timeout=600)
-    print(f"ComfyUI LTX-2.3 model ({COMFY_BLOCKS} blocks), 4 ranks on one GPU vs world 1:", results[0])
-    _check_comfy(results, BF16_NOISE)
-    assert results[0]["SP 4 graph replays"] == 0  # the captured blocks run eagerly over a gloo group
-
-
-def test_the_gpu_comfyui_model_check_runs_on_2_cpu_ranks_bitwise():
-    results = run_ranks(2, shared_gpu_comfy_model, _comfyui_dir_or_skip(), "", "cpu", True)
-    _check_comfy(results, 0.0)
-    assert all(results[rank][f"{name} SP 2 bitwise"] for rank in (0, 1) for name in COMFY_CASES[1:]), results
