@@ -139,10 +139,11 @@ class _Captured(Exception):
     """Stops ComfyUI's forward once the diffusion model's call is captured."""
 
 
-def make_call(comfy, patcher, case: str, seed: int, batch: int = 1, sigmas: tuple[float, ...] = (0.8,)) -> Call:
+def make_call(comfy, patcher, case: str, seed: int, batch: int = 1, sigmas: tuple[float, ...] = (0.8,), device=torch.device("cpu")) -> Call:
     """A denoiser call of ``case`` ('plain', 'padded' (plain, 45 tokens), 'long' (plain, 1280 tokens),
     'image_to_video' or 'keyframes'), made by the in-process model's own extra_conds / process_timestep / _apply_model on
-    random latents of ComfyUI's shapes, at ``sigmas`` (one per sample; one for all)."""
+    random latents of ComfyUI's shapes, at ``sigmas`` (one per sample; one for all), on ``device`` (where
+    the model's weights are; the random values are drawn on the CPU, so they are the same on any device)."""
     import comfy.utils
 
     model = patcher.model
@@ -151,16 +152,16 @@ def make_call(comfy, patcher, case: str, seed: int, batch: int = 1, sigmas: tupl
     video_shape[0] = batch
     if case == "keyframes":
         video_shape[2] += GUIDE_FRAMES
-    video = torch.randn(video_shape, generator=generator)
-    audio = torch.randn((batch, *AUDIO_SHAPE[1:]), generator=generator)
+    video = torch.randn(video_shape, generator=generator).to(device)
+    audio = torch.randn((batch, *AUDIO_SHAPE[1:]), generator=generator).to(device)
     packed, latent_shapes = comfy.utils.pack_latents([video, audio])
-    cross_attn = torch.randn(batch, TEXT_TOKENS, text_width(model.diffusion_model), generator=generator)
+    cross_attn = torch.randn(batch, TEXT_TOKENS, text_width(model.diffusion_model), generator=generator).to(device)
     conds = {
-        "cross_attn": cross_attn, "unprocessed_ltxav_embeds": True, "device": torch.device("cpu"), "frame_rate": 24.0,
+        "cross_attn": cross_attn, "unprocessed_ltxav_embeds": True, "device": device, "frame_rate": 24.0,
         "latent_shapes": latent_shapes,
     }
     if case in ("image_to_video", "keyframes"):
-        video_mask = torch.ones(batch, 1, *video_shape[2:])
+        video_mask = torch.ones(batch, 1, *video_shape[2:], device=device)
         if case == "image_to_video":
             video_mask[:, :, 0] = 0.0  # the first frame is the given image
         else:
@@ -170,10 +171,10 @@ def make_call(comfy, patcher, case: str, seed: int, batch: int = 1, sigmas: tupl
             conds["guide_attention_entries"] = [
                 {"pre_filter_count": GUIDE_FRAMES * video_shape[3] * video_shape[4], "strength": 0.5, "pixel_mask": None, "latent_shape": [GUIDE_FRAMES, *video_shape[3:]]}
             ]
-        audio_mask = torch.ones(batch, 1, audio.shape[2], 1)
+        audio_mask = torch.ones(batch, 1, audio.shape[2], 1, device=device)
         conds["denoise_mask"], _ = comfy.utils.pack_latents([video_mask.expand(video.shape), audio_mask.expand(audio.shape)])
     extra = {name: cond.cond for name, cond in model.extra_conds(**conds).items()}
-    sigma = torch.tensor(sigmas).expand(batch).contiguous()
+    sigma = torch.tensor(sigmas, device=device).expand(batch).contiguous()
     options = {"cond_or_uncond": list(range(batch)), "sigmas": sigma}
 
     seen: dict = {}

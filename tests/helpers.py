@@ -1064,3 +1064,16 @@ def convert_checkpoint_to_fp8(source: str | Path, destination: str | Path, scale
     metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": layers})
     save_file(tensors, str(destination), metadata=metadata)
     return Path(destination)
+
+
+def write_diffusion_checkpoint(path: str | os.PathLike, transformer: dict, device: torch.device | str, seed: int = 0) -> str:
+    """A random checkpoint at ``transformer``'s layout holding only what a diffusion model loads: the
+    transformer and the text embeddings processor of a full-size bundle's checkpoint (``full_size``'s
+    file layout and metadata, weights drawn on ``device``), without the VAEs and vocoder. With the
+    block count and connector depth cut, a full-size layout's file is a few GB, so a test can write it."""
+    from mgpu_backend.bundles import layout
+
+    parts, metadata = layout.weight_files(full_size.full_size_config(transformer), full_size._STYLE)[full_size.CHECKPOINT_NAME]
+    kept = [part for part in parts if part.name in ("transformer", "embeddings_processor")]
+    layout.write_weight_file(Path(path), kept, metadata, layout.DeviceSeeded(torch.device(device), seed))
+    return str(path)
