@@ -1064,3 +1064,14 @@ def convert_checkpoint_to_fp8(source: str | Path, destination: str | Path, scale
     metadata["_quantization_metadata"] = json.dumps({"format_version": "1.0", "layers": layers})
     save_file(tensors, str(destination), metadata=metadata)
     return Path(destination)
+
+
+def bench_module(name: str):
+    """``bench/<name>.py`` imported as the benches import each other: ``bench/`` first on sys.path while it loads."""
+    import importlib
+
+    sys.path.insert(0, str(PACK_DIR / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(PACK_DIR / "bench"))
