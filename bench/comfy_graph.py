@@ -293,14 +293,13 @@ def report_table(comfy_cold: GraphRun, comfy_warm: GraphRun, fleet_cold, fleet_w
 
 
 def write_files(args: argparse.Namespace, device: torch.device, stack: contextlib.ExitStack, version: str = "2.0",
-                gemma_name: str = GEMMA_FILE, gemma_weights: str = "bf16") -> tuple[layout.TwoStageFiles, str]:  # fmt: skip
+                gemma_name: str = GEMMA_FILE) -> tuple[layout.TwoStageFiles, str]:  # fmt: skip
     """The random bundle of LTX-``version`` (``args.bundle_dir``; the tiny one with ``args.tiny``) and its
-    Gemma as one ComfyUI-layout file named ``gemma_name`` (``args.gemma_dir``), its weights ``gemma_weights``
-    (``gemma_file.gemma_folder_to_comfy_file``'s bf16 or fp8_scaled): (bundle, Gemma file)."""
+    Gemma as one ComfyUI-layout bf16 file named ``gemma_name`` (``args.gemma_dir``): (bundle, Gemma file)."""
     if args.tiny:
         bundle = tiny.default_tiny_bundle(version)
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-comfy-graph-gemma-")))
-        return bundle, gemma_folder_to_comfy_file(bundle.gemma_root, str(folder / gemma_name), gemma_weights)
+        return bundle, gemma_folder_to_comfy_file(bundle.gemma_root, str(folder / gemma_name))
     config = full_size.full_size_config(bench_config(version)["transformer"], 48)  # ComfyUI's text encoder is the released 48-layer Gemma only
     bundle_dir = Path(args.bundle_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-comfy-graph-bundle-")))
     gemma_dir = Path(args.gemma_dir) if args.gemma_dir else bundle_dir
@@ -319,7 +318,7 @@ def write_files(args: argparse.Namespace, device: torch.device, stack: contextli
     started = time.perf_counter()
     bundle = full_size.write_bundle(bundle_dir, config, device, 0, log=log, gemma_dir=gemma_dir / full_size.GEMMA_DIR_NAME if args.gemma_dir else None)
     log(f"writing {gemma_file} (ComfyUI's single-file Gemma layout) ...")
-    gemma_folder_to_comfy_file(bundle.gemma_root, str(gemma_file), gemma_weights)
+    gemma_folder_to_comfy_file(bundle.gemma_root, str(gemma_file))
     # Both sides read the single file; the folder would only hold 24 GB more of host memory (tmpfs).
     shutil.rmtree(Path(bundle.gemma_root).resolve())
     log(f"files ready in {time.perf_counter() - started:.1f} s")

@@ -17,20 +17,22 @@ Gemma as the others. This bench:
    ``custom_nodes``) and queues the template as ComfyUI ships it (``CheckpointLoaderSimple``: the model
    in ComfyUI's process), cold (the first queue after start) and warm (the second, both noise seeds
    changed), timing each node from the websocket events; stops it;
-3. starts a fresh ComfyUI and does the same with the loader swapped for ``MGPUCheckpointLoader`` at
-   world 1: its fleet (one rank) on the same GPU, running ComfyUI's own LTX model code.
+3. starts a fresh ComfyUI and does the same with the loader swapped for ``MGPUCheckpointLoader``: its
+   fleet at world 1 on the same GPU (``--gpus 0``, the default), or sequence parallel over several
+   (``--gpus 0,1,2,3``; several lists: one fleet after the other), running ComfyUI's own LTX model code.
 
-One table: per stage (the nodes' times summed), stock cold / warm against fleet cold / warm, the
-fleet/stock ratios, and the per-step medians of stage 1 and stage 2. Both sides read the same files
-and run the same nodes; only where the denoiser runs differs.
+One table per fleet: per stage (the nodes' times summed), stock cold / warm against fleet cold / warm,
+the fleet/stock ratios, and the per-step medians of stage 1 and stage 2. Both sides read the same
+files and run the same nodes; only where the denoiser runs differs.
 
-Files: the checkpoint is bf16 (46.1 GB) under the template's ``ltx-2.3-22b-dev-fp8.safetensors``
-name: the fleet's MODEL loads bf16 files only (ComfyUI's mixed-precision fp8 is refused), and both
-sides must read the same file. Gemma is written as ComfyUI's fp8 scaled file (12.6 GB instead of
-24.4 GB in bf16; ``--gemma-weights bf16`` for the other) under the template's
-``gemma_3_12B_it_fp4_mixed.safetensors`` name: ComfyUI reads the format from the file, not its name,
-and it is the same text encoder on both sides. The LoRA (rank 384, 8.1 GB) and the upsampler (0.25 GB)
-as the real ones.
+Files (54.5 GB on ``--bundle-dir``, 24.4 GB on ``--gemma-dir``): the checkpoint is bf16 (46.1 GB)
+under the template's ``ltx-2.3-22b-dev-fp8.safetensors`` name: the fleet's MODEL loads bf16 files only
+(ComfyUI's mixed-precision fp8 is refused), and both sides must read the same file. Gemma is ComfyUI's
+bf16 single file (24.4 GB) under the template's ``gemma_3_12B_it_fp4_mixed.safetensors`` name: ComfyUI
+reads the format from the file, not its name, it is the same text encoder on both sides, and ComfyUI
+reads fp8 or fp4 weights only with ``comfy-kitchen`` installed (a 68 MB wheel). The LoRA (rank 384,
+8.1 GB) and the upsampler (0.25 GB) as the real ones. Written once, read by both sides; the 48-layer
+Gemma folder is written, converted to the single file and removed (host memory peaks near 75 GB then).
 
 ``--tiny`` is the check that needs no GPU: the tiny LTX-2.3 bundle, ComfyUI on the CPU, the template's
 tiny twin (``ltx23_t2v_tiny_api.json``: 192x128, 9 frames, its prompts encoded by MGPU Text Encode,
@@ -193,9 +195,10 @@ def comfyui_environment(runtime: Path, tiny_run: bool, gpus: str) -> dict[str, s
     return env
 
 
-def run_side(side: str, graph: dict, args: argparse.Namespace, links: list, extra: list[str]) -> tuple[GraphRun, GraphRun]:
-    """One fresh ComfyUI with the pack and the model files: ``graph`` queued cold, then warm with new
-    seeds; (cold, warm). The ComfyUI (and the fleet it started) is stopped before returning."""
+def run_side(side: str, graph: dict, args: argparse.Namespace, links: list, extra: list[str], gpus: str) -> tuple[GraphRun, GraphRun]:
+    """One fresh ComfyUI with the pack and the model files (its fleet, if the graph starts one, on
+    ``gpus``): ``graph`` queued cold, then warm with new seeds; (cold, warm). The ComfyUI (and its
+    fleet) is stopped before returning."""
     stages, samplers = graph_stages(graph)
     with tempfile.TemporaryDirectory(prefix=f"mgpu-comfy-template-{side}-") as folder:
         base = Path(folder)
@@ -204,7 +207,7 @@ def run_side(side: str, graph: dict, args: argparse.Namespace, links: list, extr
         link_models(base, links)
         runtime = base / "run"
         runtime.mkdir(mode=0o700)
-        env = comfyui_environment(runtime, args.tiny, args.gpus)
+        env = comfyui_environment(runtime, args.tiny, gpus)
         server, seconds = start_comfyui(args.comfyui_dir, base, extra, env=env, ready_path="/object_info/MGPUCheckpointLoader")
         try:
             status, body = comfy_queue.http_json(f"{server.url}/object_info/MGPUCheckpointLoader")
@@ -224,7 +227,7 @@ def run_side(side: str, graph: dict, args: argparse.Namespace, links: list, extr
             server.stop()
             if args.comfyui_log:  # both sides' logs, one after the other
                 with open(args.comfyui_log, "w" if side == SIDES[0] or not Path(args.comfyui_log).exists() else "a") as out:
-                    out.write(f"===== ComfyUI, {side} side =====\n{server.log_text()}\n")
+                    out.write(f"===== ComfyUI, {side} side (fleet GPUs {gpus}) =====\n{server.log_text()}\n")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,16 +268,16 @@ def report_table(runs: dict[str, GraphRun | None]) -> str:
     return markdown_table(headers, rows)
 
 
-def tiny_report(graphs: dict[str, dict], runs: dict[str, GraphRun | None]) -> str:
-    """The CPU check's lines: per side and run, how many nodes ComfyUI ran and that the graph ended."""
+def tiny_report(graphs: dict[str, dict], sides: list[tuple[str, tuple[GraphRun, GraphRun]]]) -> str:
+    """The CPU check's lines: per side (name, (cold, warm)) and run, how many nodes ComfyUI ran to the
+    graph's end, with which loader, and how many sampler steps it reported."""
     lines = []
-    for name, run in runs.items():
-        if run is None:
-            continue
-        graph = graphs[name.split()[0]]
-        loader = sorted({graph[node]["class_type"] for node in graph if graph[node]["class_type"] in {*MODEL_LOADER_SWAPS, *MODEL_LOADER_SWAPS.values()}})
-        lines.append(f"{name}: ComfyUI ran {len(run.ran)} of {len(graph)} nodes to the end ({', '.join(loader)}), "
-                     f"stage 1 {len(run.step_seconds.get('stage 1', []))} steps, stage 2 {len(run.step_seconds.get('stage 2', []))} steps")  # fmt: skip
+    for side, pair in sides:
+        graph = graphs[side]
+        (loader,) = {entry["class_type"] for entry in graph.values() if entry["class_type"] in {*MODEL_LOADER_SWAPS, *MODEL_LOADER_SWAPS.values()}}
+        for temperature, run in zip(("cold", "warm"), pair):
+            lines.append(f"{side} {temperature}: ComfyUI ran {len(run.ran)} of {len(graph)} nodes to the end ({loader}), "
+                         f"stage 1 {len(run.step_seconds.get('stage 1', []))} steps, stage 2 {len(run.step_seconds.get('stage 2', []))} steps")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -288,10 +291,9 @@ def main() -> None:
     parser.add_argument("--comfyui-dir", required=True, help="ComfyUI v0.20.1 (or later) checkout; its main.py is started with this Python")
     parser.add_argument("--bundle-dir", help="where to write the random 22B bundle, 54.5 GB (default: a temporary folder); reused when complete")
     parser.add_argument("--gemma-dir", help="a folder for the 48-layer Gemma (24.4 GB while converted) and its single file, e.g. /dev/shm/g23")
-    parser.add_argument("--gemma-weights", choices=("fp8_scaled", "bf16"), default="fp8_scaled",
-                        help="how the single Gemma file stores its weights (default fp8_scaled: 12.6 GB; bf16: 24.4 GB)")
     parser.add_argument("--sides", default="stock,fleet", help="which graphs to run: stock, fleet or both (default stock,fleet)")
-    parser.add_argument("--gpus", default="0", help="the fleet's GPUs, e.g. 0 (world 1, default: ComfyUI's GPU) or 0,1,2,3 (SP over 4)")
+    parser.add_argument("--gpus", nargs="+", default=["0"],
+                        help="the fleet's GPUs: 0 (world 1 beside ComfyUI, the default), 0,1,2,3 (SP over 4); several lists run one fleet after the other")
     add_comfyui_arguments(parser, "the CPU check: the tiny bundle, ComfyUI --cpu, the tiny twin of the template, one CPU rank")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill (e.g. by timeout) still stops ComfyUI and its fleet
@@ -306,7 +308,6 @@ def main() -> None:
     device = torch.device("cpu") if args.tiny else torch.device("cuda", 0)
     extra = ["--cpu"] if args.tiny else args.comfyui_args.split()
     graphs = template_graphs(args.tiny)
-    runs: dict[str, GraphRun | None] = dict.fromkeys(f"{side} {t}" for side, t in itertools.product(SIDES, ("cold", "warm")))
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(stdout_to_stderr())
@@ -314,32 +315,35 @@ def main() -> None:
         if args.tiny:
             bundle, gemma_file = tiny.default_tiny_bundle("2.3"), None
         else:
-            bundle, gemma_file = write_files(args, device, stack, "2.3", template_gemma_name(), args.gemma_weights)
+            bundle, gemma_file = write_files(args, device, stack, "2.3", template_gemma_name())
         links = model_links(args.tiny, bundle, gemma_file)
         files_seconds = time.perf_counter() - started
-        for side in sides:
-            runs[f"{side} cold"], runs[f"{side} warm"] = run_side(side, graphs[side], args, links, extra)
+        stock = run_side("stock", graphs["stock"], args, links, extra, args.gpus[0]) if "stock" in sides else (None, None)
+        fleets = {gpus: run_side("fleet", graphs["fleet"], args, links, extra, gpus) for gpus in args.gpus} if "fleet" in sides else {}
+    tables = {gpus: report_table({"stock cold": stock[0], "stock warm": stock[1], "fleet cold": cold, "fleet warm": warm})
+              for gpus, (cold, warm) in (fleets or {"-": (None, None)}).items()}  # fmt: skip
 
     if args.tiny:
-        print(tiny_report(graphs, runs), flush=True)
-        print(report_table(runs), flush=True)
+        ran = [("stock", stock)] if "stock" in sides else []
+        print(tiny_report(graphs, ran + [("fleet", pair) for pair in fleets.values()]), flush=True)
+        print("\n\n".join(tables.values()), flush=True)
         return
-    world = len(args.gpus.split(","))
-    text = "\n".join([
-        (
-            f"ComfyUI's LTX-2.3 text-to-video template ({TEMPLATE}_api.json), whole, 1280x720, 121 frames (126 asked at 25 fps), "
-            f"random 22B bundle (bf16 checkpoint, Gemma-3 12B 48 layers as one {args.gemma_weights} file), files ready in {files_seconds:.0f} s; "
-            f"stock: ComfyUI's Load Checkpoint, the model in ComfyUI's process; fleet: Load Checkpoint (MGPU fleet) at world {world} "
-            f"(GPUs {args.gpus}); ComfyUI {' '.join(extra) or 'with its default memory settings'}."
-        ),
-        "",
-        report_table(runs),
+    parts = [
+        f"ComfyUI's LTX-2.3 text-to-video template ({TEMPLATE}_api.json), whole, 1280x720, 121 frames (126 asked at 25 fps), random 22B "
+        f"bundle (bf16 checkpoint, the 48-layer Gemma-3 12B as one bf16 file), files ready in {files_seconds:.0f} s; stock: ComfyUI's Load "
+        f"Checkpoint, the model in ComfyUI's process; fleet: Load Checkpoint (MGPU fleet), its ranks running ComfyUI's LTX code; ComfyUI "
+        f"{' '.join(extra) or 'with its default memory settings'}.",
+    ]
+    for gpus, table in tables.items():
+        parts += ["", f"Fleet on GPUs {gpus} (world {len(gpus.split(','))}):" if gpus != "-" else "Stock only:", "", table]
+    parts += [
         "",
         "- each stage sums its nodes' times (a node runs from its start event to the next node's); cold: the first queue after "
         "ComfyUI's start, warm: the second, with new noise seeds (ComfyUI's cache keeps the loaders and the text encoding: 'cached')",
-        "- stage 1 and stage 2 include what ComfyUI does inside the sampler node: moving the model to the GPU, applying the LoRA (stock) "
-        "or sending it to the fleet (fleet)",
-    ])
+        "- stage 1 and stage 2 include what ComfyUI does inside the sampler node: moving the model to the GPU and applying the LoRA "
+        "(stock), or sending the LoRA to the fleet (fleet)",
+    ]
+    text = "\n".join(parts)
     print(text, flush=True)
     if args.out:
         append_out(text, device, args.out)
