@@ -47,6 +47,24 @@ def test_the_stock_graph_is_the_template_and_the_fleet_graph_differs_only_in_its
     assert comfy_template.template_gemma_name() == "gemma_3_12B_it_fp4_mixed.safetensors"
 
 
+def test_every_file_the_template_loads_is_linked_from_the_bundle_into_the_folder_comfyui_reads_it_from(comfy_template):
+    from mgpu_backend.bundles.full_size import RandomBundle
+
+    bundle = RandomBundle("/b", "/b/ckpt.safetensors", "/b/lora.safetensors", "/b/up.safetensors", "/b/gemma")
+    links = comfy_template.model_links(False, bundle, "/g/gemma.safetensors")
+    folder_of_input = {"ckpt_name": "checkpoints", "lora_name": "loras", "model_name": "latent_upscale_models", "text_encoder": "text_encoders"}
+    stock = comfy_template.template_graphs(tiny_run=False)["stock"]
+    loaded = {(folder_of_input[name], value) for entry in stock.values() for name, value in entry["inputs"].items() if name in folder_of_input}
+    assert {(folder, name) for folder, name, _ in links} == loaded == {
+        ("checkpoints", "ltx-2.3-22b-dev-fp8.safetensors"), ("loras", "ltx-2.3-22b-distilled-lora-384.safetensors"),
+        ("latent_upscale_models", "ltx-2.3-spatial-upscaler-x2-1.1.safetensors"), ("text_encoders", "gemma_3_12B_it_fp4_mixed.safetensors"),
+    }  # fmt: skip
+    assert {name: source for _, name, source in links} == {
+        "ltx-2.3-22b-dev-fp8.safetensors": "/b/ckpt.safetensors", "ltx-2.3-22b-distilled-lora-384.safetensors": "/b/lora.safetensors",
+        "ltx-2.3-spatial-upscaler-x2-1.1.safetensors": "/b/up.safetensors", "gemma_3_12B_it_fp4_mixed.safetensors": "/g/gemma.safetensors",
+    }  # fmt: skip
+
+
 def test_a_warm_queue_changes_both_noise_seeds_and_nothing_else(comfy_template):
     stock = comfy_template.template_graphs(tiny_run=False)["stock"]
     warm = comfy_template.reseeded(stock, 1)
