@@ -37,7 +37,9 @@ Gemma folder is written, converted to the single file and removed (host memory p
 ``--tiny`` is the check that needs no GPU: the tiny LTX-2.3 bundle, ComfyUI on the CPU, the template's
 tiny twin (``ltx23_t2v_tiny_api.json``: 192x128, 9 frames, its prompts encoded by MGPU Text Encode,
 since ComfyUI's text encoder builds the released Gemma only), both graphs queued cold and warm to
-their end, the fleet on one CPU rank.
+their end, the fleet on one CPU rank; then the full-size graphs themselves, the tiny files linked under
+the template's names: ComfyUI accepts them and runs them, the loaders included, up to that text
+encoder, where they must stop.
 
     python bench/comfy_template.py --comfyui-dir ~/ComfyUI --bundle-dir /data/b23 --gemma-dir /dev/shm/g23 --out FILE   # one GPU
     python bench/comfy_template.py --comfyui-dir ~/ComfyUI --tiny                                                     # CPU check
@@ -64,7 +66,6 @@ import torch
 from _common import append_out, log, markdown_table, stdout_to_stderr
 from comfy_graph import GraphRun, NodeClock, add_comfyui_arguments, link_models, log_stages, run_graph, start_comfyui, step_median, write_files
 
-from mgpu_backend.bundles import tiny
 from mgpu_backend.tools import comfy_queue
 from mgpu_backend.tools.comfy_templates import MODEL_LOADER_SWAPS, swap_model_loader
 
@@ -167,18 +168,17 @@ def graph_stages(graph: dict) -> tuple[dict[str, str], dict[str, str]]:
 # --------------------------------------------------------------------------------------------------
 
 
-def model_links(tiny_run: bool, bundle, gemma_file: str | None) -> list[tuple[str, str, str]]:
-    """(ComfyUI models folder, file name, the file it is) of every model the graphs load: the tiny
-    bundle's files under their own names (the tiny twin's), or the random bundle's under the names the
-    template loads (``models.json``)."""
-    if tiny_run:
-        return [("checkpoints", Path(bundle.checkpoint_path).name, bundle.checkpoint_path),
-                ("loras", Path(bundle.distilled_lora_path).name, bundle.distilled_lora_path),
-                ("latent_upscale_models", Path(bundle.spatial_upsampler_path).name, bundle.spatial_upsampler_path)]  # fmt: skip
+def model_links(tiny_run: bool, bundle, gemma_file: str) -> list[tuple[str, str, str]]:
+    """(ComfyUI models folder, file name, the file it is) of every model the graphs load: the bundle's
+    files under the names the template loads (``models.json``); with ``tiny_run`` also under their own
+    names, which the tiny twin loads."""
     sources = {"checkpoints": bundle.checkpoint_path, "loras": bundle.distilled_lora_path,
                "latent_upscale_models": bundle.spatial_upsampler_path, "text_encoders": gemma_file}  # fmt: skip
     entries = json.loads((GRAPHS_DIR / "models.json").read_text())[TEMPLATE]
-    return [(entry["directory"], entry["name"], sources[entry["directory"]]) for entry in entries]
+    links = [(entry["directory"], entry["name"], sources[entry["directory"]]) for entry in entries]
+    if tiny_run:
+        links += [(folder, Path(source).name, source) for folder, source in sources.items() if folder != "text_encoders"]
+    return links
 
 
 def template_gemma_name() -> str:
@@ -195,10 +195,12 @@ def comfyui_environment(runtime: Path, tiny_run: bool, gpus: str) -> dict[str, s
     return env
 
 
-def run_side(side: str, graph: dict, args: argparse.Namespace, links: list, extra: list[str], gpus: str) -> tuple[GraphRun, GraphRun]:
+def run_side(side: str, graph: dict, args: argparse.Namespace, links: list, extra: list[str], gpus: str,
+             full_size_graph: dict | None = None) -> tuple[GraphRun, GraphRun, GraphRun | None]:  # fmt: skip
     """One fresh ComfyUI with the pack and the model files (its fleet, if the graph starts one, on
-    ``gpus``): ``graph`` queued cold, then warm with new seeds; (cold, warm). The ComfyUI (and its
-    fleet) is stopped before returning."""
+    ``gpus``): ``graph`` queued cold, then warm with new seeds; then, if given, ``full_size_graph``
+    (the CPU check: how far ComfyUI runs it on the tiny files): (cold, warm, full size or None). The
+    ComfyUI (and its fleet) is stopped before returning."""
     stages, samplers = graph_stages(graph)
     with tempfile.TemporaryDirectory(prefix=f"mgpu-comfy-template-{side}-") as folder:
         base = Path(folder)
@@ -222,7 +224,10 @@ def run_side(side: str, graph: dict, args: argparse.Namespace, links: list, extr
                     raise SystemExit(f"error: the {side} graph ({name}) failed: {run.failure}\n{server.log_tail()}")
                 log_stages(f"{side} {name}", run)
                 runs.append(run)
-            return runs[0], runs[1]
+            if full_size_graph is not None:
+                log(f"{side}: the full-size template graph on the tiny files ...")
+                runs.append(run_graph(server, full_size_graph, args.timeout, NodeClock({}, {})))
+            return runs[0], runs[1], runs[2] if full_size_graph is not None else None
         finally:
             server.stop()
             if args.comfyui_log:  # both sides' logs, one after the other
@@ -268,17 +273,30 @@ def report_table(runs: dict[str, GraphRun | None]) -> str:
     return markdown_table(headers, rows)
 
 
-def tiny_report(graphs: dict[str, dict], sides: list[tuple[str, tuple[GraphRun, GraphRun]]]) -> str:
-    """The CPU check's lines: per side (name, (cold, warm)) and run, how many nodes ComfyUI ran to the
-    graph's end, with which loader, and how many sampler steps it reported."""
-    lines = []
-    for side, pair in sides:
+TEXT_ENCODER_STOP = "LTXAVTextEncoderLoader"
+"""Where the full-size graph stops on the tiny files: ComfyUI's text encoder builds the 12B Gemma only."""
+
+
+def tiny_report(graphs: dict[str, dict], full_size_graphs: dict[str, dict], sides: list[tuple[str, tuple]]) -> tuple[str, bool]:
+    """The CPU check's lines and whether it passed: per side (name, (cold, warm, full size)) and run, how
+    many nodes ComfyUI ran to the graph's end, with which loader, how many sampler steps it reported;
+    and how far it ran the full-size graph: to its text encoder, which must be where it stopped."""
+    lines, passed = [], True
+    for side, (cold, warm, full_size) in sides:
         graph = graphs[side]
         (loader,) = {entry["class_type"] for entry in graph.values() if entry["class_type"] in {*MODEL_LOADER_SWAPS, *MODEL_LOADER_SWAPS.values()}}
-        for temperature, run in zip(("cold", "warm"), pair):
+        for temperature, run in (("cold", cold), ("warm", warm)):
             lines.append(f"{side} {temperature}: ComfyUI ran {len(run.ran)} of {len(graph)} nodes to the end ({loader}), "
                          f"stage 1 {len(run.step_seconds.get('stage 1', []))} steps, stage 2 {len(run.step_seconds.get('stage 2', []))} steps")  # fmt: skip
-    return "\n".join(lines)
+        full_graph = full_size_graphs[side]
+        stopped = full_size.ran[-1] if full_size.ran else None
+        at_text_encoder = bool(full_size.failure) and stopped is not None and full_graph[stopped]["class_type"] == TEXT_ENCODER_STOP
+        loader_ran = any(full_graph[node]["class_type"] == loader for node in full_size.ran)
+        passed &= at_text_encoder and loader_ran
+        lines.append(f"{side} full size: ComfyUI accepted the template's graph ({len(full_graph)} nodes) and ran {len(full_size.ran)} of them, "
+                     f"{loader} {'among them' if loader_ran else 'not among them'}, "
+                     f"{'up to its text encoder' if at_text_encoder else 'stopping elsewhere'}: {(full_size.failure or 'no failure').splitlines()[0]}")  # fmt: skip
+    return "\n".join(lines), passed
 
 
 # --------------------------------------------------------------------------------------------------
@@ -312,21 +330,23 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         stack.enter_context(stdout_to_stderr())
         started = time.perf_counter()
-        if args.tiny:
-            bundle, gemma_file = tiny.default_tiny_bundle("2.3"), None
-        else:
-            bundle, gemma_file = write_files(args, device, stack, "2.3", template_gemma_name())
+        bundle, gemma_file = write_files(args, device, stack, "2.3", template_gemma_name())
         links = model_links(args.tiny, bundle, gemma_file)
         files_seconds = time.perf_counter() - started
-        stock = run_side("stock", graphs["stock"], args, links, extra, args.gpus[0]) if "stock" in sides else (None, None)
-        fleets = {gpus: run_side("fleet", graphs["fleet"], args, links, extra, gpus) for gpus in args.gpus} if "fleet" in sides else {}
-    tables = {gpus: report_table({"stock cold": stock[0], "stock warm": stock[1], "fleet cold": cold, "fleet warm": warm})
-              for gpus, (cold, warm) in (fleets or {"-": (None, None)}).items()}  # fmt: skip
+        full_size_graphs = template_graphs(tiny_run=False) if args.tiny else dict.fromkeys(SIDES)
+        stock = run_side("stock", graphs["stock"], args, links, extra, args.gpus[0], full_size_graphs["stock"]) if "stock" in sides else (None,) * 3
+        fleets = {gpus: run_side("fleet", graphs["fleet"], args, links, extra, gpus, full_size_graphs["fleet"])
+                  for gpus in args.gpus} if "fleet" in sides else {}  # fmt: skip
+    tables = {gpus: report_table({"stock cold": stock[0], "stock warm": stock[1], "fleet cold": fleet[0], "fleet warm": fleet[1]})
+              for gpus, fleet in (fleets or {"-": (None,) * 3}).items()}  # fmt: skip
 
     if args.tiny:
         ran = [("stock", stock)] if "stock" in sides else []
-        print(tiny_report(graphs, ran + [("fleet", pair) for pair in fleets.values()]), flush=True)
+        lines, passed = tiny_report(graphs, full_size_graphs, ran + [("fleet", fleet) for fleet in fleets.values()])
+        print(lines, flush=True)
         print("\n\n".join(tables.values()), flush=True)
+        if not passed:
+            raise SystemExit(1)
         return
     parts = [
         f"ComfyUI's LTX-2.3 text-to-video template ({TEMPLATE}_api.json), whole, 1280x720, 121 frames (126 asked at 25 fps), random 22B "

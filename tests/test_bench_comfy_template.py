@@ -146,7 +146,9 @@ def test_the_table_sets_stock_beside_fleet_with_their_ratios_and_names_cached_st
 @pytest.mark.skipif(not COMFYUI_DIR or not (Path(COMFYUI_DIR or ".") / "main.py").is_file(), reason="set COMFYUI_DIR to a ComfyUI checkout")
 def test_a_real_comfyui_runs_the_tiny_template_stock_and_on_the_fleet_cold_and_warm_to_the_end():
     """Both graphs (45 nodes: the tiny twin) to their SaveVideo, cold and warm; the warm queue reruns only
-    what the new seeds reach (15 nodes: noise, both samplers and what follows them), 8 + 3 steps each."""
+    what the new seeds reach (15 nodes: noise, both samplers and what follows them), 8 + 3 steps each.
+    Then the full-size graphs on the tiny files: accepted, and run, the model loader among the 18 nodes
+    ComfyUI's cache does not hold from the twin's runs, up to ComfyUI's text encoder."""
     environment = {key: value for key, value in os.environ.items() if not key.startswith("MGPU_")}
     completed = subprocess.run(
         [os.environ.get("COMFYUI_PYTHON", sys.executable), str(BENCH), "--comfyui-dir", COMFYUI_DIR, "--tiny"], capture_output=True,
@@ -154,12 +156,16 @@ def test_a_real_comfyui_runs_the_tiny_template_stock_and_on_the_fleet_cold_and_w
     )  # fmt: skip
     assert completed.returncode == 0, completed.stdout + completed.stderr[-6000:]
     lines = completed.stdout.strip().splitlines()
-    assert lines[:4] == [
+    stop = ("up to its text encoder: node 267:243 LTXV Audio Text Encoder Loader failed: RuntimeError: Error(s) in loading state_dict for "
+            "DualLinearProjection:")  # the 12B text projection: the tiny Gemma has not its 3840 x 49 features
+    assert lines[:6] == [
         "stock cold: ComfyUI ran 45 of 45 nodes to the end (CheckpointLoaderSimple), stage 1 8 steps, stage 2 3 steps",
         "stock warm: ComfyUI ran 15 of 45 nodes to the end (CheckpointLoaderSimple), stage 1 8 steps, stage 2 3 steps",
+        f"stock full size: ComfyUI accepted the template's graph (46 nodes) and ran 18 of them, CheckpointLoaderSimple among them, {stop}",
         "fleet cold: ComfyUI ran 45 of 45 nodes to the end (MGPUCheckpointLoader), stage 1 8 steps, stage 2 3 steps",
         "fleet warm: ComfyUI ran 15 of 45 nodes to the end (MGPUCheckpointLoader), stage 1 8 steps, stage 2 3 steps",
+        f"fleet full size: ComfyUI accepted the template's graph (46 nodes) and ran 18 of them, MGPUCheckpointLoader among them, {stop}",
     ], completed.stdout
-    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in lines[6:])}
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.split("|")[1:-1]] for line in lines[8:])}
     assert rows["load"][1] == rows["load"][3] == "cached" and rows["text encode"][3] == "cached"
     assert all(value not in ("-", "cached") for value in rows["decode"][:4])
