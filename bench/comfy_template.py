@@ -277,6 +277,26 @@ TEXT_ENCODER_STOP = "LTXAVTextEncoderLoader"
 """Where the full-size graph stops on the tiny files: ComfyUI's text encoder builds the 12B Gemma only."""
 
 
+def report_text(tables: dict[str, str], files_seconds: float, extra: list[str]) -> str:
+    """The GPU run's report: what ran, one table per fleet (keyed by its GPUs; "-": the stock side alone), notes."""
+    parts = [
+        f"ComfyUI's LTX-2.3 text-to-video template ({TEMPLATE}_api.json), whole, 1280x720, 121 frames (126 asked at 25 fps), random 22B "
+        f"bundle (bf16 checkpoint, the 48-layer Gemma-3 12B as one bf16 file), files ready in {files_seconds:.0f} s; stock: ComfyUI's Load "
+        f"Checkpoint, the model in ComfyUI's process; fleet: Load Checkpoint (MGPU fleet), its ranks running ComfyUI's LTX code; ComfyUI "
+        f"{' '.join(extra) or 'with its default memory settings'}.",
+    ]
+    for gpus, table in tables.items():
+        parts += ["", f"Fleet on GPUs {gpus} (world {len(gpus.split(','))}):" if gpus != "-" else "Stock only:", "", table]
+    parts += [
+        "",
+        "- each stage sums its nodes' times (a node runs from its start event to the next node's); cold: the first queue after "
+        "ComfyUI's start, warm: the second, with new noise seeds (ComfyUI's cache keeps the loaders and the text encoding: 'cached')",
+        "- stage 1 and stage 2 include what ComfyUI does inside the sampler node: moving the model to the GPU and applying the LoRA "
+        "(stock), or sending the LoRA to the fleet (fleet)",
+    ]
+    return "\n".join(parts)
+
+
 def tiny_report(graphs: dict[str, dict], full_size_graphs: dict[str, dict], sides: list[tuple[str, tuple]]) -> tuple[str, bool]:
     """The CPU check's lines and whether it passed: per side (name, (cold, warm, full size)) and run, how
     many nodes ComfyUI ran to the graph's end, with which loader, how many sampler steps it reported;
@@ -348,22 +368,7 @@ def main() -> None:
         if not passed:
             raise SystemExit(1)
         return
-    parts = [
-        f"ComfyUI's LTX-2.3 text-to-video template ({TEMPLATE}_api.json), whole, 1280x720, 121 frames (126 asked at 25 fps), random 22B "
-        f"bundle (bf16 checkpoint, the 48-layer Gemma-3 12B as one bf16 file), files ready in {files_seconds:.0f} s; stock: ComfyUI's Load "
-        f"Checkpoint, the model in ComfyUI's process; fleet: Load Checkpoint (MGPU fleet), its ranks running ComfyUI's LTX code; ComfyUI "
-        f"{' '.join(extra) or 'with its default memory settings'}.",
-    ]
-    for gpus, table in tables.items():
-        parts += ["", f"Fleet on GPUs {gpus} (world {len(gpus.split(','))}):" if gpus != "-" else "Stock only:", "", table]
-    parts += [
-        "",
-        "- each stage sums its nodes' times (a node runs from its start event to the next node's); cold: the first queue after "
-        "ComfyUI's start, warm: the second, with new noise seeds (ComfyUI's cache keeps the loaders and the text encoding: 'cached')",
-        "- stage 1 and stage 2 include what ComfyUI does inside the sampler node: moving the model to the GPU and applying the LoRA "
-        "(stock), or sending the LoRA to the fleet (fleet)",
-    ]
-    text = "\n".join(parts)
+    text = report_text(tables, files_seconds, extra)
     print(text, flush=True)
     if args.out:
         append_out(text, device, args.out)

@@ -140,6 +140,13 @@ def test_the_table_sets_stock_beside_fleet_with_their_ratios_and_names_cached_st
     only_stock = comfy_template.report_table({**runs, "fleet cold": None, "fleet warm": None}).splitlines()
     assert [c.strip() for c in only_stock[2].split("|")[1:-1]] == ["load", "2.00", "cached", "-", "-", "-", "-"]
 
+    # The GPU run's report: one table per fleet, each under its GPUs and world size; the stock side alone under its own line.
+    text = comfy_template.report_text({"0": "TABLE 1", "0,1,2,3": "TABLE 4"}, 95.4, []).splitlines()
+    assert "files ready in 95 s" in text[0] and text[0].endswith("ComfyUI with its default memory settings.")
+    assert text[1:9] == ["", "Fleet on GPUs 0 (world 1):", "", "TABLE 1", "", "Fleet on GPUs 0,1,2,3 (world 4):", "", "TABLE 4"]
+    assert comfy_template.report_text({"-": "TABLE"}, 1.0, ["--gpu-only"]).splitlines()[:4] == [
+        text[0].replace("files ready in 95 s", "files ready in 1 s").replace("with its default memory settings", "--gpu-only"), "", "Stock only:", ""]
+
 
 @pytest.mark.slow
 @pytest.mark.e2e
