@@ -174,15 +174,19 @@ def model_links(tiny_run: bool, bundle, gemma_file: str) -> list[tuple[str, str,
     names, which the tiny twin loads."""
     sources = {"checkpoints": bundle.checkpoint_path, "loras": bundle.distilled_lora_path,
                "latent_upscale_models": bundle.spatial_upsampler_path, "text_encoders": gemma_file}  # fmt: skip
-    entries = json.loads((GRAPHS_DIR / "models.json").read_text())[TEMPLATE]
-    links = [(entry["directory"], entry["name"], sources[entry["directory"]]) for entry in entries]
+    links = [(entry["directory"], entry["name"], sources[entry["directory"]]) for entry in template_model_files()]
     if tiny_run:
         links += [(folder, Path(source).name, source) for folder, source in sources.items() if folder != "text_encoders"]
     return links
 
 
+def template_model_files() -> list[dict]:
+    """The model files the template names (``models.json``: name, url, ComfyUI models folder)."""
+    return json.loads((GRAPHS_DIR / "models.json").read_text())[TEMPLATE]
+
+
 def template_gemma_name() -> str:
-    (name,) = [entry["name"] for entry in json.loads((GRAPHS_DIR / "models.json").read_text())[TEMPLATE] if entry["directory"] == "text_encoders"]
+    (name,) = [entry["name"] for entry in template_model_files() if entry["directory"] == "text_encoders"]
     return name
 
 
