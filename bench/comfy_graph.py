@@ -1,7 +1,10 @@
 """ComfyUI's own LTX-2 text-to-video graph, whole, through its HTTP API, against the fleet's whole job.
 
-What a ComfyUI user runs today is the ``video_ltx2_t2v`` template of ComfyUI's workflow templates
-(package ``comfyui-workflow-templates``, January 2026): its subgraph "Text to Video (LTX 2.0)".
+What a ComfyUI user of LTX-2.0 runs is the ``video_ltx2_t2v`` template of ComfyUI's workflow templates
+(package ``comfyui-workflow-templates``, January 2026, and still in 0.9.73, ComfyUI v0.20.1's): its
+subgraph "Text to Video (LTX 2.0)". The graph runs on ComfyUI v0.20.1 (its text encoder loader's
+``device`` input included); ``bench/comfy_template.py`` does the same for LTX-2.3's template with the
+fleet's drop-in MODEL instead of the fleet's own job.
 ``template_graph`` writes that subgraph in ComfyUI's API format with its own nodes and settings
 (stage 1 at half size: ``LTXVScheduler`` 20 steps, ``CFGGuider`` cfg 4, ``euler_ancestral``; the
 distilled LoRA, ``LTXVLatentUpsampler``, stage 2 over ``ManualSigmas`` 0.909375, 0.725, 0.421875, 0
@@ -94,7 +97,7 @@ def template_graph(files: dict[str, str], width: int, height: int, frames: int, 
 
     return {
         "1": node("CheckpointLoaderSimple", ckpt_name=checkpoint),
-        "60": node("LTXAVTextEncoderLoader", text_encoder=files["gemma"], ckpt_name=checkpoint),
+        "60": node("LTXAVTextEncoderLoader", text_encoder=files["gemma"], ckpt_name=checkpoint, device="default"),  # device: v0.20.1
         "48": node("LTXVAudioVAELoader", ckpt_name=checkpoint),
         "68": node("LoraLoaderModelOnly", model=["1", 0], lora_name=files["distilled_lora"], strength_model=1.0),
         "76": node("LatentUpscaleModelLoader", model_name=files["upsampler"]),
@@ -131,33 +134,35 @@ def template_graph(files: dict[str, str], width: int, height: int, frames: int, 
 # --------------------------------------------------------------------------------------------------
 
 
-def place_models(base: Path, bundle: layout.TwoStageFiles, gemma_file: str) -> dict[str, str]:
-    """Link the bundle's files into ComfyUI's model folders under ``base``; their names there."""
-    placed = {}
-    for key, folder, source in (
-        ("checkpoint", "checkpoints", bundle.checkpoint_path),
-        ("distilled_lora", "loras", bundle.distilled_lora_path),
-        ("upsampler", "latent_upscale_models", bundle.spatial_upsampler_path),
-        ("gemma", "text_encoders", gemma_file),
-    ):
+def link_models(base: Path, links: list[tuple[str, str, str]]) -> None:
+    """Symlink each (models folder, name, file) into ComfyUI's model folders under ``base``."""
+    for folder, name, source in links:
         (base / "models" / folder).mkdir(parents=True, exist_ok=True)
-        target = base / "models" / folder / Path(source).name
+        target = base / "models" / folder / name
         target.unlink(missing_ok=True)
         target.symlink_to(source)
-        placed[key] = target.name
-    return placed
 
 
-def start_comfyui(comfyui_dir: Path, base: Path, extra_args: list[str]) -> tuple[ComfyUIServer, float]:
+def place_models(base: Path, bundle: layout.TwoStageFiles, gemma_file: str) -> dict[str, str]:
+    """Link the bundle's files into ComfyUI's model folders under ``base``; their names there."""
+    sources = {"checkpoint": ("checkpoints", bundle.checkpoint_path), "distilled_lora": ("loras", bundle.distilled_lora_path),
+               "upsampler": ("latent_upscale_models", bundle.spatial_upsampler_path), "gemma": ("text_encoders", gemma_file)}  # fmt: skip
+    link_models(base, [(folder, Path(source).name, source) for folder, source in sources.values()])
+    return {key: Path(source).name for key, (_, source) in sources.items()}
+
+
+def start_comfyui(comfyui_dir: Path, base: Path, extra_args: list[str], env: dict | None = None,
+                  ready_path: str = "/system_stats") -> tuple[ComfyUIServer, float]:  # fmt: skip
     """ComfyUI on a free local port with ``base`` as its base directory and a web root of one page
-    (only the API is used, so ComfyUI needs no frontend package): the server and its start-up seconds."""
+    (only the API is used, so ComfyUI needs no frontend package): the server and its start-up seconds
+    (until it answers ``ready_path``). ``env``: its environment (default: this process's)."""
     (base / "custom_nodes").mkdir(parents=True, exist_ok=True)
     web_root = base / "web-root"
     web_root.mkdir(exist_ok=True)
-    (web_root / "index.html").write_text("<!doctype html><title>ComfyUI for bench/comfy_graph.py</title>\n")
-    server = ComfyUIServer(comfyui_dir, base, ["--front-end-root", str(web_root), *extra_args])
+    (web_root / "index.html").write_text("<!doctype html><title>ComfyUI for a bench</title>\n")
+    server = ComfyUIServer(comfyui_dir, base, ["--front-end-root", str(web_root), *extra_args], env=env)
     try:
-        return server, server.wait_ready()
+        return server, server.wait_ready(ready_path)
     except ComfyUIStartError as exc:
         server.stop()
         raise SystemExit(f"error: {exc}") from None
@@ -176,35 +181,45 @@ class GraphRun:
 
 class NodeClock:
     """Timestamps ComfyUI's events of one prompt and sums them into a ``GraphRun``: a node runs from its
-    ``executing`` event to the next node's (or the end), each sampler step ends at a ``progress``."""
+    ``executing`` event to the next node's (or the end), each sampler step ends at a ``progress``. Newer
+    ComfyUI sends a progress bar's updates at most every 100 ms: an event whose ``value`` moved by k
+    steps since the last one ends k steps of equal length. ``stages``: node id -> the stage its time counts towards ("other" if missing); ``samplers``: the
+    sampler nodes' ids -> their stage (default: this template's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, stages: dict[str, str] | None = None, samplers: dict[str, str] | None = None) -> None:
+        self.stages = STAGES if stages is None else stages
+        self.samplers = SAMPLERS if samplers is None else samplers
         self.started = time.perf_counter()
         self.starts: list[tuple[str, float]] = []
-        self.progress: dict[str, list[float]] = {}
+        self.progress: dict[str, list[tuple[int, float]]] = {}  # sampler -> (steps done, when)
 
     def __call__(self, kind: str, data: dict) -> None:
         now = time.perf_counter()
         if kind == "executing" and data.get("node") is not None:
             self.starts.append((str(data["node"]), now))
-        elif kind == "progress" and str(data.get("node")) in SAMPLERS:
-            self.progress.setdefault(str(data["node"]), []).append(now)
+        elif kind == "progress" and str(data.get("node")) in self.samplers:
+            marks = self.progress.setdefault(str(data["node"]), [])
+            done = marks[-1][0] if marks else 0
+            value = data.get("value")
+            marks.append((int(value) if isinstance(value, int) and value > done else done + 1, now))
 
     def result(self, ended: float, failure: str | None) -> GraphRun:
         run = GraphRun(failure=failure, total_seconds=ended - self.started, ran=[node for node, _ in self.starts])
         marks = [*self.starts, ("", ended)]
         for (node, start), (_, end) in itertools.pairwise(marks):
-            stage = STAGES.get(node, "other")
+            stage = self.stages.get(node, "other")
             run.seconds[stage] = run.seconds.get(stage, 0.0) + end - start
-        for node, times in self.progress.items():
+        for node, marks in self.progress.items():
             start = next(start for started_node, start in self.starts if started_node == node)
-            edges = [start, *times]
-            run.step_seconds[SAMPLERS[node]] = [b - a for a, b in itertools.pairwise(edges)]
+            steps = run.step_seconds[self.samplers[node]] = []
+            for (done_before, before), (done, now) in itertools.pairwise([(0, start), *marks]):
+                steps += [(now - before) / (done - done_before)] * (done - done_before)
         return run
 
 
-def run_graph(server: ComfyUIServer, graph: dict, timeout: float) -> GraphRun:
-    clock = NodeClock()
+def run_graph(server: ComfyUIServer, graph: dict, timeout: float, clock: NodeClock | None = None) -> GraphRun:
+    """Queue ``graph`` and follow it to its end: the ``GraphRun`` of ``clock`` (default: this template's)."""
+    clock = clock or NodeClock()
     failure = None
     try:
         comfy_queue.queue_prompt(server.url, graph, say=lambda text: None, timeout=timeout, on_event=clock)
@@ -277,18 +292,20 @@ def report_table(comfy_cold: GraphRun, comfy_warm: GraphRun, fleet_cold, fleet_w
 # --------------------------------------------------------------------------------------------------
 
 
-def write_files(args: argparse.Namespace, device: torch.device, stack: contextlib.ExitStack) -> tuple[layout.TwoStageFiles, str]:
-    """The random bundle and its Gemma as one ComfyUI-layout file: (bundle, Gemma file)."""
+def write_files(args: argparse.Namespace, device: torch.device, stack: contextlib.ExitStack, version: str = "2.0",
+                gemma_name: str = GEMMA_FILE) -> tuple[layout.TwoStageFiles, str]:  # fmt: skip
+    """The random bundle of LTX-``version`` (``args.bundle_dir``; the tiny one with ``args.tiny``) and its
+    Gemma as one ComfyUI-layout bf16 file named ``gemma_name`` (``args.gemma_dir``): (bundle, Gemma file)."""
     if args.tiny:
-        bundle = tiny.default_tiny_bundle()
+        bundle = tiny.default_tiny_bundle(version)
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-comfy-graph-gemma-")))
-        return bundle, gemma_folder_to_comfy_file(bundle.gemma_root, str(folder / GEMMA_FILE))
-    config = full_size.full_size_config(bench_config("2.0")["transformer"], 48)  # ComfyUI's text encoder is the released 48-layer Gemma only
+        return bundle, gemma_folder_to_comfy_file(bundle.gemma_root, str(folder / gemma_name))
+    config = full_size.full_size_config(bench_config(version)["transformer"], 48)  # ComfyUI's text encoder is the released 48-layer Gemma only
     bundle_dir = Path(args.bundle_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-comfy-graph-bundle-")))
     gemma_dir = Path(args.gemma_dir) if args.gemma_dir else bundle_dir
     bundle_dir.mkdir(parents=True, exist_ok=True)
     gemma_dir.mkdir(parents=True, exist_ok=True)
-    gemma_file = gemma_dir / GEMMA_FILE
+    gemma_file = gemma_dir / gemma_name
     planned = full_size.planned_bytes(config)
     gemma_bytes = sum(size for name, size in planned.items() if name.startswith(full_size.GEMMA_DIR_NAME + "/"))
     remedy = "point --bundle-dir (or --gemma-dir) at a larger disk"
@@ -308,6 +325,16 @@ def write_files(args: argparse.Namespace, device: torch.device, stack: contextli
     return bundle, str(gemma_file)
 
 
+def add_comfyui_arguments(parser: argparse.ArgumentParser, tiny_help: str) -> None:
+    """The options every bench that queues a graph in its own ComfyUI takes: --comfyui-args, --tiny,
+    --timeout, --comfyui-log and --out."""
+    parser.add_argument("--comfyui-args", default="", help="extra arguments for ComfyUI's main.py, e.g. '--gpu-only' (default: ComfyUI's own memory defaults)")
+    parser.add_argument("--tiny", action="store_true", help=tiny_help)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds one graph may take (default 1800)")
+    parser.add_argument("--comfyui-log", help="write ComfyUI's log to this file at the end (also when a node fails)")
+    parser.add_argument("--out", help="append the table, with command, machine and date, to this file")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--comfyui-dir", required=True, help="a ComfyUI checkout (its main.py is started with this Python)")
@@ -318,11 +345,7 @@ def main() -> None:
     parser.add_argument("--num-frames", type=int, default=121, help="8k+1 frames (default 121)")
     parser.add_argument("--frame-rate", type=float, default=24.0, help="frames per second (default 24)")
     parser.add_argument("--steps", type=int, default=TEMPLATE_STEPS, help=f"stage-1 steps on both sides (default {TEMPLATE_STEPS}, the template's)")
-    parser.add_argument("--comfyui-args", default="", help="extra arguments for ComfyUI's main.py, e.g. '--gpu-only' (default: ComfyUI's own memory defaults)")
-    parser.add_argument("--tiny", action="store_true", help="the CPU check: the tiny bundle, ComfyUI --cpu, the graph until ComfyUI's text encoder")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds one graph may take (default 1800)")
-    parser.add_argument("--comfyui-log", help="copy ComfyUI's log to this file at the end (also when a node fails)")
-    parser.add_argument("--out", help="append the table, with command, machine and date, to this file")
+    add_comfyui_arguments(parser, "the CPU check: the tiny bundle, ComfyUI --cpu, the graph until ComfyUI's text encoder")
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a kill (e.g. by timeout) still stops ComfyUI and copies its log
     if args.width % 64 or args.height % 64 or (args.num_frames - 1) % 8 or args.steps < 1:

@@ -1077,3 +1077,14 @@ def write_diffusion_checkpoint(path: str | os.PathLike, transformer: dict, devic
     kept = [part for part in parts if part.name in ("transformer", "embeddings_processor")]
     layout.write_weight_file(Path(path), kept, metadata, layout.DeviceSeeded(torch.device(device), seed))
     return str(path)
+
+
+def bench_module(name: str):
+    """``bench/<name>.py`` imported as the benches import each other: ``bench/`` first on sys.path while it loads."""
+    import importlib
+
+    sys.path.insert(0, str(PACK_DIR / "bench"))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(PACK_DIR / "bench"))

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import bench_module
+
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench" / "comfy_native.py"
 COMFYUI_DIR = os.environ.get("COMFYUI_DIR")
@@ -169,12 +171,7 @@ def test_compiled_blocks_are_compared_at_the_largest_size_and_cpu_ranks_say_they
 
 
 def comfy_native_group(name: str) -> str:
-    sys.path.insert(0, str(REPO / "bench"))
-    try:
-        import comfy_native
-    finally:
-        sys.path.remove(str(REPO / "bench"))
-    return comfy_native.kernel_group(name)
+    return bench_module("comfy_native").kernel_group(name)
 
 
 def test_kernel_names_fall_into_the_kind_that_does_their_work():
