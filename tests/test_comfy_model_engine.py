@@ -85,10 +85,10 @@ def test_world_1_lora_at_half_strength_is_bitwise_comfyui_in_process(fleet_1, ti
     key = cases.load_in_fleet(fleet_1, tiny[0])["model_key"]
     set_digest = wire.patch_set_digest(entries)
     with pytest.raises(FleetError, match=rf"{len(tensors)} patch tensors are not in the fleet; upload them with comfy.patches"):
-        run_job(fleet_1, "comfy.patch_model", {"model_key": key, "set_digest": set_digest, "entries": entries})
+        run_job(fleet_1, "comfy.patch_model", {"model_key": key, "set_digest": set_digest}, {"entries": wire.entries_tensor(entries)})
     index, blob = wire.pack_tensor_blob(tensors)
     assert set(run_job(fleet_1, "comfy.patches", {"index": index}, {"blob": blob}).fields["held"]) >= set(tensors)
-    patched = run_job(fleet_1, "comfy.patch_model", {"model_key": key, "set_digest": set_digest, "entries": entries}).fields
+    patched = run_job(fleet_1, "comfy.patch_model", {"model_key": key, "set_digest": set_digest}, {"entries": wire.entries_tensor(entries)}).fields
     assert patched == {"set_digest": set_digest, "patched_weights": 4}
     made, unpatched = calls
     try:
@@ -97,7 +97,7 @@ def test_world_1_lora_at_half_strength_is_bitwise_comfyui_in_process(fleet_1, ti
         out, _ = cases.forward_in_fleet(fleet_1, key, made["plain"], set_digest)
         cases.assert_same(out, expected)
     finally:
-        run_job(fleet_1, "comfy.patch_model", {"model_key": key, "set_digest": "", "entries": []})
+        run_job(fleet_1, "comfy.patch_model", {"model_key": key, "set_digest": ""}, {"entries": wire.entries_tensor([])})
     out, _ = cases.forward_in_fleet(fleet_1, key, made["plain"])  # the patches came off: the unpatched weights are back, bitwise
     cases.assert_same(out, unpatched["plain"])
 

@@ -154,3 +154,35 @@ def test_a_call_naming_a_tensor_the_keeper_lost_raises_missing_kept_tensor():
     kept_here.forget()
     resent, tensors = wire.pack({"context": context}, kept=kept_here)
     assert len(tensors) == 1
+
+
+def _lora_adapter_class():
+    """A stand-in for ComfyUI's LoRAAdapter, from a module of the name ComfyUI's adapters live in."""
+    return type("LoRAAdapter", (), {"__module__": "comfy.weight_adapter.lora", "__init__": lambda self, keys, weights: setattr(self, "loaded_keys", keys) or setattr(self, "weights", weights)})
+
+
+def test_adapters_sharing_the_lora_files_key_set_pack_to_entries_the_size_of_their_weights():
+    # ComfyUI's LoRA loader gives every adapter of a file one set of all the file's keys: a 22B LoRA's
+    # patch set once packed that set per weight (392 MB of JSON on the H200) and the send was refused.
+    adapter = _lora_adapter_class()
+    shared = {f"diffusion_model.transformer_blocks.{block}.attn{index}.lora_{half}.weight" for block in range(48) for index in range(40) for half in "AB"}
+    up, down = torch.randn(64, 4), torch.randn(4, 64)
+    patches = {f"diffusion_model.layer_{index}.weight": [(0.5, adapter(shared, (up, down, None, None, None, None)), 1.0, None, None)] for index in range(2000)}
+    entries, by_digest = wire.pack_patches(patches)
+    data = wire.entries_tensor(entries)
+    assert len(by_digest) == 2
+    assert data.numel() < 2000 * 400, data.numel()  # ~300 bytes per patched weight, whatever the file's key count
+    assert wire.entries_from_tensor(data) == entries
+    rebuilt = wire.unpack_patches(entries, by_digest, make_adapter=lambda name, weights: (name, weights))
+    assert rebuilt["diffusion_model.layer_7.weight"][0][1] == ("LoRAAdapter", (up, down, None, None, None, None))
+
+
+@pytest.mark.parametrize(("tensor", "words"), [
+    (torch.zeros(3, dtype=torch.float32), "one-dimensional uint8 tensor of JSON"),
+    (torch.frombuffer(bytearray(b"[{]"), dtype=torch.uint8), "not JSON"),
+    (torch.frombuffer(bytearray(b'{"key": 1}'), dtype=torch.uint8), "must be the list"),
+    (None, "one-dimensional uint8 tensor of JSON"),
+])  # fmt: skip
+def test_malformed_patch_entries_are_refused_in_words(tensor, words):
+    with pytest.raises(ValueError, match=words):
+        wire.entries_from_tensor(tensor)

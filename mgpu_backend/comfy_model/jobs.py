@@ -13,7 +13,8 @@ Jobs (every one validates its args and refuses bad input with a JobInputError a 
 - ``comfy.patches`` {index} + tensor ``blob`` (``wire.pack_tensor_blob``, each tensor named by its
   ``wire.tensor_digest``, checked on arrival) -> {held: every digest now held}. ``index: []`` with
   an empty blob only lists what is held.
-- ``comfy.patch_model`` {model_key, set_digest, entries} -> {set_digest, patched_weights}: puts
+- ``comfy.patch_model`` {model_key, set_digest} + tensor ``entries`` (``wire.entries_tensor``) ->
+  {set_digest, patched_weights}: puts
   the patch set on the weights with ComfyUI's ``ModelPatcher``. Missing tensors are refused, with
   their count, before anything changes (upload them with ``comfy.patches`` and retry).
 - ``comfy.forward`` {model_key, set_digest, call, count} + tensors t0.. -> {out, count,
@@ -156,9 +157,10 @@ def patches(ctx: JobContext, args: dict, tensors: dict):
 def patch_model(ctx: JobContext, args: dict, tensors: dict):
     """Put a weight patch set (LoRAs) on the resident model, as ComfyUI's ModelPatcher does."""
     loaded = _resident(ctx, args)
-    entries = args.get("entries")
-    if not isinstance(entries, list):
-        raise JobInputError("entries must be the list wire.pack_patches made")
+    try:
+        entries = wire.entries_from_tensor(tensors.get("entries"))
+    except ValueError as exc:
+        raise JobInputError(str(exc)) from None
     set_digest = "" if not entries else _text(args, "set_digest")
     if entries and set_digest != wire.patch_set_digest(entries):
         raise JobInputError("set_digest is not wire.patch_set_digest(entries); send the digest of these entries")

@@ -200,7 +200,7 @@ class FleetLink:
             if set_digest == self.set_digest:
                 return
             self._upload(by_digest)
-            self._run("comfy.patch_model", {"model_key": self.model_key, "set_digest": set_digest, "entries": entries})
+            self._run("comfy.patch_model", {"model_key": self.model_key, "set_digest": set_digest}, {"entries": wire.entries_tensor(entries)})
             self.set_digest = set_digest
 
     def _upload(self, by_digest: dict[str, torch.Tensor]) -> None:

@@ -183,14 +183,15 @@ def load_model(path: str, loader: str, weight_dtype: str, device: torch.device):
     return patcher
 
 
-def make_adapter(class_name: str, loaded_keys: set[str], weights):
-    """One of ComfyUI's own weight adapters (comfy.weight_adapter), by class name; nothing else."""
+def make_adapter(class_name: str, weights):
+    """One of ComfyUI's own weight adapters (comfy.weight_adapter), by class name; nothing else. Its
+    ``loaded_keys`` (which file keys the LoRA loader consumed) is empty: nothing computes with it."""
     import comfy.weight_adapter
 
     known = {adapter.__name__: adapter for adapter in comfy.weight_adapter.adapters}
     if class_name not in known:
         raise ComfyInputError(f"weight adapter {class_name!r} is not one of ComfyUI's ({', '.join(sorted(known))})")
-    return known[class_name](loaded_keys, weights)
+    return known[class_name](set(), weights)
 
 
 def missing_digests(entries: Any, held: dict[str, torch.Tensor]) -> list[str]:

@@ -165,11 +165,9 @@ def _pack(value: Any, path: str, tensor_ref, depth: int) -> Any:
             packed[key] = _pack(item, f"{path}.{key}" if path else key, tensor_ref, depth + 1)
         return packed
     if _is_weight_adapter(value):
-        return {
-            ADAPTER_KEY: type(value).__name__,
-            "loaded_keys": sorted(str(key) for key in value.loaded_keys),
-            "weights": _pack(value.weights, f"{path}.weights", tensor_ref, depth + 1),
-        }
+        # Not its loaded_keys: ComfyUI's LoRA loader hands every adapter of a file the same set (all the
+        # file's keys, thousands for a full-size LoRA), read only while loading the file, never to compute.
+        return {ADAPTER_KEY: type(value).__name__, "weights": _pack(value.weights, f"{path}.weights", tensor_ref, depth + 1)}
     raise UnsupportedValue(path, value)
 
 
@@ -192,7 +190,7 @@ def unpack(packed: Any, tensors: list[torch.Tensor] | dict[str, torch.Tensor], d
            kept: dict[str, torch.Tensor] | None = None) -> Any:  # fmt: skip
     """The value ``pack`` (``tensors``: a list) or ``pack_patches`` (``tensors``: by digest) was given,
     from its JSON and tensors, checked: a bad reference is a ValueError. ``make_adapter(class name,
-    loaded_keys, weights)`` rebuilds a weight adapter; without it an adapter is refused. ``kept``: the
+    weights)`` rebuilds a weight adapter; without it an adapter is refused. ``kept``: the
     tensors this side keeps by token; a ``"$keep"`` tensor is added to it, a ``"$kept"`` one read from it
     (``MissingKeptTensor`` when absent)."""
     if depth > MAX_PACK_DEPTH:
@@ -216,13 +214,10 @@ def unpack(packed: Any, tensors: list[torch.Tensor] | dict[str, torch.Tensor], d
             if not isinstance(tensors, dict) or not isinstance(digest, str) or digest not in tensors:
                 raise ValueError(f"packed value names tensor digest {digest!r}, which the fleet does not hold")
             return tensors[digest]
-        if set(packed) == {ADAPTER_KEY, "loaded_keys", "weights"}:
+        if set(packed) == {ADAPTER_KEY, "weights"}:
             if make_adapter is None:
                 raise ValueError("a weight adapter came where none is expected")
-            keys = packed["loaded_keys"]
-            if not isinstance(keys, list) or not all(isinstance(key, str) for key in keys):
-                raise ValueError("a weight adapter's loaded_keys must be a list of names")
-            return make_adapter(packed[ADAPTER_KEY], set(keys), unpack(packed["weights"], tensors, depth + 1, make_adapter, kept))
+            return make_adapter(packed[ADAPTER_KEY], unpack(packed["weights"], tensors, depth + 1, make_adapter, kept))
         if set(packed) == {TENSOR_KEY}:
             index = packed[TENSOR_KEY]
             if not isinstance(tensors, list) or not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(tensors):
@@ -306,6 +301,39 @@ def unpack_patches(entries: Any, tensors: dict[str, torch.Tensor], make_adapter)
         patch = unpack(entry.get("patch"), tensors, make_adapter=make_adapter)
         patches.setdefault(entry["key"], []).append((float(strengths[0]), patch, float(strengths[1]), offset, None))
     return patches
+
+
+MAX_PATCH_ENTRIES_BYTES = 64 << 20
+"""Bound of a patch set's JSON entries (about 350 bytes per patched weight: a full-size LoRA's ~2000
+weights take under 1 MB, so this holds dozens of stacked LoRAs)."""
+
+
+def entries_tensor(entries: list[dict]) -> torch.Tensor:
+    """A patch set's entries as UTF-8 JSON in a uint8 tensor: they travel as data beside the patch
+    tensors, not in a message header (whose bound a few stacked full-size LoRAs would pass)."""
+    import json
+
+    data = json.dumps(entries, separators=(",", ":")).encode()
+    if len(data) > MAX_PATCH_ENTRIES_BYTES:
+        raise UnsupportedValue(f"a patch set of {len(entries)} weights ({len(data)} bytes of entries)", entries)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def entries_from_tensor(tensor: Any) -> list:
+    """``entries_tensor``'s entries, or ValueError saying what is wrong with the tensor or its JSON."""
+    import json
+
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1:
+        raise ValueError("the patch entries come as a one-dimensional uint8 tensor of JSON")
+    if tensor.numel() > MAX_PATCH_ENTRIES_BYTES:
+        raise ValueError(f"the patch entries take {tensor.numel()} bytes, over the bound of {MAX_PATCH_ENTRIES_BYTES}")
+    try:
+        entries = json.loads(bytes(tensor.cpu().numpy()).decode())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"the patch entries are not JSON: {exc}") from None
+    if not isinstance(entries, list):
+        raise ValueError("the patch entries must be the list wire.pack_patches made")
+    return entries
 
 
 def patch_set_digest(entries: list[dict]) -> str:
