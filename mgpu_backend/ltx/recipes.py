@@ -50,14 +50,14 @@ def stage_loras(spec, lora_set: str) -> tuple[tuple[str, float], ...]:
     for field in LORA_SETS[lora_set]:
         path = getattr(spec, field)
         if path is None:
-            raise ModelFileError(f"the LoRA set {lora_set!r} needs the {_FILE_WORDS[field]}, but the model spec names none; set {field}")
+            raise ModelFileError(f"the LoRA set {lora_set!r} needs the {FILE_WORDS[field]}, but the model spec names none; set {field}")
         pairs.append((path, getattr(spec, f"{field}_strength")))
     return tuple(pairs)
 
 
 # --- The declarations ----------------------------------------------------------------------------------
 
-_FILE_WORDS = {
+FILE_WORDS = {  # each model spec field's file, in words
     "checkpoint_path": "checkpoint",
     "distilled_lora": "distilled LoRA",
     "spatial_upsampler_path": "spatial upsampler",
@@ -118,6 +118,7 @@ class Recipe:
     name: str  # the wire value of ``pipeline``
     label: str  # its name in the nodes and docs
     official_runner: str  # the ltx_pipelines module and class it reproduces
+    short: str  # what it is, a few words (the CLI's --pipeline help)
     summary: str  # what it is, one sentence
     when: str  # when to use it, one sentence
     checkpoint: ModelFile
@@ -159,9 +160,16 @@ class Recipe:
     def passes_per_step(self) -> int:
         return GUIDED_PASSES[self.guidance]
 
+    @property
+    def stage1_words(self) -> str:
+        """Stage 1 in a few words: "8 fixed distilled steps, one unguided pass each"."""
+        steps = "the model version's official steps" if self.fixed_steps is None else f"{self.fixed_steps} fixed {self.name} steps"
+        passes = "one unguided pass each" if not self.guided else f"up to {self.passes_per_step()} guided passes each"
+        return f"{steps}, {passes}"
+
 
 def _file(spec_field: str, flag: str, node_input: str, needed_from: str, tiny_role: str, words: str | None = None) -> ModelFile:
-    return ModelFile(spec_field, words or _FILE_WORDS[spec_field], flag, node_input, needed_from, tiny_role)
+    return ModelFile(spec_field, words or FILE_WORDS[spec_field], flag, node_input, needed_from, tiny_role)
 
 
 _GEMMA = _file("gemma_root", "--gemma-root", "gemma", "load", "gemma_root")
@@ -174,6 +182,7 @@ TWO_STAGE = Recipe(
     name="two-stage",
     label="two-stage",
     official_runner="ltx_pipelines.ti2vid_two_stages.TI2VidTwoStagesPipeline",
+    short="dev checkpoint + distilled LoRA, guided",
     summary=(
         "The dev checkpoint denoises the half-size video with the model version's guidance (CFG, STG and "
         "modality passes), the spatial upsampler doubles it, and the dev checkpoint with the distilled LoRA "
@@ -193,6 +202,7 @@ DISTILLED = Recipe(
     name="distilled",
     label="distilled",
     official_runner="ltx_pipelines.distilled.DistilledPipeline",
+    short=f"distilled checkpoint, {len(DISTILLED_SIGMAS) - 1} + {len(STAGE_2_SIGMAS) - 1} unguided steps",
     summary=(
         "The distilled checkpoint denoises the half-size video over 8 fixed sigmas with one unguided pass per "
         "step, the spatial upsampler doubles it, and the same transformer (no LoRA, no swap) refines it over "
