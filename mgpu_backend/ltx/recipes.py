@@ -40,6 +40,9 @@ LORA_SETS = {"none": (), "distilled": ("distilled_lora",)}
 fuses first, in their order): the model spec fields of the extra LoRAs, each fused at the spec's
 ``<field>_strength``. ``none``: the user LoRAs only; ``distilled``: they and the distilled LoRA."""
 
+LORA_FILES = frozenset(field for fields in LORA_SETS.values() for field in fields)
+"""The model spec fields that hold a LoRA a set fuses (each with a ``<field>_strength``)."""
+
 
 def stage_loras(spec, lora_set: str) -> tuple[tuple[str, float], ...]:
     """The ``(path, strength)`` pairs a stage with ``lora_set`` fuses from ``spec`` (a ``ModelSpec``),
