@@ -12,8 +12,11 @@ planner, the loader, the weight tracker, the CLI, the nodes, the workflow genera
 ask the declaration and never compare recipe names. A new recipe is one more declaration here (its
 tests and its workflows aside).
 
+docs/techniques.md carries one section per recipe rendered from these declarations
+(``recipes_markdown``; ``python -m mgpu_backend.ltx.recipes docs/techniques.md`` writes it again).
+
 This module must never import torch, ltx_core, ltx_pipelines or anything that does (the ComfyUI
-process and the schema import it), and never reads or writes files.
+process and the schema import it), and never opens a model file.
 """
 
 from __future__ import annotations
@@ -72,14 +75,15 @@ FILE_WORDS = {  # each model spec field's file, in words
 class ModelFile:
     """One file a recipe needs: the ``ModelSpec`` field holding it, the words for it, the CLI flag and
     the Load Checkpoint MGPU input that name it, the first job that opens it (``load``: every job;
-    ``upscale``: stage 2 only), and the tiny bundle's file standing in for it (``tiny.ROLES``)."""
+    ``upscale``: stage 2 only), and the ``bundles.tiny.TinyBundle`` attribute of the tiny bundle's
+    file standing in for it."""
 
     spec_field: str
     words: str
     flag: str
     node_input: str
     needed_from: str
-    tiny_role: str
+    tiny_file: str
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,8 @@ class Ignored:
     why: str
 
 
+STEPPERS = {"euler": "Euler steps (ltx-core's EulerDiffusionStep)"}
+"""The steppers a stage may declare."""
 GUIDANCES = {
     "multimodal": "the model version's official guidance: a conditional pass plus CFG, STG and modality passes (up to 4 per step)",
     "none": "one conditional pass per step (no negative prompt, no guidance scales)",
@@ -137,6 +143,9 @@ class Recipe:
     def __post_init__(self) -> None:
         assert self.guidance in GUIDANCES and self.stage2_policy in STAGE2_POLICIES, self
         assert self.stage1.lora_set in LORA_SETS and self.stage2.lora_set in LORA_SETS, self
+        assert self.stage1.stepper in STEPPERS and self.stage2.stepper in STEPPERS, self
+        # stages.sample_stage1 builds stage 1 with the user LoRAs only; a recipe with stage-1 LoRAs needs it changed first.
+        assert self.stage1.lora_set == "none", self
         assert self.files[0] is self.checkpoint, self
 
     @property
@@ -163,6 +172,10 @@ class Recipe:
     def passes_per_step(self) -> int:
         return GUIDED_PASSES[self.guidance]
 
+    @staticmethod
+    def stepper_words(stage: Stage) -> str:
+        return STEPPERS[stage.stepper]
+
     @property
     def stage1_words(self) -> str:
         """Stage 1 in a few words: "8 fixed distilled steps, one unguided pass each"."""
@@ -171,19 +184,19 @@ class Recipe:
         return f"{steps}, {passes}"
 
 
-def _file(spec_field: str, flag: str, node_input: str, needed_from: str, tiny_role: str, words: str | None = None) -> ModelFile:
-    return ModelFile(spec_field, words or FILE_WORDS[spec_field], flag, node_input, needed_from, tiny_role)
+def _file(spec_field: str, flag: str, node_input: str, needed_from: str, tiny_file: str, words: str | None = None) -> ModelFile:
+    return ModelFile(spec_field, words or FILE_WORDS[spec_field], flag, node_input, needed_from, tiny_file)
 
 
 _GEMMA = _file("gemma_root", "--gemma-root", "gemma", "load", "gemma_root")
-_UPSAMPLER = _file("spatial_upsampler_path", "--spatial-upsampler-path", "spatial_upsampler", "upscale", "spatial_upsampler")
-_DEV_CHECKPOINT = _file("checkpoint_path", "--checkpoint-path", "ckpt_name", "load", "checkpoint", "dev checkpoint")
-_DISTILLED_CHECKPOINT = _file("checkpoint_path", "--distilled-checkpoint-path", "ckpt_name", "load", "distilled_checkpoint", "distilled checkpoint")
-_DISTILLED_LORA = _file("distilled_lora", "--distilled-lora", "distilled_lora", "upscale", "distilled_lora")
+_UPSAMPLER = _file("spatial_upsampler_path", "--spatial-upsampler-path", "spatial_upsampler", "upscale", "spatial_upsampler_path")
+_DEV_CHECKPOINT = _file("checkpoint_path", "--checkpoint-path", "ckpt_name", "load", "checkpoint_path", "dev checkpoint")
+_DISTILLED_CHECKPOINT = _file("checkpoint_path", "--distilled-checkpoint-path", "ckpt_name", "load", "distilled_checkpoint_path", "distilled checkpoint")
+_DISTILLED_LORA = _file("distilled_lora", "--distilled-lora", "distilled_lora", "upscale", "distilled_lora_path")
 
 TWO_STAGE = Recipe(
     name="two-stage",
-    label="two-stage",
+    label="Two-stage",
     official_runner="ltx_pipelines.ti2vid_two_stages.TI2VidTwoStagesPipeline",
     short="dev checkpoint + distilled LoRA, guided",
     summary=(
@@ -203,7 +216,7 @@ TWO_STAGE = Recipe(
 
 DISTILLED = Recipe(
     name="distilled",
-    label="distilled",
+    label="Distilled",
     official_runner="ltx_pipelines.distilled.DistilledPipeline",
     short=f"distilled checkpoint, {len(DISTILLED_SIGMAS) - 1} + {len(STAGE_2_SIGMAS) - 1} unguided steps",
     summary=(
@@ -211,7 +224,7 @@ DISTILLED = Recipe(
         "step, the spatial upsampler doubles it, and the same transformer (no LoRA, no swap) refines it over "
         "the official 3-step tail, audio included."
     ),
-    when="Drafts and fast iterations: about 20x fewer stage-1 forwards than two-stage, no negative prompt, no guidance scales.",
+    when="Drafts and fast iterations: 15 to 20 times fewer stage-1 forwards than two-stage, no negative prompt, no guidance scales.",
     checkpoint=_DISTILLED_CHECKPOINT,
     files=(_DISTILLED_CHECKPOINT, _GEMMA, _UPSAMPLER),
     stage1=Stage(lora_set="none", sigmas=DISTILLED_SIGMAS),
@@ -247,3 +260,72 @@ def recipe(name: str) -> Recipe:
 def model_flags() -> tuple[str, ...]:
     """Every CLI flag that names a recipe's model file, each once, in declaration order."""
     return tuple(dict.fromkeys(file.flag for declared in RECIPES.values() for file in declared.files))
+
+
+# --- The recipes in docs/techniques.md ---------------------------------------------------------------
+
+DOCS_BEGIN = "<!-- recipes: generated by mgpu_backend.ltx.recipes.recipes_markdown(); tests/test_recipes.py checks it -->"
+DOCS_END = "<!-- recipes: end of the generated part -->"
+
+
+def _stage1_parallelism(declared: Recipe) -> str:
+    if declared.passes_per_step() > 1:
+        return (f"guidance parallel x SP: the planner puts the up to {declared.passes_per_step()} passes of a step on guidance "
+                "groups of GPUs and splits each pass's tokens inside a group (e.g. 4 groups x SP 2 on 8 GPUs)")  # fmt: skip
+    return "SP over all GPUs: one pass per step leaves nothing for guidance groups"
+
+
+def recipes_markdown() -> str:
+    """One section per recipe for docs/techniques.md, rendered from the declarations (and the schema's
+    defaults per model version), between ``DOCS_BEGIN`` and ``DOCS_END``."""
+    from mgpu_backend.ltx.schema import DEFAULTS, MODEL_VERSIONS  # the schema imports this module
+
+    lines = [DOCS_BEGIN]
+    for declared in RECIPES.values():
+        module, runner = declared.official_runner.rsplit(".", 1)
+        steps = ", ".join(f"LTX-{version}: {DEFAULTS[(version, declared.name)].steps}" for version in MODEL_VERSIONS)
+        stage1_sigmas = "ltx-core's LTX2Scheduler over the version's steps" if declared.stage1.sigmas is None else f"the fixed `{', '.join(map(str, declared.stage1.sigmas))}`"
+        stage2_steps = len(declared.stage2.sigmas) - 1
+        passes = declared.passes_per_step()
+        lines += [
+            "",
+            f"### {declared.label} (`pipeline: {declared.name}`, reproduces `{module}.{runner}`)",
+            "",
+            f"{declared.summary} **When:** {declared.when}",
+            "",
+            f"- **Files:** {'; '.join(f'{file.words} (`{file.flag}`, loader input `{file.node_input}`)' for file in declared.files)}.",
+        ]
+        for file, why in declared.refused:
+            lines.append(f"- **Refused:** the {file.words} (`{file.flag}`): {why}.")
+        lines += [
+            f"- **Stage 1:** {steps} steps ({stage1_sigmas}), {declared.stepper_words(declared.stage1)}, "
+            f"LoRA set `{declared.stage1.lora_set}`; {GUIDANCES[declared.guidance]}.",
+            f"- **Stage 2:** {stage2_steps} steps (`{', '.join(map(str, declared.stage2.sigmas))}` as the official runner; the upscale job's "
+            f"default `{', '.join(map(str, declared.upscale_sigmas))}`), {declared.stepper_words(declared.stage2)}, LoRA set "
+            f"`{declared.stage2.lora_set}`{'' if declared.stage1.lora_set == declared.stage2.lora_set else ' (swapped in for stage 2, out after)'}.",
+            f"- **Cost per GPU:** up to {passes} transformer {'pass' if passes == 1 else 'passes'} per stage-1 step "
+            f"({', '.join(f'LTX-{version}: {passes * DEFAULTS[(version, declared.name)].steps}' for version in MODEL_VERSIONS)} stage-1 forwards), "
+            f"then {stage2_steps} full-size forwards (4x the tokens each).",
+            f"- **What spreads it:** stage 1 by {_stage1_parallelism(declared)}; stage 2 (`auto`) by {STAGE2_POLICIES[declared.stage2_policy]}.",
+        ]
+        if declared.ignores:
+            ignored = "; ".join(f"{ignored.input} ({ignored.why})" for ignored in declared.ignores)
+            lines.append(f"- **Ignores:** {ignored}; the CLI and the API refuse them when set, SP Sampler notes them on the node.")
+    return "\n".join([*lines, "", DOCS_END])
+
+
+def with_recipes_markdown(text: str) -> str:
+    """``text`` (docs/techniques.md) with its generated part rendered again from the declarations;
+    ``python -m mgpu_backend.ltx.recipes docs/techniques.md`` writes it back."""
+    begin, end = text.find(DOCS_BEGIN), text.find(DOCS_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"no generated part ({DOCS_BEGIN} ... {DOCS_END}) in the text; put both markers where the recipes go")
+    return text[:begin] + recipes_markdown() + text[end + len(DOCS_END) :]
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    for name in sys.argv[1:]:
+        Path(name).write_text(with_recipes_markdown(Path(name).read_text(encoding="utf-8")), encoding="utf-8")

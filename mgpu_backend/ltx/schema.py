@@ -84,8 +84,8 @@ EMBEDDED_TINY_2_3_DISTILLED = "embedded:tiny-2.3-distilled"
 """Checkpoint paths that name an embedded tiny bundle's distilled checkpoint (its own weights, the
 dev checkpoint's layout), resolved on the ranks like the bundle's other files."""
 EMBEDDED_DISTILLED_CHECKPOINTS = {"2.0": EMBEDDED_TINY_DISTILLED, "2.3": EMBEDDED_TINY_2_3_DISTILLED}
-_EMBEDDED_CHECKPOINTS = {"checkpoint": {"2.0": EMBEDDED_TINY, "2.3": EMBEDDED_TINY_2_3}, "distilled_checkpoint": EMBEDDED_DISTILLED_CHECKPOINTS}
-"""The embedded name of each tiny bundle checkpoint (a recipe's ``checkpoint.tiny_role``), per version."""
+_EMBEDDED_CHECKPOINTS = {"checkpoint_path": {"2.0": EMBEDDED_TINY, "2.3": EMBEDDED_TINY_2_3}, "distilled_checkpoint_path": EMBEDDED_DISTILLED_CHECKPOINTS}
+"""The embedded name of each tiny bundle checkpoint (a recipe's ``checkpoint.tiny_file``), per version."""
 EMBEDDED_TINY_VERSIONS = {EMBEDDED_TINY: "2.0", EMBEDDED_TINY_2_3: "2.3", EMBEDDED_TINY_DISTILLED: "2.0", EMBEDDED_TINY_2_3_DISTILLED: "2.3"}
 """Every embedded name and the model version of the bundle its file belongs to."""
 
@@ -383,7 +383,7 @@ class ModelSpec:
         declared = recipe(pipeline)
         fields = {file.spec_field for file in declared.files}
         spec = cls.embedded_tiny(spatial_upsampler="spatial_upsampler_path" in fields, distilled_lora="distilled_lora" in fields, version=version)
-        return replace(spec, checkpoint_path=_EMBEDDED_CHECKPOINTS[declared.checkpoint.tiny_role][version])
+        return replace(spec, checkpoint_path=_EMBEDDED_CHECKPOINTS[declared.checkpoint.tiny_file][version])
 
     def _paths(self) -> tuple[str | None, ...]:
         return (self.checkpoint_path, self.gemma_root, self.spatial_upsampler_path, self.distilled_lora, *(path for path, _ in self.loras))
