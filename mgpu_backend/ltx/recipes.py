@@ -99,8 +99,9 @@ class Stage:
 
 @dataclass(frozen=True)
 class Ignored:
-    """An input a recipe cannot honour, refused when a user sets it: the input (``steps``,
-    ``guidance``) and why, in words that complete "does not apply / is fixed: ..."."""
+    """An input a recipe cannot honour, refused when a user sets it (the CLI, the requests) or noted
+    on the node (SP Sampler): the input (``steps``, ``guidance``) and why, in a few words that the
+    refusals quote ("one unguided pass per step")."""
 
     input: str
     why: str
@@ -125,12 +126,11 @@ class Recipe:
     """One recipe: everything the pack knows about a pipeline, and the only place it is written."""
 
     name: str  # the wire value of ``pipeline``
-    label: str  # its name in the nodes and docs
+    label: str  # its title in the docs
     official_runner: str  # the ltx_pipelines module and class it reproduces
     short: str  # what it is, a few words (the CLI's --pipeline help)
     summary: str  # what it is, one sentence
     when: str  # when to use it, one sentence
-    checkpoint: ModelFile
     files: tuple[ModelFile, ...]  # every file, the checkpoint first, in the order a missing one is named
     stage1: Stage
     stage2: Stage
@@ -146,7 +146,11 @@ class Recipe:
         assert self.stage1.stepper in STEPPERS and self.stage2.stepper in STEPPERS, self
         # stages.sample_stage1 builds stage 1 with the user LoRAs only; a recipe with stage-1 LoRAs needs it changed first.
         assert self.stage1.lora_set == "none", self
-        assert self.files[0] is self.checkpoint, self
+        assert self.files[0].spec_field == "checkpoint_path", self
+
+    @property
+    def checkpoint(self) -> ModelFile:
+        return self.files[0]
 
     @property
     def guided(self) -> bool:
@@ -205,7 +209,6 @@ TWO_STAGE = Recipe(
         "fused refines it in a few steps."
     ),
     when="The best quality of the two: the default, for final renders and whenever the guidance scales matter.",
-    checkpoint=_DEV_CHECKPOINT,
     files=(_DEV_CHECKPOINT, _GEMMA, _UPSAMPLER, _DISTILLED_LORA),
     stage1=Stage(lora_set="none", sigmas=None),
     stage2=Stage(lora_set="distilled", sigmas=STAGE_2_SIGMAS),
@@ -225,7 +228,6 @@ DISTILLED = Recipe(
         "the official 3-step tail, audio included."
     ),
     when="Drafts and fast iterations: 15 to 20 times fewer stage-1 forwards than two-stage, no negative prompt, no guidance scales.",
-    checkpoint=_DISTILLED_CHECKPOINT,
     files=(_DISTILLED_CHECKPOINT, _GEMMA, _UPSAMPLER),
     stage1=Stage(lora_set="none", sigmas=DISTILLED_SIGMAS),
     stage2=Stage(lora_set="none", sigmas=STAGE_2_SIGMAS),

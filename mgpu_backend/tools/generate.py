@@ -6,9 +6,9 @@ checkpoint, 8 + 3 unguided steps, no LoRA, no negative prompt). The model flags,
 ignores and the prompts it encodes are its declaration's; flag names follow the official runners
 (``ltx_pipelines.ti2vid_two_stages`` and ``ltx_pipelines.distilled``: ``--distilled-checkpoint-path``)
 where they exist; every default is the schema's (``mgpu_backend.ltx.schema``) for the chosen
-``--model-version`` and recipe. Without
-model files it uses the embedded tiny bundle (random weights: the output is noise, but
-every real component runs; the fleet makes or finds its files) at small sizes, and says so. It drives the same fleet jobs as
+``--model-version`` and recipe. Without model files it uses the embedded tiny bundle (random weights:
+the output is noise, but every real component runs; the fleet makes or finds its files) at small
+sizes, and says so; files given as flags get a real model's sizes. It drives the same fleet jobs as
 the ComfyUI nodes (load, encode, sample, upscale, decode), shows a progress bar per stage, cancels
 cleanly on Ctrl-C, and writes an mp4 with H.264 video and AAC audio.
 
