@@ -4,8 +4,10 @@ Every LTX-2 job of the fleet (load, encode, sample, upscale, decode, unload) tak
 the frozen request types below. A request is built on the client side (ComfyUI nodes, ``api``, the
 CLI), sent as ``to_wire()``'s plain JSON, and read back on every rank with ``from_wire(dict)``, which
 checks types and ranges and says what was wrong and what to do. A field a job leaves out gets the
-official default of its model version and pipeline, written once in ``DEFAULTS``; everything else
-in the pack (jobs, api, CLI flags, node widgets) reads its defaults here. The model version is the
+official default of its model version and pipeline, in ``DEFAULTS``: the version's official
+parameters (``VERSION_PARAMS``) with its recipe's schedule and guidance (``recipes.RECIPES``, where
+each pipeline is declared); everything else in the pack (jobs, api, CLI flags, node widgets) reads
+its defaults here. The model version is the
 checkpoint's own (``ModelSpec.model_version``: its ``model_version`` metadata, read from the file
 header by ``safetensors_header`` as ltx-pipelines' ``detect_params`` reads it); a request that names
 a version only checks it (``request_model_version``).

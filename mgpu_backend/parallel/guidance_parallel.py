@@ -41,13 +41,13 @@ import torch
 
 from mgpu_backend.ltx.passes import PASS_NAMES, GuidancePass, PassRunner, SequentialPassRunner
 from mgpu_backend.ltx.recipes import recipe
-from mgpu_backend.ltx.schema import STAGE2_PLANS
+from mgpu_backend.ltx.schema import PARALLEL_PLANS, STAGE2_PLANS
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.sequence_parallel import check_sp_degree, valid_sp_degrees
 
 log = logging.getLogger(__name__)
 
-PLAN_MODES = ("auto", "sp", "guidance", "hybrid")
+PLAN_MODES = PARALLEL_PLANS  # the requests' stage-1 plans
 GUIDANCE_GROUP_MODES = ("guidance", "hybrid")
 """The modes that split the world into guidance groups: nothing to split when a step runs one pass."""
 ONE_PASS_NO_GROUPS = "guidance groups do not apply: one pass per step (no guidance), so every group but one would idle"

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, FILE_WORDS, RECIPES, model_flags, recipe
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PARALLEL_PLANS, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -101,7 +101,7 @@ def add_generate_parser(commands) -> None:
     per_recipe_auto = "; ".join(f"{declared.name}: {auto_words[declared.stage2_policy]}" for declared in RECIPES.values())
     job.add_argument("--stage2-parallel", choices=STAGE2_PLANS, default="auto", help=f"stage 2: sp (sequence parallel, audio denoised as the official pipelines), tdp (tiles, stage-1 audio kept), auto ({per_recipe_auto}) (default auto)")
     job.add_argument("--tiles", default="auto", help="stage-2 TDP tiles HxW (height tiles x width tiles, e.g. 2x2), or 'auto' (default auto: balanced over the fleet; untiled on one rank)")
-    job.add_argument("--parallel", choices=("auto", "sp", "guidance", "hybrid"), default="auto", help="stage-1 plan: auto (planned from the fleet), sp, guidance or hybrid (default auto)")
+    job.add_argument("--parallel", choices=PARALLEL_PLANS, default="auto", help="stage-1 plan: auto (planned from the fleet), sp, guidance or hybrid (default auto)")
     job.add_argument("--free-gemma", action="store_true", help="give Gemma's GPU memory back after encoding the prompts (for GPUs where memory is tight; default: keep it)")
     job.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the stage-1 forward eagerly instead of replaying captured CUDA graphs (GPU only; default: graphs on with CUDA)")
     job.add_argument("--compile-blocks", action="store_true", help="torch.compile the transformer blocks for stage 1 (GPU only; tens of seconds of compile per new shape, then faster small shards: for SP degree 4+; default off)")
