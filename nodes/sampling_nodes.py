@@ -37,7 +37,7 @@ import torch
 
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.api import parse_tiles
-from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES, recipe
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES, STAGE2_POLICIES, recipe
 from mgpu_backend.ltx.schema import (
     DEFAULTS,
     MAX_SIDE,
@@ -133,6 +133,7 @@ def version_default_notes(model_version: str | None, pipeline: str, steps: int, 
 
 
 DEFAULT_SIGMAS = ", ".join(map(str, TDP_UPSCALE_SIGMAS))
+STAGE2_AUTO = "; ".join(f"{declared.name}: {STAGE2_POLICIES[declared.stage2_policy]}" for declared in RECIPES.values())
 RECIPE_SIGMAS = "; ".join(f"{declared.name}: {', '.join(map(str, declared.upscale_sigmas))}" for declared in RECIPES.values())
 SP_SAMPLER_INPUTS = {"steps": ("steps",), "guidance": ("video_cfg", "audio_cfg", "stg_scale", "stg_blocks", "rescale", "modality_scale", "negative")}
 """SP Sampler's inputs behind each input a recipe may ignore (``recipes.Ignored.input``)."""
@@ -332,7 +333,7 @@ class TDPUpscale:
             },
             "optional": {
                 "image": ("IMAGE", {"tooltip": "The first-frame image of image-to-video, to keep the first frame anchored at full size."}),
-                "stage2_parallel": (list(STAGE2_PLANS), {"default": STAGE2_PLANS[0], "tooltip": "tdp: tiles on different GPUs, the stage-1 audio passes through. sp: sequence parallel over all GPUs, faithful to the one-GPU pipeline including the re-denoised audio. auto: tdp for the two-stage recipe; for distilled, sp when each GPU keeps enough video tokens, else tdp."}),
+                "stage2_parallel": (list(STAGE2_PLANS), {"default": STAGE2_PLANS[0], "tooltip": f"tdp: tiles on different GPUs, the stage-1 audio passes through. sp: sequence parallel over all GPUs, faithful to the one-GPU pipeline including the re-denoised audio. auto: the loader's recipe's rule ({STAGE2_AUTO})."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, FILE_WORDS, RECIPES, model_flags, recipe
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, FILE_WORDS, RECIPES, STAGE2_POLICIES, model_flags, recipe
 from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PARALLEL_PLANS, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
@@ -97,8 +97,7 @@ def add_generate_parser(commands) -> None:
     job.add_argument("--image", metavar="PATH", help="image-to-video: condition the first frame on this image (default: none, text-to-video)")
     per_recipe_sigmas = "; ".join(f"{declared.name}: {_listed(declared.upscale_sigmas)}" for declared in RECIPES.values())
     job.add_argument("--stage2-sigmas", help=f"stage-2 sigmas (default: the recipe's, {per_recipe_sigmas})")
-    auto_words = {"tdp": "tdp", "planned": "the planner's rule"}
-    per_recipe_auto = "; ".join(f"{declared.name}: {auto_words[declared.stage2_policy]}" for declared in RECIPES.values())
+    per_recipe_auto = "; ".join(f"{declared.name}: {STAGE2_POLICIES[declared.stage2_policy]}" for declared in RECIPES.values())
     job.add_argument("--stage2-parallel", choices=STAGE2_PLANS, default="auto", help=f"stage 2: sp (sequence parallel, audio denoised as the official pipelines), tdp (tiles, stage-1 audio kept), auto ({per_recipe_auto}) (default auto)")
     job.add_argument("--tiles", default="auto", help="stage-2 TDP tiles HxW (height tiles x width tiles, e.g. 2x2), or 'auto' (default auto: balanced over the fleet; untiled on one rank)")
     job.add_argument("--parallel", choices=PARALLEL_PLANS, default="auto", help="stage-1 plan: auto (planned from the fleet), sp, guidance or hybrid (default auto)")
