@@ -152,3 +152,80 @@ def test_no_product_module_compares_recipe_names():
     assert found == []
     # The scan finds one where there is one: this file's first test compares recipe("distilled") with DISTILLED.
     assert f"tests/test_recipes.py:{inspect.getsourcelines(test_an_unknown_recipe_is_refused_in_words_listing_the_known_ones)[1] + 1}" in _name_comparisons(Path(__file__))
+
+
+ADDED_RECIPE = '''
+from dataclasses import replace
+import json
+
+from mgpu_backend.ltx import recipes
+
+# A new recipe is one more declaration: the distilled one with TDP Upscale for its stage 2.
+added = replace(recipes.DISTILLED, name="distilled-tdp", label="Distilled, TDP stage 2", stage2_policy="tdp", upscale_sigmas=(0.625, 0.4, 0.0))
+recipes.RECIPES[added.name] = added
+recipes.RECIPE_NAMES = tuple(recipes.RECIPES)
+
+import argparse
+import types
+
+from mgpu_backend.ltx import schema
+from mgpu_backend.ltx.jobs import JobInputError, check_recipe_files
+from mgpu_backend.parallel.guidance_parallel import plan_stage2
+from mgpu_backend.tools import generate
+import importlib.util
+import sys
+
+# The pack as ComfyUI imports it (tests.helpers would import the workflow generator, which rightly
+# asserts that every recipe ships its workflows).
+package = importlib.util.spec_from_file_location("comfyui_mgpu_pack", "__init__.py", submodule_search_locations=["."])
+pack = sys.modules["comfyui_mgpu_pack"] = importlib.util.module_from_spec(package)
+package.loader.exec_module(pack)
+
+parser = argparse.ArgumentParser()
+generate.add_generate_parser(parser.add_subparsers())
+spec, is_tiny = generate.build_spec(parser.parse_args(["generate", "--prompt", "x", "--pipeline", "distilled-tdp", "--model-version", "2.3"]))
+request = schema.UpscaleRequest.from_wire({"spec": spec, "pipeline": "distilled-tdp"})
+try:
+    check_recipe_files(types.SimpleNamespace(pipeline="distilled-tdp", op="sample"), replace(schema.ModelSpec.from_wire(spec), distilled_lora="d"))
+    refusal = None
+except JobInputError as error:
+    refusal = str(error)
+print(json.dumps({
+    "pipelines": list(schema.PIPELINES),
+    "steps": schema.defaults_for("2.3", "distilled-tdp").steps,
+    "unguided": schema.defaults_for("2.3", "distilled-tdp").video_guidance == schema.NO_GUIDANCE,
+    "spec": [spec["checkpoint_path"], spec["distilled_lora"], is_tiny],
+    "upscale_sigmas": list(request.sigmas),
+    "stage2": plan_stage2(8, 24576, "distilled-tdp").technique,
+    "refusal": refusal,
+    "loader_choices": pack.NODE_CLASS_MAPPINGS["MGPULoadCheckpoint"].INPUT_TYPES()["required"]["pipeline"][0],
+    "ignored": importlib.import_module("comfyui_mgpu_pack.nodes.sampling_nodes").ignored_inputs("distilled-tdp"),
+    "docs_sections": recipes.recipes_markdown().count("\\n### "),
+}))
+'''
+
+
+def test_a_recipe_added_as_one_declaration_is_served_by_the_schema_cli_jobs_planner_and_nodes():
+    import json
+    import subprocess
+    import sys
+
+    script = "import importlib\n" + ADDED_RECIPE
+    completed = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    served = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert served == {
+        "pipelines": ["two-stage", "distilled", "distilled-tdp"],
+        "steps": 8,
+        "unguided": True,
+        "spec": ["embedded:tiny-2.3-distilled", None, True],
+        "upscale_sigmas": [0.625, 0.4, 0.0],
+        "stage2": "tdp",
+        "refusal": (
+            "the distilled-tdp pipeline runs the distilled checkpoint as it is, with no distilled LoRA; leave distilled_lora out of "
+            "the model spec (or use pipeline 'two-stage', which takes it)"
+        ),
+        "loader_choices": ["two-stage", "distilled", "distilled-tdp"],
+        "ignored": ["steps", "video_cfg", "audio_cfg", "stg_scale", "stg_blocks", "rescale", "modality_scale", "negative"],
+        "docs_sections": 3,
+    }
