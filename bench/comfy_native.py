@@ -97,6 +97,7 @@ from mgpu_backend.bundles.configs import OFFICIAL_TRANSFORMER_METADATA, BundleCo
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.diagnostics import MODEL_CONFIGS, bench_config, random_contexts
 from mgpu_backend.ltx.latents import StageGeometry, initial_state, job_generator, state_to_comfy
+from mgpu_backend.ltx.recipes import TWO_STAGE
 from mgpu_backend.ltx.schema import Guidance, ModelSpec, SampleRequest
 
 FRAME_RATE = 24.0
@@ -433,7 +434,7 @@ def fleet_sample(spec: ModelSpec, inputs: Inputs, dtype: str, steps: int, guidan
 
     width, height, frames = inputs.size
     request = SampleRequest.from_wire({
-        "spec": spec.to_wire(), "dtype": dtype, "pipeline": "two-stage", "width": width, "height": height, "num_frames": frames,
+        "spec": spec.to_wire(), "dtype": dtype, "pipeline": TWO_STAGE.name, "width": width, "height": height, "num_frames": frames,
         "frame_rate": FRAME_RATE, "seed": SEED, "steps": steps, "video_guidance": guidance.to_wire(), "audio_guidance": guidance.to_wire(),
         "compile_blocks": compile_blocks,
     })  # fmt: skip

@@ -57,6 +57,7 @@ import argparse
 import contextlib
 import gc
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -76,6 +77,7 @@ from mgpu_backend.fleet.client import FleetError
 from mgpu_backend.fleet.rank import MEMORY_FRACTION_ENV
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.diagnostics import bench_config
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, LORA_FILES, Recipe, recipe
 from mgpu_backend.ltx.residency import GIB, MEMORY_LIMIT_ENV
 from mgpu_backend.ltx.schema import MODEL_VERSIONS, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, LoadRequest, defaults_for
 from mgpu_backend.tools.generate import DEFAULT_NEGATIVE_PROMPT, MULTI_GPU_STAGE2_SIGMAS, SINGLE_GPU_STAGE2_SIGMAS, TINY_DEFAULTS
@@ -106,7 +108,7 @@ class Job:
     negative_prompt: str = DEFAULT_NEGATIVE_PROMPT
     multi_gpu_stage2: bool = False  # the fleet's own stage 2 (multi-GPU sigmas, TDP tiles) instead of the official work
     model_version: str = "2.0"
-    pipeline: str = "two-stage"
+    pipeline: str = DEFAULT_RECIPE
     quantization: str | None = None  # "fp8-cast": the transformer's weights in float8, on both sides
     residency: str = "auto"  # the fleet's residency policy (the official pipeline builds one component at a time)
     official_steps: int = 40  # the model version's official stage-1 steps, which a shorter run is extrapolated to
@@ -268,14 +270,13 @@ LEDGER_BUILDS = ("transformer", "video_encoder", "video_decoder", "audio_decoder
 
 
 def run_official(bundle: random_bundle.RandomBundle, job: Job, device: torch.device) -> Run:
-    from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP, LoraPathStrengthAndSDOps
     from ltx_core.model.video_vae import TilingConfig
     from ltx_core.text_encoders.gemma.encoders import encoder_configurator
-    from ltx_pipelines import distilled, ti2vid_two_stages
 
     from mgpu_backend.ltx import fp8
 
-    official = distilled if job.pipeline == "distilled" else ti2vid_two_stages  # the module whose stage functions are timed
+    declared = recipe(job.pipeline)
+    official = importlib.import_module(declared.official_runner.rsplit(".", 1)[0])  # the module whose stage functions are timed
     run = Run()
     clock = OfficialClock(device, run)
     gemma = json.loads((Path(bundle.gemma_root) / "config.json").read_text())
@@ -296,19 +297,15 @@ def run_official(bundle: random_bundle.RandomBundle, job: Job, device: torch.dev
             stack.enter_context(patched(official, name, wrap(getattr(official, name))))
 
         started = time.perf_counter()
-        files = {"spatial_upsampler_path": bundle.spatial_upsampler_path, "gemma_root": bundle.gemma_root, "loras": [], "device": device}
-        quantization = fp8.policy(job.quantization)  # the official runner's --quantization
-        if job.pipeline == "distilled":  # the random bundle's checkpoint stands in for a distilled one: same compute
-            pipeline = distilled.DistilledPipeline(distilled_checkpoint_path=bundle.checkpoint_path, quantization=quantization, **files)
-            ledgers, guidance = (pipeline.model_ledger,), {}
-        else:
-            lora = LoraPathStrengthAndSDOps(bundle.distilled_lora_path, 1.0, LTXV_LORA_COMFY_RENAMING_MAP)
-            pipeline = ti2vid_two_stages.TI2VidTwoStagesPipeline(checkpoint_path=bundle.checkpoint_path, distilled_lora=[lora], quantization=quantization, **files)
-            ledgers = (pipeline.stage_1_model_ledger, pipeline.stage_2_model_ledger)
-            guidance = {
-                "negative_prompt": job.negative_prompt, "num_inference_steps": job.steps,
-                "video_guider_params": job.video_guider, "audio_guider_params": job.audio_guider,
-            }  # fmt: skip
+        # The random bundle's checkpoint stands in for a distilled one too: same compute.
+        paths = {"checkpoint_path": bundle.checkpoint_path, "distilled_lora": bundle.distilled_lora_path,
+                 "spatial_upsampler_path": bundle.spatial_upsampler_path, "gemma_root": bundle.gemma_root}  # fmt: skip
+        pipeline = official_pipeline(declared, paths, device=device, quantization=fp8.policy(job.quantization))  # the official runner's --quantization
+        ledgers = [value for name, value in vars(pipeline).items() if name.endswith("model_ledger")]
+        guidance = {} if not declared.guided else {
+            "negative_prompt": job.negative_prompt, "num_inference_steps": job.steps,
+            "video_guider_params": job.video_guider, "audio_guider_params": job.audio_guider,
+        }  # fmt: skip
         run.seconds["load"] = time.perf_counter() - started  # builders only; the builds add to it
         for ledger in ledgers:
             for name in LEDGER_BUILDS:
@@ -326,7 +323,8 @@ def run_official(bundle: random_bundle.RandomBundle, job: Job, device: torch.dev
     free_device_memory(device)
     if device.type == "cuda":  # the fleet gets the GPU next: nothing of the official run may stay on it
         log(f"official pipeline freed: {torch.cuda.memory_allocated(device) / 2**20:.0f} MiB still allocated in this process")
-    builds = "the transformer once (both stages)" if job.pipeline == "distilled" else "the transformer twice (stage 1, then stage 2 with the distilled LoRA fused), the VAE encoder twice"
+    same_transformer = declared.stage1.lora_set == declared.stage2.lora_set
+    builds = "the transformer once (both stages)" if same_transformer else "the transformer twice (stage 1, then stage 2 with the distilled LoRA fused), the VAE encoder twice"
     run.notes.append(
         f"official load = its model builds outside the stage functions: {builds}, upsampler, decoders, vocoder; its text "
         "encode includes building Gemma, as the fleet's cold encode does"
@@ -366,10 +364,23 @@ def fleet_peak(device: torch.device) -> int | None:
     return memory.get("peak")
 
 
+def official_pipeline(declared: Recipe, paths: dict[str, str], **options):
+    """The official runner of ``declared`` (``Recipe.official_runner``) on ``paths`` (model spec field ->
+    file): each file goes to the keyword the CLI flag naming it follows, a LoRA at strength 1.0."""
+    from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP, LoraPathStrengthAndSDOps
+
+    module_name, class_name = declared.official_runner.rsplit(".", 1)
+    files = {}
+    for file in declared.files:
+        path = paths[file.spec_field]
+        lora = [LoraPathStrengthAndSDOps(path, 1.0, LTXV_LORA_COMFY_RENAMING_MAP)] if file.spec_field in LORA_FILES else None
+        files[file.flag.lstrip("-").replace("-", "_")] = lora or path
+    return getattr(importlib.import_module(module_name), class_name)(loras=[], **files, **options)
+
+
 def recipe_args(job: Job) -> dict:
-    """The recipe fields of the sample and upscale jobs: the model version, and the pipeline when it is not
-    the default two-stage one (the API takes ``pipeline`` once the fleet serves another recipe)."""
-    return {"model_version": job.model_version, **({"pipeline": job.pipeline} if job.pipeline != "two-stage" else {})}
+    """The recipe fields of the sample and upscale jobs: the model version and the pipeline."""
+    return {"model_version": job.model_version, "pipeline": job.pipeline}
 
 
 def residency_lines(job_log: list[str]) -> list[str]:
@@ -408,7 +419,7 @@ def run_fleet_job(spec: dict, job: Job, device: torch.device, read_before: int) 
     run.load_bytes_read = loaded["bytes_read"] - read_before  # the rank's count is cumulative
     (positive, negative), started, ended = timed(lambda: api.encode(spec, [job.prompt, job.negative_prompt], **common))
     record({"text encode": ended - started})
-    guidance = {} if job.pipeline == "distilled" else {  # the distilled recipe: the schema's, no guidance
+    guidance = {} if not recipe(job.pipeline).guided else {  # an unguided recipe (distilled): the schema's, no guidance
         f"{name}_guidance": api.Guidance(
             cfg_scale=params.cfg_scale, stg_scale=params.stg_scale, rescale_scale=params.rescale_scale,
             modality_scale=params.modality_scale, skip_step=params.skip_step, stg_blocks=tuple(params.stg_blocks),
@@ -435,8 +446,8 @@ def run_fleet_job(spec: dict, job: Job, device: torch.device, read_before: int) 
     record({"upsample": upsampled_at - started, "stage 2": ended - upsampled_at})
     run.step_seconds["stage 2"] = timeline.step_seconds("stage2", after=started)
     run.latents = {"stage 1 video": video, "stage 1 audio": audio, "stage 2 video": video2}
-    if job.pipeline == "two-stage" and not torch.equal(audio2, audio):
-        raise RuntimeError("the fleet's two-stage stage 2 (TDP) must return the stage-1 audio latent unchanged")
+    if recipe(job.pipeline).stage2_policy == "tdp" and not torch.equal(audio2, audio):
+        raise RuntimeError(f"the fleet's {job.pipeline} stage 2 (TDP) must return the stage-1 audio latent unchanged")
     run.latents["stage 2 audio"] = audio2
 
     (frames, _waveform, _rate), started, ended = timed(
@@ -703,7 +714,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="the tiny configuration and size (CPU unless --gpus): a smoke run")
     parser.add_argument("--model", choices=MODEL_VERSIONS, default="2.0", help="model version: 2.0 (19B) or 2.3 (22B layout); picks the bundle's configuration and the official defaults (default 2.0)")
-    parser.add_argument("--pipeline", choices=PIPELINES, default="two-stage", help="recipe (default two-stage, the only one served yet)")
+    parser.add_argument("--pipeline", choices=PIPELINES, default=DEFAULT_RECIPE, help=f"recipe, one of {', '.join(PIPELINES)} (default {DEFAULT_RECIPE})")
     parser.add_argument("--config", help="full size: transformer configuration (default: the --model's, configs/ltx2-19b-transformer.json or configs/ltx2.3-22b-transformer.json)")
     parser.add_argument("--gemma-layers", type=int, default=random_bundle.DEFAULT_GEMMA_LAYERS, help="full size: layers of the Gemma-3 12B text encoder (released: 48; default 6, text encode is then a lower bound)")
     parser.add_argument("--lora-rank", type=int, default=random_bundle.FULL_SIZE_LORA_RANK, help="full size: distilled LoRA rank (default 384, as the official one)")
@@ -787,11 +798,14 @@ def main() -> None:
         ]
         steps = args.steps or defaults["steps"] or official_params.num_inference_steps
         official_steps = official_params.num_inference_steps
-        if args.pipeline == "distilled":  # one positive-only pass per step over the recipe's fixed sigmas
-            official_steps = defaults_for(args.model, "distilled").steps
+        declared = recipe(args.pipeline)
+        if declared.fixed_steps is not None:  # its fixed sigmas
+            official_steps = defaults_for(args.model, args.pipeline).steps
             if args.steps not in (None, official_steps):
-                raise SystemExit(f"error: the distilled pipeline runs its {official_steps} fixed sigmas, got --steps {args.steps}; leave --steps out")
-            guiders, steps = [MultiModalGuiderParams(), MultiModalGuiderParams()], official_steps
+                raise SystemExit(f"error: the {args.pipeline} pipeline runs its {official_steps} fixed sigmas, got --steps {args.steps}; leave --steps out")
+            steps = official_steps
+        if not declared.guided:  # one positive-only pass per step
+            guiders = [MultiModalGuiderParams(), MultiModalGuiderParams()]
         job = Job(
             height=args.height or defaults["height"] or official_params.stage_2_height,
             width=args.width or defaults["width"] or official_params.stage_2_width,
@@ -830,8 +844,8 @@ def main() -> None:
         socket_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-e2e-fleet-"))
         os.chmod(socket_dir, 0o700)
         spec = replace(bundle.spec(), quantization=job.quantization, residency=job.residency)
-        if job.pipeline == "distilled":  # its checkpoint runs as it is: no LoRA (the bundle's checkpoint stands in)
-            spec = replace(spec, distilled_lora=None)
+        # The files the recipe refuses (distilled: no LoRA, the bundle's checkpoint stands in) leave the spec.
+        spec = replace(spec, **{file.spec_field: None for file, _why in recipe(job.pipeline).refused})
         spec = spec.to_json()
         try:
             cold, warm = run_fleet(spec, job, device, gpus, cpu_ranks, socket_dir, args.fleet_log)

@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 from mgpu_backend.fleet.client import FleetClient  # noqa: E402
 from mgpu_backend.ltx.diagnostics import BENCH_STEPS, MODEL_CONFIGS, bench_config  # noqa: E402
 from mgpu_backend.ltx.jobs import active_passes  # noqa: E402
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES  # noqa: E402
 from mgpu_backend.ltx.schema import PIPELINES, Guidance, PipelineDefaults, defaults_for  # noqa: E402
 from mgpu_backend.ltx.stages import guider_params  # noqa: E402
 from mgpu_backend.parallel.guidance_parallel import GUIDANCE_GROUP_MODES, ONE_PASS_NO_GROUPS, PLAN_MODES  # noqa: E402
@@ -56,7 +57,8 @@ def main() -> None:
     parser.add_argument("--worlds", default="1,2", help="world sizes; 1 is always run as the reference")
     parser.add_argument("--plans", default="sp,guidance,auto", help="stage-1 plans to time at worlds above 1")
     parser.add_argument("--sizes", default="768x512x121,1536x1024x121", help="WxHxF stage-1 sizes (6144 and 24576 video tokens)")
-    parser.add_argument("--pipeline", choices=PIPELINES, default="two-stage", help="the recipe's stage 1: two-stage (4 guidance passes per step) or distilled (its 8 fixed sigmas, one unguided pass per step)")
+    stage1 = " or ".join(f"{declared.name} ({declared.stage1_words})" for declared in RECIPES.values())
+    parser.add_argument("--pipeline", choices=PIPELINES, default=DEFAULT_RECIPE, help=f"the recipe's stage 1: {stage1} (default {DEFAULT_RECIPE})")
     parser.add_argument("--steps", type=int, help=f"steps per run; the first is warm-up (default {BENCH_STEPS}; the distilled pipeline always runs its fixed sigmas' steps)")
     parser.add_argument("--tiny", action="store_true", help="2-layer model on CPU ranks (smoke run)")
     parser.add_argument("--batch-passes", choices=("auto", "on", "off"), default="auto", help="a guidance group's passes as one batched forward (auto: below 4096 tokens per rank on GPUs); off shows CUDA-graph replay under SP")

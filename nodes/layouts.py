@@ -23,6 +23,7 @@ import math
 import torch
 
 from mgpu_backend.ltx.api import PromptEncoding, StackedContext
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE
 from mgpu_backend.ltx.schema import VIDEO_LATENT_CHANNELS
 
 MODEL_TYPE = "MGPU_MODEL"
@@ -55,15 +56,15 @@ DTYPES = ("bfloat16", "float32")  # the loader's choices (the fleet also takes f
 # --- MGPU_MODEL -----------------------------------------------------------------------------------
 
 
-def make_model_handle(spec: dict, *, dtype: str, gemma_mode: str, parallel: str, gpus: str, pipeline: str = "two-stage") -> dict:
+def make_model_handle(spec: dict, *, dtype: str, gemma_mode: str, parallel: str, gpus: str, pipeline: str = DEFAULT_RECIPE) -> dict:
     """The MGPU_MODEL value: what every later node sends to the fleet with its job. ``pipeline`` is
-    the recipe the files are for (``schema.PIPELINES``); the sampling nodes take its defaults."""
+    the recipe the files are for (``recipes.RECIPES``); the sampling nodes take its defaults."""
     return {"spec": spec, "dtype": dtype, "gemma_mode": gemma_mode, "parallel": parallel, "gpus": gpus, "pipeline": pipeline}
 
 
 def handle_pipeline(handle: dict) -> str:
-    """The recipe of a model handle (handles made before recipes existed are two-stage)."""
-    return handle.get("pipeline", "two-stage")
+    """The recipe of a model handle (handles made before recipes existed are the default recipe's, two-stage)."""
+    return handle.get("pipeline", DEFAULT_RECIPE)
 
 
 def check_model_handle(model) -> dict:

@@ -28,6 +28,7 @@ from dataclasses import replace
 
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.safetensors_header import ModelFileError
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES, recipe
 from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, ModelSpec, defaults_for, validate_dtype_with_loras
 
 from .fleet_admin import format_status, status_snapshot, stop_fleet, unload_models
@@ -111,17 +112,20 @@ def _resolve_gemma(name: str) -> str:
 
 
 def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: float, spatial_upsampler: str, gemma: str,
-               quantization: str = NO_QUANTIZATION, residency: str = RESIDENCY_POLICIES[0], pipeline: str = "two-stage") -> dict:  # fmt: skip
+               quantization: str = NO_QUANTIZATION, residency: str = RESIDENCY_POLICIES[0], pipeline: str = DEFAULT_RECIPE) -> dict:  # fmt: skip
     """The ModelSpec JSON for the chosen files; the embedded tiny bundle is one set of one version,
     never mixed, and named symbolically: the fleet makes (or finds) its files, nothing is written in
-    this process. The distilled recipe takes no distilled LoRA (its checkpoint is the distilled model)."""
-    if pipeline not in PIPELINES:
-        raise ValueError(f"pipeline must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
-    if pipeline == "distilled" and distilled_lora != NO_FILE:
-        raise ValueError(
-            f"the distilled pipeline runs the distilled checkpoint with no distilled LoRA, but distilled_lora is {distilled_lora!r}; "
-            f"set distilled_lora to {NO_FILE!r} (or pipeline to two-stage with the dev checkpoint)"
-        )
+    this process. A file the recipe refuses (the distilled recipe: the distilled LoRA, its checkpoint
+    being the distilled model) must be (none)."""
+    declared = recipe(pipeline)
+    chosen = {"ckpt_name": ckpt_name, "distilled_lora": distilled_lora, "spatial_upsampler": spatial_upsampler, "gemma": gemma}
+    for file, _why in declared.refused:
+        if chosen[file.node_input] != NO_FILE:
+            takers = " or ".join(other.name for other in RECIPES.values() if file in other.files)
+            raise ValueError(
+                f"the {declared.name} pipeline runs the {declared.checkpoint.words} with no {file.words}, but {file.node_input} is "
+                f"{chosen[file.node_input]!r}; set {file.node_input} to {NO_FILE!r} (or pipeline to {takers}, which takes it)"
+            )
     holding = (("distilled_lora", distilled_lora), ("spatial_upsampler", spatial_upsampler), ("gemma", gemma))
     if ckpt_name in EMBEDDED_ENTRIES:
         version = EMBEDDED_ENTRIES[ckpt_name]
@@ -136,8 +140,7 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
             spatial_upsampler=spatial_upsampler == ckpt_name, distilled_lora=distilled_lora == ckpt_name,
             distilled_lora_strength=distilled_lora_strength, version=version,
         )  # fmt: skip
-        if pipeline == "distilled":
-            spec = replace(spec, checkpoint_path=ModelSpec.embedded_tiny_for(pipeline, version).checkpoint_path)
+        spec = replace(spec, checkpoint_path=ModelSpec.embedded_tiny_for(pipeline, version).checkpoint_path)
         return replace(spec, quantization=None if quantization == NO_QUANTIZATION else quantization, residency=residency).to_wire()
     embedded = [name for name, value in holding if value in EMBEDDED_ENTRIES]
     if embedded:
@@ -170,10 +173,17 @@ def spec_model_version(spec: dict) -> str | None:
 
 def describe_version(version: str, pipeline: str) -> str:
     """One line naming a model version and the official stage-1 defaults its recipe runs."""
-    recipe = defaults_for(version, pipeline)
-    if pipeline == "distilled":
-        return f"LTX-{version} checkpoint, distilled pipeline: {recipe.steps} fixed distilled steps, then the 3-step tail"
-    return f"LTX-{version} checkpoint: official defaults {recipe.steps} steps, STG block {','.join(map(str, recipe.video_guidance.stg_blocks))}"
+    declared, official = recipe(pipeline), defaults_for(version, pipeline)
+    if declared.fixed_steps is not None:
+        return (f"LTX-{version} checkpoint, {declared.name} pipeline: {declared.fixed_steps} fixed {declared.name} steps, "
+                f"then the {len(declared.stage2.sigmas) - 1}-step tail")  # fmt: skip
+    return f"LTX-{version} checkpoint: official defaults {official.steps} steps, STG block {','.join(map(str, official.video_guidance.stg_blocks))}"
+
+
+def pipeline_tooltip() -> str:
+    """The loader's ``pipeline`` tooltip, from the recipes' declarations."""
+    described = " ".join(f"{declared.name}: {declared.summary} {declared.when}" for declared in RECIPES.values())
+    return f"The recipe the checkpoint is for. {described} SP Sampler and TDP Upscale take this recipe's steps, sigmas and guidance."
 
 
 class LoadCheckpointMGPU:
@@ -201,7 +211,7 @@ class LoadCheckpointMGPU:
                 "dtype": (list(DTYPES), {"default": DTYPES[0], "tooltip": "Compute precision in the fleet. bfloat16 is what LTX-2 is made for; float32 doubles the memory and is for checking results."}),
                 "quantization": ([NO_QUANTIZATION, *QUANTIZATIONS], {"default": NO_QUANTIZATION, "tooltip": "fp8-cast keeps the transformer weights in float8 on every GPU (about half its memory) and upcasts them per layer, as the official --quantization fp8-cast; outputs differ slightly from bfloat16. Lightricks' -fp8 checkpoints load either way."}),
                 "residency": (list(RESIDENCY_POLICIES), {"default": RESIDENCY_POLICIES[0], "tooltip": "What stays on each GPU between jobs. auto keeps what fits the GPU and builds the rest per stage (Gemma first); all keeps everything (fastest warm runs, most memory); minimal keeps only the transformer; sharded spreads the transformer's weights over the fleet's GPUs (1/N each: for GPUs too small to hold it whole, at the cost of gathering each block over the GPU links)."}),
-                "pipeline": (list(PIPELINES), {"default": PIPELINES[0], "tooltip": "The recipe the checkpoint is for. two-stage: the dev checkpoint, 40 (LTX-2.0) or 30 (LTX-2.3) guided steps of up to 4 passes each, then TDP Upscale with the distilled LoRA. distilled: the distilled checkpoint, 8 unguided steps, then 3 in stage 2, no LoRA (20x fewer stage-1 transformer passes). SP Sampler and TDP Upscale take this recipe's steps, sigmas and guidance."}),
+                "pipeline": (list(PIPELINES), {"default": DEFAULT_RECIPE, "tooltip": pipeline_tooltip()}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -225,7 +235,7 @@ class LoadCheckpointMGPU:
         return refusal([("dtype", dtype, check_dtype), ("distilled_lora", distilled_lora, check_lora)])
 
     def load(self, ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, gpus, gemma_mode, parallel, dtype,
-             quantization=NO_QUANTIZATION, residency=RESIDENCY_POLICIES[0], pipeline="two-stage", unique_id=None):  # fmt: skip
+             quantization=NO_QUANTIZATION, residency=RESIDENCY_POLICIES[0], pipeline=DEFAULT_RECIPE, unique_id=None):  # fmt: skip
         gpus = parse_gpus(gpus)
         spec = build_spec(ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, quantization, residency, pipeline)
         handle = make_model_handle(spec, dtype=dtype, gemma_mode=gemma_mode, parallel=parallel, gpus=gpus, pipeline=pipeline)

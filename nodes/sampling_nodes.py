@@ -37,6 +37,7 @@ import torch
 
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.api import parse_tiles
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES, STAGE2_POLICIES, recipe
 from mgpu_backend.ltx.schema import (
     DEFAULTS,
     MAX_SIDE,
@@ -48,7 +49,6 @@ from mgpu_backend.ltx.schema import (
     TDP_OVERLAP,
     TDP_UPSCALE_SIGMAS,
     VIDEO_SPATIAL_COMPRESSION,
-    defaults_for,
     pixel_geometry,
     stage2_default_sigmas,
     validate_generation,
@@ -85,7 +85,7 @@ def parse_stg_blocks(text: str) -> tuple[int, ...] | None:
     return tuple(int(part) for part in parts) or None
 
 
-def parse_sigmas(text: str, force_from_noise: bool, pipeline: str = "two-stage") -> tuple[float, ...]:
+def parse_sigmas(text: str, force_from_noise: bool, pipeline: str = DEFAULT_RECIPE) -> tuple[float, ...]:
     """'0.625, 0.4, 0.0' -> a strictly decreasing schedule in [0, 1] that does not start from noise
     (sigma 1.0) unless forced: TDP refines an upsampled latent, it does not generate one. Empty: the
     recipe's default (``schema.stage2_default_sigmas``)."""
@@ -104,16 +104,17 @@ def _blocks_text(blocks) -> str:
 
 
 def official_values_text() -> str:
-    """Each model version's official two-stage steps and STG block, for the tooltips."""
-    return ", ".join(f"LTX-{version}: {DEFAULTS[(version, 'two-stage')].steps} steps, STG block "
-                     f"{_blocks_text(DEFAULTS[(version, 'two-stage')].video_guidance.stg_blocks)}" for version in MODEL_VERSIONS)  # fmt: skip
+    """Each model version's official steps and STG block of the default recipe (two-stage), for the tooltips."""
+    return ", ".join(f"LTX-{version}: {DEFAULTS[(version, DEFAULT_RECIPE)].steps} steps, STG block "
+                     f"{_blocks_text(DEFAULTS[(version, DEFAULT_RECIPE)].video_guidance.stg_blocks)}" for version in MODEL_VERSIONS)  # fmt: skip
 
 
 def version_default_notes(model_version: str | None, pipeline: str, steps: int, stg_blocks: tuple[int, ...] | None) -> str | None:
-    """A note when the two-stage sampler's steps or STG blocks hold another model version's official
-    value but not this checkpoint's: what the checkpoint is, what it was given, and its own values.
-    None when the version is unknown, the recipe ignores those widgets (distilled), or nothing fits."""
-    if model_version is None or pipeline != "two-stage":
+    """A note when the sampler's steps or STG blocks hold another model version's official value but
+    not this checkpoint's: what the checkpoint is, what it was given, and its own values. None when
+    the version is unknown, the recipe ignores those widgets (distilled), or nothing fits."""
+    declared = recipe(pipeline)
+    if model_version is None or declared.ignored("steps") or declared.ignored("guidance"):
         return None
     own = DEFAULTS[(model_version, pipeline)]
     own_blocks = own.video_guidance.stg_blocks
@@ -132,7 +133,16 @@ def version_default_notes(model_version: str | None, pipeline: str, steps: int, 
 
 
 DEFAULT_SIGMAS = ", ".join(map(str, TDP_UPSCALE_SIGMAS))
-DISTILLED_IGNORED = ("steps", "video_cfg", "audio_cfg", "stg_scale", "stg_blocks", "rescale", "modality_scale", "negative")
+STAGE2_AUTO = "; ".join(f"{declared.name}: {STAGE2_POLICIES[declared.stage2_policy]}" for declared in RECIPES.values())
+RECIPE_SIGMAS = "; ".join(f"{declared.name}: {', '.join(map(str, declared.upscale_sigmas))}" for declared in RECIPES.values())
+SP_SAMPLER_INPUTS = {"steps": ("steps",), "guidance": ("video_cfg", "audio_cfg", "stg_scale", "stg_blocks", "rescale", "modality_scale", "negative")}
+"""SP Sampler's inputs behind each input a recipe may ignore (``recipes.Ignored.input``)."""
+
+
+def ignored_inputs(pipeline: str) -> list[str]:
+    """SP Sampler's inputs the recipe ignores, in the node's order."""
+    declared = recipe(pipeline)
+    return [name for key, names in SP_SAMPLER_INPUTS.items() if declared.ignored(key) for name in names]
 
 
 STOCK_SAMPLER = "use ComfyUI's own sampler with Load Checkpoint (MGPU fleet)"
@@ -247,27 +257,29 @@ class SPSampler:
     def sample(self, model, positive, negative, width, height, length, frame_rate, seed, steps, video_cfg, audio_cfg, stg_scale, stg_blocks, rescale, modality_scale, parallel, image=None, compile_blocks=False, unique_id=None):
         handle = check_model_handle(model)
         pipeline = handle_pipeline(handle)
-        distilled = pipeline == "distilled"
+        declared = recipe(pipeline)
         validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate)
         blocks = parse_stg_blocks(stg_blocks)
-        used = {"positive": positive} if distilled else {"positive": positive, "negative": negative}  # distilled: no negative pass
+        used = {"positive": positive, "negative": negative} if declared.encodes_negative_prompt else {"positive": positive}  # unguided: no negative pass
         for input_name, conditioning in used.items():
             carried = check_conditioning_options(conditioning, input_name, "SP Sampler")
             if carried is not None:
                 check_frame_rate("SP Sampler", input_name, carried, frame_rate, f"SP Sampler's frame_rate is {frame_rate:g}",
                                  f"set SP Sampler's frame_rate to {carried:g} (it also sets how long the audio is) or LTXVConditioning's to {frame_rate:g}")  # fmt: skip
         positive_contexts = conditioning_contexts(positive, "positive")
-        negative_contexts = None if distilled else conditioning_contexts(negative, "negative")
+        negative_contexts = conditioning_contexts(negative, "negative") if declared.encodes_negative_prompt else None
         shared = {"stg_scale": stg_scale, "rescale_scale": rescale, "modality_scale": modality_scale, "stg_blocks": blocks}
         video_guidance, audio_guidance = api.Guidance(cfg_scale=video_cfg, **shared), api.Guidance(cfg_scale=audio_cfg, **shared)
         version_note = version_default_notes(spec_model_version(handle["spec"]), pipeline, steps, blocks)
         if version_note is not None:
             node_note(unique_id, version_note)
-        if distilled:
-            steps, video_guidance, audio_guidance = None, None, None
-            recipe = defaults_for(pipeline=pipeline)
-            node_note(unique_id, f"distilled pipeline: {recipe.steps} fixed distilled steps, one unguided pass each; "
-                                 f"{', '.join(DISTILLED_IGNORED)} are ignored")  # fmt: skip
+        ignored = ignored_inputs(pipeline)
+        if declared.ignored("steps"):
+            steps = None
+        if declared.ignored("guidance"):
+            video_guidance, audio_guidance = None, None
+        if ignored:
+            node_note(unique_id, f"{declared.name} pipeline: {declared.stage1_words}; {', '.join(ignored)} are ignored")
         job = FleetJob(unique_id, "SP Sampler")
         video_latent, audio_latent = job.call(
             api.sample,
@@ -313,7 +325,7 @@ class TDPUpscale:
                 "av_latent": ("LATENT", {"tooltip": "The stage-1 AV LATENT from SP Sampler (or LTXVConcatAVLatent; its audio at ComfyUI's or ltx-core's length). A noise mask that keeps frames (LTXVImgToVideoInplace) is refused: use the image input."}),
                 "positive": ("CONDITIONING", {"tooltip": "Positive conditioning from MGPU Text Encode or ComfyUI's LTX-2 text encoder (stage 2 uses no negative prompt)."}),
                 "seed": ("INT", {"default": OFFICIAL.seed, "min": 0, "max": SEED_MAX, "control_after_generate": True, "tooltip": "Seed of the noise added back at the first sigma."}),
-                "sigmas": ("STRING", {"default": "", "tooltip": f"Refinement schedule, strictly decreasing in [0, 1], comma separated. Empty: the loader's recipe (two-stage: {DEFAULT_SIGMAS}; distilled: the official tail {', '.join(map(str, stage2_default_sigmas('distilled')))}). Higher first sigma: more change. Starting at 1.0 is refused unless force_from_noise."}),
+                "sigmas": ("STRING", {"default": "", "tooltip": f"Refinement schedule, strictly decreasing in [0, 1], comma separated. Empty: the loader's recipe ({RECIPE_SIGMAS}). Higher first sigma: more change. Starting at 1.0 is refused unless force_from_noise."}),
                 "tiles": ("STRING", {"default": "auto", "tooltip": "Tile counts as HxW (height x width), e.g. 2x2, or auto for a balanced split over the GPUs. More tiles than GPUs is fine."}),
                 "overlap": ("INT", {"default": TDP_OVERLAP, "min": 0, "max": 64, "tooltip": "Overlap between neighbouring tiles in latent cells (32 output pixels each). More overlap hides seams and costs time."}),
                 "frame_rate": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 120.0, "step": 0.01, "tooltip": "0: the frame rate SP Sampler recorded in the latent (or, for a latent from native nodes, LTXVConditioning's on positive). Set it only for a latent from native nodes (the rate it was sampled at)."}),
@@ -321,7 +333,7 @@ class TDPUpscale:
             },
             "optional": {
                 "image": ("IMAGE", {"tooltip": "The first-frame image of image-to-video, to keep the first frame anchored at full size."}),
-                "stage2_parallel": (list(STAGE2_PLANS), {"default": STAGE2_PLANS[0], "tooltip": "tdp: tiles on different GPUs, the stage-1 audio passes through. sp: sequence parallel over all GPUs, faithful to the one-GPU pipeline including the re-denoised audio. auto: tdp for the two-stage recipe; for distilled, sp when each GPU keeps enough video tokens, else tdp."}),
+                "stage2_parallel": (list(STAGE2_PLANS), {"default": STAGE2_PLANS[0], "tooltip": f"tdp: tiles on different GPUs, the stage-1 audio passes through. sp: sequence parallel over all GPUs, faithful to the one-GPU pipeline including the re-denoised audio. auto: the loader's recipe's rule ({STAGE2_AUTO})."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -335,8 +347,8 @@ class TDPUpscale:
     def upscale(self, model, av_latent, positive, seed, sigmas, tiles, overlap, frame_rate, force_from_noise, image=None, stage2_parallel="auto", unique_id=None):
         handle = check_model_handle(model)
         spec, pipeline = handle["spec"], handle_pipeline(handle)
-        needed = (("spatial_upsampler_path", "spatial_upsampler"),) + ((("distilled_lora", "distilled_lora"),) if pipeline == "two-stage" else ())
-        missing = [label for key, label in needed if not spec.get(key)]
+        needed = [file for file in recipe(pipeline).files_for("upscale") if file.needed_from == "upscale"]
+        missing = [file.node_input for file in needed if not spec.get(file.spec_field)]
         if missing:
             raise ValueError(f"TDP Upscale needs {' and '.join(missing)}; choose them in Load Checkpoint MGPU")
         video_latent, audio_latent = split_latent(av_latent, "av_latent")

@@ -36,6 +36,7 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mgpu_backend.ltx import recipes
 from mgpu_backend.ltx.schema import (
     DECODE_SPATIAL_TILE_PIXELS,
     DECODE_TEMPORAL_TILE_FRAMES,
@@ -361,16 +362,21 @@ to try the graph (the output is noise). Frames must be 8k+1; the fleet panel is 
 """
 
 
-def recipe_text(recipe: PipelineDefaults, tiny: bool) -> str:
-    """The note's recipe line (a tiny example runs fewer steps and STG on its model's last block)."""
-    if recipe.pipeline == "distilled":
-        return (f"The distilled recipe of LTX-{recipe.model_version}: the distilled checkpoint, {recipe.steps} unguided steps (one pass each; "
-                "the sampler's steps and guidance widgets are ignored), then the 3-step tail, no LoRA.")  # fmt: skip
-    blocks = ",".join(map(str, recipe.video_guidance.stg_blocks))
-    steps = f"{TINY_SIZE['steps']} steps (the official {recipe.steps}, fewer for the tiny bundle)" if tiny else f"{recipe.steps} steps"
+def recipe_text(defaults: PipelineDefaults, tiny: bool) -> str:
+    """The note's recipe line, from the recipe's declaration (a tiny example runs fewer steps and STG
+    on its model's last block)."""
+    declared = recipes.recipe(defaults.pipeline)
+    opening = f"The {declared.name} recipe of LTX-{defaults.model_version}: the {declared.checkpoint.words}"
+    stage2_steps, stage2_loras = len(declared.stage2.sigmas) - 1, recipes.LORA_SETS[declared.stage2.lora_set]
+    if not declared.guided:
+        lora = "no LoRA" if not stage2_loras else f"with the {' and '.join(recipes.FILE_WORDS[field] for field in stage2_loras)}"
+        return (f"{opening}, {defaults.steps} unguided steps (one pass each; the sampler's steps and guidance widgets are ignored), "
+                f"then the {stage2_steps}-step tail, {lora}.")  # fmt: skip
+    blocks = ",".join(map(str, defaults.video_guidance.stg_blocks))
+    steps = f"{TINY_SIZE['steps']} steps (the official {defaults.steps}, fewer for the tiny bundle)" if tiny else f"{defaults.steps} steps"
     stg = f"STG on the tiny model's last block; officially block {blocks}" if tiny else f"STG on block {blocks}"
-    return (f"The two-stage recipe of LTX-{recipe.model_version}: the dev checkpoint, {steps} of up to 4 guided passes "
-            f"({stg}), then 3 steps with the distilled LoRA.")  # fmt: skip
+    lora = "" if not stage2_loras else f" with the {' and '.join(recipes.FILE_WORDS[field] for field in stage2_loras)}"
+    return f"{opening}, {steps} of up to {declared.passes_per_step()} guided passes ({stg}), then {stage2_steps} steps{lora}."
 
 
 @dataclass(frozen=True)
@@ -468,8 +474,9 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
     listed = ", ".join(f"{MODEL_SOURCES[name][1]}/{name}" for name in files.values() if name in MODEL_SOURCES)
     note = NOTE_TWO_STAGE.format(version=example.version, stage1=f"{width}x{height}", final=f"{2 * width}x{2 * height}", recipe=recipe_text(recipe, example.tiny),
                                  files=listed or "none (the embedded bundle)", embedded=embedded_entry(example.version))  # fmt: skip
-    # Two-stage: TDP Upscale's own schedule, written out; distilled: empty, the recipe's official tail.
-    sigmas = ", ".join(map(str, stage2_default_sigmas(example.pipeline))) if example.pipeline == "two-stage" else ""
+    # A stage-2 schedule of TDP Upscale's own (two-stage) is written out; the recipe's official tail (distilled) left empty.
+    declared = recipes.recipe(example.pipeline)
+    sigmas = ", ".join(map(str, stage2_default_sigmas(example.pipeline))) if declared.upscale_sigmas != declared.stage2.sigmas else ""
     overlap = TINY_SIZE["overlap"] if example.tiny else TDP_OVERLAP
     nodes = [
         Node(1, "MGPULoadCheckpoint", LAYOUT["loader"].pos, {**files, "distilled_lora_strength": DISTILLED_LORA_STRENGTH, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto",

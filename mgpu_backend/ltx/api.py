@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from mgpu_backend.fleet.client import FleetClient, FleetError, FleetUnavailable
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE
 from mgpu_backend.ltx.schema import (
     CONTEXT_MISSING,
     PREVIEW_EVERY,
@@ -276,7 +277,7 @@ def sample(
     cuda_graphs: bool | None = None,
     compile_blocks: bool = False,
     model_version: str | None = None,
-    pipeline: str = "two-stage",
+    pipeline: str = DEFAULT_RECIPE,
     dtype: str = "bfloat16",
     progress: Progress = None,
     should_cancel: ShouldCancel = None,
@@ -326,7 +327,7 @@ def upscale(
     image: torch.Tensor | None = None,
     force_from_noise: bool = False,
     model_version: str | None = None,
-    pipeline: str = "two-stage",
+    pipeline: str = DEFAULT_RECIPE,
     parallel: str = "auto",
     dtype: str = "bfloat16",
     progress: Progress = None,

@@ -24,6 +24,7 @@ from mgpu_backend.bundles.random_weights import materialize_random_
 from mgpu_backend.fleet.jobs import JobContext, JobInputError, job
 from mgpu_backend.ltx.jobs import active_passes, input_errors, run_stage1
 from mgpu_backend.ltx.safetensors_header import model_version_of
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE
 from mgpu_backend.ltx.schema import MAX_FRAMES, MAX_SIDE, MAX_STEPS, OFFICIAL, Guidance, defaults_for, integer_field, number_field
 from mgpu_backend.ltx.stages import GenerationParams, guider_params, transformer_layer_count
 from mgpu_backend.ltx.text import TextContext
@@ -125,7 +126,7 @@ def bench_stage1(ctx: JobContext, args: dict, tensors: dict):
     layers = model.layer_count()
     with input_errors():
         # STG on block 28 for 2.3, 29 for 2.0; the distilled recipe: no guidance over its fixed sigmas
-        official = defaults_for(transformer_version(config["transformer"]), args.get("pipeline", "two-stage"))
+        official = defaults_for(transformer_version(config["transformer"]), args.get("pipeline", DEFAULT_RECIPE))
         video, audio = (Guidance.from_wire(args.get(f"{m}_guidance"), f"{m}_guidance", getattr(official, f"{m}_guidance")) for m in ("video", "audio"))
         fixed_steps = None if official.stage1_sigmas is None else len(official.stage1_sigmas) - 1
         params = GenerationParams(

@@ -10,10 +10,11 @@ heavy work, so the fleet stays as it was), then runs the stage functions of ``st
   ``parallelize.parallelize_stage2``: tiled data parallel around the stage-2 transformer (audio
   frozen) or sequence parallel inside it (audio denoised);
 
-Both recipes of ``schema.PIPELINES`` run: ``two-stage`` (the dev checkpoint; stage 2 fuses the
-distilled LoRA) and ``distilled`` (the distilled checkpoint, no LoRA: the working transformer never
-swaps; stage 1 one positive-only pass per step over the fixed distilled sigmas, so the sample job
-needs no negative prompt). ``check_recipe_files`` refuses a spec that does not fit the recipe.
+Every recipe of ``recipes.RECIPES`` runs, as its declaration says: ``two-stage`` (the dev checkpoint;
+stage 2 fuses the distilled LoRA) and ``distilled`` (the distilled checkpoint, no LoRA: the working
+transformer never swaps; stage 1 one positive-only pass per step over the fixed distilled sigmas, so
+the sample job needs no negative prompt). ``check_recipe_files`` refuses a spec that does not fit the
+recipe.
 - decode: the distributed decoder, frames written straight into shared memory on rank 0.
 
 Every job reads its arguments with the request type of ``schema`` (``SampleRequest.from_wire`` ...),
@@ -63,6 +64,7 @@ from mgpu_backend.ltx.latents import StageGeometry, job_generator
 from mgpu_backend.ltx.loading import ModelLoader
 from mgpu_backend.ltx.parallelize import Stage1Options, parallelize_stage1, parallelize_stage2, stage1_cache
 from mgpu_backend.ltx.previews import stage_previews, step_reporter
+from mgpu_backend.ltx.recipes import RECIPES, recipe
 from mgpu_backend.ltx.schema import CONTEXT_MISSING, PROMPT_CACHE_ENTRIES, VIDEO_LATENT_CHANNELS, DecodeRequest, EncodeRequest, LoadRequest, ModelFileError, ModelSpec, SampleRequest, UnloadRequest, UpscaleRequest, model_version_contradiction, pixel_geometry, validate_stg_blocks
 from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, guider_params, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
 from mgpu_backend.ltx.residency import component_sizes, device_memory_bytes, plan_residency
@@ -282,25 +284,22 @@ def stage1_params(request: SampleRequest, layer_count: int) -> GenerationParams:
     )  # fmt: skip
 
 
-STAGE2_LORA_SETS = {"two-stage": "distilled", "distilled": "none"}
-"""The LoRA set of stage 2 per recipe: the two-stage recipe fuses the distilled LoRA into the dev
-checkpoint; the distilled recipe runs its distilled checkpoint as stage 1 did (no swap)."""
-
-
 def check_recipe_files(request, spec: ModelSpec) -> None:
-    """Refuse a spec that cannot run the request's recipe, naming the file to add or drop."""
-    if request.op == "upscale" and spec.spatial_upsampler_path is None:
-        raise JobInputError("stage 2 needs the spatial upsampler; set spatial_upsampler_path in the model spec")
-    if request.pipeline == "two-stage" and request.op == "upscale" and spec.distilled_lora is None:
-        raise JobInputError(
-            "the two-stage pipeline's stage 2 needs the distilled LoRA; set distilled_lora, or use pipeline 'distilled' "
-            "with the distilled checkpoint (which needs no LoRA)"
-        )
-    if request.pipeline == "distilled" and spec.distilled_lora is not None:
-        raise JobInputError(
-            "the distilled pipeline runs the distilled checkpoint as it is, with no distilled LoRA; leave distilled_lora "
-            "out of the model spec (or use pipeline 'two-stage' with the dev checkpoint and the LoRA)"
-        )
+    """Refuse a spec that cannot run the request's recipe (``recipes.Recipe.files`` / ``refused``),
+    naming the file to add or drop."""
+    declared = recipe(request.pipeline)
+    for file in declared.files_for(request.op):
+        if getattr(spec, file.spec_field) is None:
+            others = [other.name for other in RECIPES.values() if file not in other.files]
+            instead = f", or use pipeline {' or '.join(map(repr, others))}" if others else ""
+            raise JobInputError(f"the {declared.name} pipeline's stage {2 if file.needed_from == 'upscale' else 1} needs the {file.words}; set {file.spec_field} in the model spec{instead}")
+    for file, _why in declared.refused:
+        if getattr(spec, file.spec_field) is not None:
+            takers = [other.name for other in RECIPES.values() if file in other.files]
+            raise JobInputError(
+                f"the {declared.name} pipeline runs the {declared.checkpoint.words} as it is, with no {file.words}; leave "
+                f"{file.spec_field} out of the model spec (or use pipeline {' or '.join(map(repr, takers))}, which takes it)"
+            )
 
 
 class PromptCache:
@@ -621,7 +620,7 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
         (positive,) = prompt_contexts(ctx, tensors, [("positive", request.positive_digest)], resident)
     upsampled = upsample_video(resident, video_latent)
     ctx.step("upsample", 1, 1)
-    lora_set = STAGE2_LORA_SETS[request.pipeline]
+    lora_set = recipe(request.pipeline).stage2.lora_set
     stage2_transformer = resident.transformer(lora_set)  # the same working copy stage 1 used, clean again
     sequence_parallel = plan.technique == "sp"
     on_step = _stage_steps(ctx, resident, "stage2", request.preview_every)

@@ -58,11 +58,10 @@ from ltx_core.model.video_vae import (
 
 from mgpu_backend.ltx import fp8
 from mgpu_backend.ltx.hf_gemma import gemma_folder_config, gemma_folder_files
+from mgpu_backend.ltx.recipes import stage_loras
 from mgpu_backend.ltx.safetensors_header import SafetensorsHeader, model_version_of, read_header
 from mgpu_backend.ltx.schema import ModelFileError, ModelSpec  # noqa: F401 - re-exported: the loader's callers name them here
 
-LORA_SETS = ("none", "distilled")
-"""``none``: stage 1 (user LoRAs only). ``distilled``: stage 2 (user LoRAs + the distilled LoRA)."""
 
 
 # --- Checks before any heavy work ------------------------------------------------------------------
@@ -395,22 +394,7 @@ class ModelLoader:
         return builder.build(device=torch.device("cpu"), dtype=self.dtype).to(self.device).eval()
 
     def _loras(self, lora_set: str) -> tuple[LoraPathStrengthAndSDOps, ...]:
-        if lora_set not in LORA_SETS:
-            raise ValueError(f"lora_set must be one of {LORA_SETS}, got {lora_set!r}")
-        loras = [
-            LoraPathStrengthAndSDOps(path, strength, LTXV_LORA_COMFY_RENAMING_MAP) for path, strength in self.spec.loras
-        ]
-        if lora_set == "distilled":
-            if self.spec.distilled_lora is None:
-                raise ModelFileError(
-                    "stage 2 needs the distilled LoRA, but the model spec names none; set distilled_lora"
-                )
-            loras.append(
-                LoraPathStrengthAndSDOps(
-                    self.spec.distilled_lora, self.spec.distilled_lora_strength, LTXV_LORA_COMFY_RENAMING_MAP
-                )
-            )
-        return tuple(loras)
+        return tuple(LoraPathStrengthAndSDOps(path, strength, LTXV_LORA_COMFY_RENAMING_MAP) for path, strength in stage_loras(self.spec, lora_set))
 
     @property
     def host_copy_bytes(self) -> int:
@@ -434,7 +418,7 @@ class ModelLoader:
         return 0 if state_dict is None else storage_bytes(state_dict.sd.values())
 
     def transformer(self, lora_set: str = "none") -> X0Model:
-        """The denoiser: ``"none"`` for stage 1, ``"distilled"`` for stage 2 (user LoRAs in both)."""
+        """The denoiser with a LoRA set of ``recipes.LORA_SETS`` fused (a recipe's stage says which)."""
         return self.build_transformer(tuple((lora.path, lora.strength) for lora in self._loras(lora_set)))
 
     def build_transformer(self, loras: tuple[tuple[str, float], ...] = (), device: torch.device | str | None = None) -> X0Model:

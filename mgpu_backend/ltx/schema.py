@@ -4,8 +4,10 @@ Every LTX-2 job of the fleet (load, encode, sample, upscale, decode, unload) tak
 the frozen request types below. A request is built on the client side (ComfyUI nodes, ``api``, the
 CLI), sent as ``to_wire()``'s plain JSON, and read back on every rank with ``from_wire(dict)``, which
 checks types and ranges and says what was wrong and what to do. A field a job leaves out gets the
-official default of its model version and pipeline, written once in ``DEFAULTS``; everything else
-in the pack (jobs, api, CLI flags, node widgets) reads its defaults here. The model version is the
+official default of its model version and pipeline, in ``DEFAULTS``: the version's official
+parameters (``VERSION_PARAMS``) with its recipe's schedule and guidance (``recipes.RECIPES``, where
+each pipeline is declared); everything else in the pack (jobs, api, CLI flags, node widgets) reads
+its defaults here. The model version is the
 checkpoint's own (``ModelSpec.model_version``: its ``model_version`` metadata, read from the file
 header by ``safetensors_header`` as ltx-pipelines' ``detect_params`` reads it); a request that names
 a version only checks it (``request_model_version``).
@@ -28,6 +30,18 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from mgpu_backend.ltx.recipes import (  # noqa: F401 - the recipes' schedules are named here too
+    DEFAULT_RECIPE,
+    DISTILLED_LORA_STRENGTH,
+    DISTILLED_SIGMAS,
+    RECIPE_NAMES,
+    RECIPES,
+    STAGE_2_SIGMAS,
+    TDP_UPSCALE_SIGMAS,
+    Recipe,
+    UnknownRecipe,
+    recipe,
+)
 from mgpu_backend.ltx.safetensors_header import ModelFileError, checkpoint_model_version
 
 # --- Facts of the LTX-2 latent space --------------------------------------------------------------
@@ -38,7 +52,8 @@ VIDEO_TEMPORAL_COMPRESSION = 8  # SpatioTemporalScaleFactors.default(): time = 8
 
 MODEL_VERSIONS = ("2.0", "2.3")
 """LTX-2.0 (19B) and LTX-2.3 (22B), as the checkpoint's ``model_version`` metadata names them."""
-PIPELINES = ("two-stage", "distilled")
+PIPELINES = RECIPE_NAMES
+"""The recipes' wire names (``recipes.RECIPES``): the requests' ``pipeline``."""
 DTYPES = ("bfloat16", "float32", "float16")
 GEMMA_MODES = ("sharded", "batch_parallel")
 PARALLEL_PLANS = ("auto", "sp", "guidance", "hybrid")
@@ -53,7 +68,6 @@ STAGE2_PLANS = ("auto", "sp", "tdp")
 frozen), or the planner's choice (``guidance_parallel.plan_stage2``)."""
 AFTER_STAGES = (0, 1, 2)  # stages that drew noise from the job's generator before the decoder
 
-DISTILLED_LORA_STRENGTH = 1.0  # ltx_pipelines.utils.constants.DEFAULT_LORA_STRENGTH
 SEED_MAX = 2**63 - 1  # the ranks seed torch generators with a signed 64-bit value
 MAX_SIDE = 8192
 MAX_FRAMES = 100_000
@@ -72,6 +86,8 @@ EMBEDDED_TINY_2_3_DISTILLED = "embedded:tiny-2.3-distilled"
 """Checkpoint paths that name an embedded tiny bundle's distilled checkpoint (its own weights, the
 dev checkpoint's layout), resolved on the ranks like the bundle's other files."""
 EMBEDDED_DISTILLED_CHECKPOINTS = {"2.0": EMBEDDED_TINY_DISTILLED, "2.3": EMBEDDED_TINY_2_3_DISTILLED}
+_EMBEDDED_CHECKPOINTS = {"checkpoint_path": {"2.0": EMBEDDED_TINY, "2.3": EMBEDDED_TINY_2_3}, "distilled_checkpoint_path": EMBEDDED_DISTILLED_CHECKPOINTS}
+"""The embedded name of each tiny bundle checkpoint (a recipe's ``checkpoint.tiny_file``), per version."""
 EMBEDDED_TINY_VERSIONS = {EMBEDDED_TINY: "2.0", EMBEDDED_TINY_2_3: "2.3", EMBEDDED_TINY_DISTILLED: "2.0", EMBEDDED_TINY_2_3_DISTILLED: "2.3"}
 """Every embedded name and the model version of the bundle its file belongs to."""
 
@@ -363,11 +379,13 @@ class ModelSpec:
 
     @classmethod
     def embedded_tiny_for(cls, pipeline: str, version: str = "2.0") -> ModelSpec:
-        """The embedded tiny bundle of LTX-``version`` as ``pipeline`` loads it: the two-stage recipe with
-        its distilled LoRA; the distilled recipe with the distilled checkpoint and no LoRA."""
-        if pipeline == "distilled":
-            return replace(cls.embedded_tiny(distilled_lora=False, version=version), checkpoint_path=EMBEDDED_DISTILLED_CHECKPOINTS[version])
-        return cls.embedded_tiny(version=version)
+        """The embedded tiny bundle of LTX-``version`` as ``pipeline`` loads it: the files its recipe
+        declares (the two-stage recipe: the dev checkpoint and the distilled LoRA; the distilled recipe:
+        the distilled checkpoint, no LoRA)."""
+        declared = recipe(pipeline)
+        fields = {file.spec_field for file in declared.files}
+        spec = cls.embedded_tiny(spatial_upsampler="spatial_upsampler_path" in fields, distilled_lora="distilled_lora" in fields, version=version)
+        return replace(spec, checkpoint_path=_EMBEDDED_CHECKPOINTS[declared.checkpoint.tiny_file][version])
 
     def _paths(self) -> tuple[str | None, ...]:
         return (self.checkpoint_path, self.gemma_root, self.spatial_upsampler_path, self.distilled_lora, *(path for path, _ in self.loras))
@@ -578,21 +596,15 @@ class PipelineDefaults:
     stage2_sigmas: tuple[float, ...]
 
 
-# ltx_pipelines.utils.constants.DISTILLED_SIGMA_VALUES: the distilled model's stage-1 schedule.
-DISTILLED_SIGMAS = (1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0)
-# ltx_pipelines.utils.constants.STAGE_2_DISTILLED_SIGMA_VALUES: stage 2 of both official pipelines.
-STAGE_2_SIGMAS = (0.909375, 0.725, 0.421875, 0.0)
-# TDP Upscale's own default: the official multi-GPU page has TDP start from a smaller first sigma than
-# the single-GPU stage 2, because re-injected noise lets the tiles drift apart (docs/techniques.md).
-TDP_UPSCALE_SIGMAS = (0.625, 0.4, 0.0)
 TDP_OVERLAP = 4  # latent cells between neighbouring tiles (docs/techniques.md)
 # ltx_core.model.video_vae.TilingConfig.default(): 512-pixel tiles, 64-frame chunks.
 DECODE_SPATIAL_TILE_PIXELS = 512
 DECODE_TEMPORAL_TILE_FRAMES = 64
 
-_LTX_2_0_TWO_STAGE = PipelineDefaults(
+# The model versions' official parameters, before a recipe's own (``_recipe_defaults``).
+_LTX_2_0_PARAMS = PipelineDefaults(
     model_version="2.0",
-    pipeline="two-stage",
+    pipeline="",
     # ltx_pipelines.utils.constants.LTX_2_PARAMS (PipelineParams' own defaults):
     seed=10,
     stage1_height=512,
@@ -602,50 +614,58 @@ _LTX_2_0_TWO_STAGE = PipelineDefaults(
     steps=40,
     video_guidance=Guidance(cfg_scale=3.0, stg_scale=1.0, rescale_scale=0.7, modality_scale=3.0, skip_step=0, stg_blocks=(29,)),
     audio_guidance=Guidance(cfg_scale=7.0, stg_scale=1.0, rescale_scale=0.7, modality_scale=3.0, skip_step=0, stg_blocks=(29,)),
-    stage1_sigmas=None,  # ltx_pipelines.ti2vid_two_stages: LTX2Scheduler().execute(steps=num_inference_steps)
-    stage2_sigmas=STAGE_2_SIGMAS,  # ti2vid_two_stages: stage 2 runs STAGE_2_DISTILLED_SIGMA_VALUES
+    stage1_sigmas=None,  # the recipe's
+    stage2_sigmas=(),  # the recipe's
 )
 # ltx_pipelines.utils.constants.LTX_2_3_PARAMS: LTX_2_PARAMS with 30 steps and STG on block 28.
-_LTX_2_3_TWO_STAGE = replace(
-    _LTX_2_0_TWO_STAGE,
+_LTX_2_3_PARAMS = replace(
+    _LTX_2_0_PARAMS,
     model_version="2.3",
     steps=30,
-    video_guidance=replace(_LTX_2_0_TWO_STAGE.video_guidance, stg_blocks=(28,)),
-    audio_guidance=replace(_LTX_2_0_TWO_STAGE.audio_guidance, stg_blocks=(28,)),
+    video_guidance=replace(_LTX_2_0_PARAMS.video_guidance, stg_blocks=(28,)),
+    audio_guidance=replace(_LTX_2_0_PARAMS.audio_guidance, stg_blocks=(28,)),
 )
-# ltx_pipelines.distilled: one positive-only pass per step (simple_denoising_func: no guidance, which
-# is ltx-core's MultiModalGuiderParams() as it comes) over DISTILLED_SIGMA_VALUES, then stage 2.
+VERSION_PARAMS = {"2.0": _LTX_2_0_PARAMS, "2.3": _LTX_2_3_PARAMS}
+# An unguided recipe (ltx_pipelines.distilled): one positive-only pass per step (simple_denoising_func:
+# no guidance, which is ltx-core's MultiModalGuiderParams() as it comes).
 NO_GUIDANCE = Guidance(cfg_scale=1.0, stg_scale=0.0, rescale_scale=0.0, modality_scale=1.0, skip_step=0, stg_blocks=())
 
 
-def _distilled(two_stage: PipelineDefaults) -> PipelineDefaults:
+def _recipe_defaults(version_params: PipelineDefaults, declared: Recipe) -> PipelineDefaults:
+    """A recipe's defaults on a model version: the version's official parameters, with the recipe's
+    stage-1 schedule (fixed sigmas fix the step count), guidance and stage-2 schedule."""
+    video, audio = (version_params.video_guidance, version_params.audio_guidance) if declared.guided else (NO_GUIDANCE, NO_GUIDANCE)
     return replace(
-        two_stage, pipeline="distilled", steps=len(DISTILLED_SIGMAS) - 1, video_guidance=NO_GUIDANCE,
-        audio_guidance=NO_GUIDANCE, stage1_sigmas=DISTILLED_SIGMAS,
+        version_params, pipeline=declared.name, steps=version_params.steps if declared.fixed_steps is None else declared.fixed_steps,
+        video_guidance=video, audio_guidance=audio, stage1_sigmas=declared.stage1.sigmas, stage2_sigmas=declared.stage2.sigmas,
     )  # fmt: skip
 
 
 DEFAULTS: dict[tuple[str, str], PipelineDefaults] = {
-    ("2.0", "two-stage"): _LTX_2_0_TWO_STAGE,
-    ("2.0", "distilled"): _distilled(_LTX_2_0_TWO_STAGE),
-    ("2.3", "two-stage"): _LTX_2_3_TWO_STAGE,
-    ("2.3", "distilled"): _distilled(_LTX_2_3_TWO_STAGE),
+    (version, declared.name): _recipe_defaults(VERSION_PARAMS[version], declared) for version in MODEL_VERSIONS for declared in RECIPES.values()
 }
 
 
-def defaults_for(model_version: str = "2.0", pipeline: str = "two-stage") -> PipelineDefaults:
+def recipe_of(pipeline: str) -> Recipe:
+    """``recipes.recipe`` for a request: an unknown pipeline is a ``RequestError``."""
+    try:
+        return recipe(pipeline)
+    except UnknownRecipe as error:
+        raise RequestError(str(error)) from None
+
+
+def defaults_for(model_version: str = "2.0", pipeline: str = DEFAULT_RECIPE) -> PipelineDefaults:
     """THE defaults of one model version and pipeline."""
     if model_version not in MODEL_VERSIONS:
         raise RequestError(f"model_version must be one of {', '.join(MODEL_VERSIONS)}, got {model_version!r}")
-    if pipeline not in PIPELINES:
-        raise RequestError(f"pipeline must be one of {', '.join(PIPELINES)}, got {pipeline!r}")
-    return DEFAULTS[(model_version, pipeline)]
+    return DEFAULTS[(model_version, recipe_of(pipeline).name)]
 
 
 def stage2_default_sigmas(pipeline: str) -> tuple[float, ...]:
-    """Stage 2's default schedule: the distilled recipe runs the official 3-step tail (its stage 2 is
-    part of the recipe); the two-stage graph's TDP Upscale starts lower (``TDP_UPSCALE_SIGMAS``)."""
-    return STAGE_2_SIGMAS if pipeline == "distilled" else TDP_UPSCALE_SIGMAS
+    """Stage 2's default schedule, the recipe's ``upscale_sigmas``: the distilled recipe runs the
+    official 3-step tail (its stage 2 is part of the recipe); the two-stage graph's TDP Upscale starts
+    lower (``TDP_UPSCALE_SIGMAS``)."""
+    return recipe_of(pipeline).upscale_sigmas
 
 
 OFFICIAL = defaults_for()
@@ -750,8 +770,12 @@ def _recipe_of(data: dict, op: str) -> tuple[ModelSpec, str, str, PipelineDefaul
     pipeline, and that recipe's official defaults."""
     spec = _spec_of(data, op)
     version = request_model_version(spec, data.get("model_version"))
-    pipeline = _choice(data, "pipeline", "two-stage", PIPELINES)
+    pipeline = _choice(data, "pipeline", DEFAULT_RECIPE, PIPELINES)
     return spec, version, pipeline, defaults_for(version, pipeline)
+
+
+def _free_step_recipes() -> str:
+    return " or ".join(name for name, declared in RECIPES.items() if declared.fixed_steps is None)
 
 
 def _fill_unset(request, defaults: dict) -> None:
@@ -772,7 +796,7 @@ class SampleRequest:
     spec: ModelSpec
     dtype: str = "bfloat16"
     model_version: str | None = None  # None: the checkpoint's (request_model_version)
-    pipeline: str = "two-stage"
+    pipeline: str = DEFAULT_RECIPE
     width: int | None = None
     height: int | None = None
     num_frames: int | None = None
@@ -818,7 +842,7 @@ class SampleRequest:
         if official.stage1_sigmas is not None and steps != official.steps:
             raise RequestError(
                 f"the {pipeline} pipeline runs its {official.steps} fixed sigmas {list(official.stage1_sigmas)}, so steps must "
-                f"be {official.steps}, got {steps}; leave steps out (or use the two-stage pipeline for another step count)"
+                f"be {official.steps}, got {steps}; leave steps out (or use the {_free_step_recipes()} pipeline for another step count)"
             )
         batch_passes = data.get("batch_passes", "auto")
         if batch_passes != "auto" and not isinstance(batch_passes, bool):
@@ -859,7 +883,7 @@ class UpscaleRequest:
     spec: ModelSpec
     dtype: str = "bfloat16"
     model_version: str | None = None  # None: the checkpoint's (request_model_version)
-    pipeline: str = "two-stage"
+    pipeline: str = DEFAULT_RECIPE
     frame_rate: float | None = None
     seed: int | None = None
     sigmas: tuple[float, ...] | None = None

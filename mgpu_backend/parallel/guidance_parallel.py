@@ -40,13 +40,14 @@ from dataclasses import dataclass
 import torch
 
 from mgpu_backend.ltx.passes import PASS_NAMES, GuidancePass, PassRunner, SequentialPassRunner
-from mgpu_backend.ltx.schema import STAGE2_PLANS
+from mgpu_backend.ltx.recipes import recipe
+from mgpu_backend.ltx.schema import PARALLEL_PLANS, STAGE2_PLANS
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.sequence_parallel import check_sp_degree, valid_sp_degrees
 
 log = logging.getLogger(__name__)
 
-PLAN_MODES = ("auto", "sp", "guidance", "hybrid")
+PLAN_MODES = PARALLEL_PLANS  # the requests' stage-1 plans
 GUIDANCE_GROUP_MODES = ("guidance", "hybrid")
 """The modes that split the world into guidance groups: nothing to split when a step runs one pass."""
 ONE_PASS_NO_GROUPS = "guidance groups do not apply: one pass per step (no guidance), so every group but one would idle"
@@ -244,8 +245,8 @@ def plan_stage2(
 ) -> Stage2Plan:
     """Choose sequence parallel or tiled data parallel for stage 2.
 
-    ``auto``: the two-stage recipe keeps its TDP Upscale (the graph's upscaler, audio frozen); the
-    distilled recipe (whose stage 2 is part of the recipe) takes SP when the shards per rank stay at
+    ``auto`` follows the recipe's ``stage2_policy``: ``tdp`` (two-stage) keeps its TDP Upscale (the
+    graph's upscaler, audio frozen); ``planned`` (distilled, whose stage 2 is part of the recipe) takes SP when the shards per rank stay at
     or above ``STAGE2_SP_MIN_SHARD_TOKENS`` and the world is a usable SP degree, TDP otherwise; one
     rank runs the whole latent (SP degree 1). Tiles given by the user mean TDP.
     """
@@ -262,8 +263,8 @@ def plan_stage2(
         technique, why = "tdp", "asked for"
     elif tiles_given:
         technique, why = "tdp", "tiles were given"
-    elif pipeline != "distilled":
-        technique, why = "tdp", "the two-stage graph's stage 2 is TDP Upscale"
+    elif recipe(pipeline).stage2_policy == "tdp":
+        technique, why = "tdp", f"the {pipeline} graph's stage 2 is TDP Upscale"
     elif world_size == 1:
         technique, why = "sp", "one rank: the whole latent on it"
     elif not usable_sp:

@@ -90,6 +90,7 @@ from ltx_core.loader import LoraStateDictWithStrength
 from ltx_core.model.transformer import X0Model
 
 from mgpu_backend.ltx import fp8
+from mgpu_backend.ltx.recipes import stage_loras
 from mgpu_backend.parallel import weight_sharding
 from mgpu_backend.parallel.comm import Comm
 
@@ -106,14 +107,8 @@ _FUSABLE_DTYPES = (torch.bfloat16, fp8.FP8_DTYPE)
 
 def stage_lora_set(spec, lora_set: str) -> LoraSet:
     """The LoRA set ``ModelLoader.transformer(lora_set)`` fuses, as ``(path, strength)`` pairs in
-    the same order: ``"none"`` = the user LoRAs, ``"distilled"`` = the user LoRAs + the distilled one."""
-    if lora_set == "none":
-        return tuple(spec.loras)
-    if lora_set == "distilled":
-        if spec.distilled_lora is None:
-            raise ValueError("stage 2 needs the distilled LoRA, but the model spec names none; set distilled_lora")
-        return (*spec.loras, (spec.distilled_lora, spec.distilled_lora_strength))
-    raise ValueError(f"lora_set must be 'none' or 'distilled', got {lora_set!r}")
+    the same order (``recipes.stage_loras``, the one mapping of both)."""
+    return stage_loras(spec, lora_set)
 
 
 def _normalised(lora_set) -> LoraSet:
@@ -416,7 +411,7 @@ class TransformerWeightTracker:
     # --- Swapping -------------------------------------------------------------------------------------
 
     def transformer(self, loader, lora_set: str) -> X0Model:
-        """The working transformer with the stage's LoRA set (``"none"`` or ``"distilled"``) fused:
+        """The working transformer with the stage's LoRA set (``recipes.LORA_SETS``) fused:
         what ``loader.transformer(lora_set)`` builds, without building anything after the first call
         (a parked working copy comes back from host memory first)."""
         self.unpark()

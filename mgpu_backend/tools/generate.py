@@ -1,12 +1,14 @@
 """``python -m mgpu_backend generate``: the whole two-stage LTX-2 job from the command line.
 
-Two recipes (``--pipeline``): ``two-stage`` (the default: the dev checkpoint, guided stage 1, stage 2
-with the distilled LoRA) and ``distilled`` (the distilled checkpoint, 8 + 3 unguided steps, no
-LoRA, no negative prompt). Flag names follow the official runners (``ltx_pipelines.ti2vid_two_stages``
-and ``ltx_pipelines.distilled``: ``--distilled-checkpoint-path``) where they exist; every default is
-the schema's (``mgpu_backend.ltx.schema``) for the chosen ``--model-version`` and recipe. Without
-model files it uses the embedded tiny bundle (random weights: the output is noise, but
-every real component runs; the fleet makes or finds its files) at small sizes, and says so. It drives the same fleet jobs as
+Every recipe of ``mgpu_backend.ltx.recipes`` (``--pipeline``): ``two-stage`` (the default: the dev
+checkpoint, guided stage 1, stage 2 with the distilled LoRA) and ``distilled`` (the distilled
+checkpoint, 8 + 3 unguided steps, no LoRA, no negative prompt). The model flags, the flags a recipe
+ignores and the prompts it encodes are its declaration's; flag names follow the official runners
+(``ltx_pipelines.ti2vid_two_stages`` and ``ltx_pipelines.distilled``: ``--distilled-checkpoint-path``)
+where they exist; every default is the schema's (``mgpu_backend.ltx.schema``) for the chosen
+``--model-version`` and recipe. Without model files it uses the embedded tiny bundle (random weights:
+the output is noise, but every real component runs; the fleet makes or finds its files) at small
+sizes, and says so; files given as flags get a real model's sizes. It drives the same fleet jobs as
 the ComfyUI nodes (load, encode, sample, upscale, decode), shows a progress bar per stage, cancels
 cleanly on Ctrl-C, and writes an mp4 with H.264 video and AAC audio.
 
@@ -27,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, FILE_WORDS, RECIPES, STAGE2_POLICIES, model_flags, recipe
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PARALLEL_PLANS, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -49,7 +52,7 @@ MULTI_GPU_STAGE2_SIGMAS = TDP_UPSCALE_SIGMAS
 SINGLE_GPU_STAGE2_SIGMAS = STAGE_2_SIGMAS
 
 
-def real_defaults(model_version: str, pipeline: str = "two-stage") -> dict:
+def real_defaults(model_version: str, pipeline: str = DEFAULT_RECIPE) -> dict:
     """The output size, frames and steps of a real model: the schema's (stage 2 doubles stage 1)."""
     official = defaults_for(model_version, pipeline)
     return {"height": 2 * official.stage1_height, "width": 2 * official.stage1_width, "num_frames": official.num_frames, "num_inference_steps": official.steps}
@@ -62,7 +65,8 @@ def _listed(values) -> str:
 def add_generate_parser(commands) -> None:
     parser = commands.add_parser("generate", help="run the two-stage LTX-2 job headless and write an mp4")
     model = parser.add_argument_group("model (omit all to use the embedded tiny bundle with random weights)")
-    model.add_argument("--pipeline", choices=PIPELINES, default="two-stage", help="recipe: two-stage (dev checkpoint + distilled LoRA, guided) or distilled (distilled checkpoint, 8 + 3 unguided steps) (default two-stage)")
+    recipes_help = " or ".join(f"{declared.name} ({declared.short})" for declared in RECIPES.values())
+    model.add_argument("--pipeline", choices=PIPELINES, default=DEFAULT_RECIPE, help=f"recipe: {recipes_help} (default {DEFAULT_RECIPE})")
     model.add_argument("--checkpoint-path", help="LTX-2 dev checkpoint (.safetensors) of the two-stage pipeline (default: none, the tiny bundle)")
     model.add_argument("--distilled-checkpoint-path", help="LTX-2 distilled checkpoint (.safetensors) of the distilled pipeline (default: none, the tiny bundle)")
     model.add_argument("--gemma-root", help="Gemma-3 text encoder: a Hugging Face folder or ComfyUI's single file (gemma_3_12B_it.safetensors) (default: none, the tiny bundle)")
@@ -91,10 +95,12 @@ def add_generate_parser(commands) -> None:
     job.add_argument("--frame-rate", type=float, default=OFFICIAL.frame_rate, help=f"frames per second, {MIN_FRAME_RATE:g} to {MAX_FRAME_RATE:g} (default {OFFICIAL.frame_rate:g})")
     job.add_argument("--num-inference-steps", type=int, help=f"stage-1 steps (default {real['num_inference_steps']} for 2.0, {real_defaults('2.3')['num_inference_steps']} for 2.3; tiny bundle {tiny['num_inference_steps']})")
     job.add_argument("--image", metavar="PATH", help="image-to-video: condition the first frame on this image (default: none, text-to-video)")
-    job.add_argument("--stage2-sigmas", help=f"stage-2 sigmas (default: two-stage TDP Upscale's {_listed(TDP_UPSCALE_SIGMAS)}; distilled: the official tail {_listed(STAGE_2_SIGMAS)})")
-    job.add_argument("--stage2-parallel", choices=STAGE2_PLANS, default="auto", help="stage 2: sp (sequence parallel, audio denoised as the official pipelines), tdp (tiles, stage-1 audio kept), auto (two-stage: tdp; distilled: the planner's rule) (default auto)")
+    per_recipe_sigmas = "; ".join(f"{declared.name}: {_listed(declared.upscale_sigmas)}" for declared in RECIPES.values())
+    job.add_argument("--stage2-sigmas", help=f"stage-2 sigmas (default: the recipe's, {per_recipe_sigmas})")
+    per_recipe_auto = "; ".join(f"{declared.name}: {STAGE2_POLICIES[declared.stage2_policy]}" for declared in RECIPES.values())
+    job.add_argument("--stage2-parallel", choices=STAGE2_PLANS, default="auto", help=f"stage 2: sp (sequence parallel, audio denoised as the official pipelines), tdp (tiles, stage-1 audio kept), auto ({per_recipe_auto}) (default auto)")
     job.add_argument("--tiles", default="auto", help="stage-2 TDP tiles HxW (height tiles x width tiles, e.g. 2x2), or 'auto' (default auto: balanced over the fleet; untiled on one rank)")
-    job.add_argument("--parallel", choices=("auto", "sp", "guidance", "hybrid"), default="auto", help="stage-1 plan: auto (planned from the fleet), sp, guidance or hybrid (default auto)")
+    job.add_argument("--parallel", choices=PARALLEL_PLANS, default="auto", help="stage-1 plan: auto (planned from the fleet), sp, guidance or hybrid (default auto)")
     job.add_argument("--free-gemma", action="store_true", help="give Gemma's GPU memory back after encoding the prompts (for GPUs where memory is tight; default: keep it)")
     job.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the stage-1 forward eagerly instead of replaying captured CUDA graphs (GPU only; default: graphs on with CUDA)")
     job.add_argument("--compile-blocks", action="store_true", help="torch.compile the transformer blocks for stage 1 (GPU only; tens of seconds of compile per new shape, then faster small shards: for SP degree 4+; default off)")
@@ -267,15 +273,18 @@ def _check_host_memory(height: int, width: int, num_frames: int) -> None:
         )
 
 
-# The model flags of each recipe, in the order a missing one is named.
-RECIPE_MODEL_FLAGS = {
-    "two-stage": ("--checkpoint-path", "--gemma-root", "--spatial-upsampler-path", "--distilled-lora"),
-    "distilled": ("--distilled-checkpoint-path", "--gemma-root", "--spatial-upsampler-path"),
-}
-
-
 def _flag_value(args, flag: str):
     return getattr(args, flag.lstrip("-").replace("-", "_"))
+
+
+def _refuse_foreign_model_flags(args, declared) -> None:
+    """A model flag of another recipe (or one this recipe refuses) is refused, saying why or which recipe takes it."""
+    why = {file.flag: reason for file, reason in declared.refused}
+    own = {file.flag for file in declared.files}
+    for flag in model_flags():
+        if flag not in own and _flag_value(args, flag):
+            takers = " or ".join(other.name for other in RECIPES.values() if flag in {file.flag for file in other.files})
+            raise refuse(f"{flag} does not apply to --pipeline {declared.name} ({why.get(flag, f'use --pipeline {takers} for it')}); drop it")
 
 
 def build_spec(args) -> tuple[dict, bool]:
@@ -285,12 +294,9 @@ def build_spec(args) -> tuple[dict, bool]:
     from mgpu_backend.ltx.loading import validate_model_files
 
     pipeline = args.pipeline
-    wanted = RECIPE_MODEL_FLAGS[pipeline]
-    other = sorted({flag for flags in RECIPE_MODEL_FLAGS.values() for flag in flags} - set(wanted))
-    foreign = [flag for flag in other if _flag_value(args, flag)]
-    if foreign:
-        hint = "the distilled checkpoint needs no distilled LoRA" if pipeline == "distilled" else "use --pipeline distilled for it"
-        raise refuse(f"{', '.join(foreign)} does not apply to --pipeline {pipeline} ({hint}); drop it")
+    declared = recipe(pipeline)
+    wanted = tuple(file.flag for file in declared.files)
+    _refuse_foreign_model_flags(args, declared)
     given = [_flag_value(args, flag) for flag in wanted]
     loras = []
     for lora in args.lora or []:
@@ -308,27 +314,22 @@ def build_spec(args) -> tuple[dict, bool]:
     missing = [flag for flag, value in zip(wanted, given, strict=True) if not value]
     if missing:
         raise refuse(f"a real model needs {', '.join(missing)} too (or omit all model flags for the tiny bundle)")
-    if pipeline == "distilled":
-        spec = ModelSpec(args.distilled_checkpoint_path, args.gemma_root, args.spatial_upsampler_path, **held)
-    else:
-        if len(args.distilled_lora) > 2:
-            raise refuse(f"--distilled-lora takes a path and an optional strength, got {' '.join(args.distilled_lora)}")
-        strength = _strength(args.distilled_lora, "--distilled-lora", DISTILLED_LORA_STRENGTH)
-        spec = ModelSpec(
-            checkpoint_path=args.checkpoint_path,
-            gemma_root=args.gemma_root,
-            spatial_upsampler_path=args.spatial_upsampler_path,
-            distilled_lora=args.distilled_lora[0],
-            distilled_lora_strength=strength,
-            **held,
-        )
+    files = {}
+    for file, value in zip(declared.files, given, strict=True):
+        if isinstance(value, list):  # a LoRA flag: PATH [STRENGTH]
+            if len(value) > 2:
+                raise refuse(f"{file.flag} takes a path and an optional strength, got {' '.join(value)}")
+            files[file.spec_field], files[f"{file.spec_field}_strength"] = value[0], _strength(value, file.flag, DISTILLED_LORA_STRENGTH)
+        else:
+            files[file.spec_field] = value
+    spec = ModelSpec(**files, **held)
     try:  # from the files' headers: a wrong file stops here, before a fleet starts
         validate_model_files(spec)
     except ModelFileError as error:
         raise refuse(str(error)) from None
-    files = [("checkpoint", spec.checkpoint_path), ("spatial upsampler", spec.spatial_upsampler_path), ("distilled LoRA", spec.distilled_lora)]
-    files += [("LoRA", path) for path, _ in spec.loras] + [("Gemma file", spec.gemma_root)] * Path(spec.gemma_root).is_file()
-    for role, path in files:
+    opened = [(FILE_WORDS[file.spec_field], getattr(spec, file.spec_field)) for file in declared.files if file.spec_field != "gemma_root"]
+    opened += [("LoRA", path) for path, _ in spec.loras] + [("Gemma file", spec.gemma_root)] * Path(spec.gemma_root).is_file()
+    for role, path in opened:
         try:  # opening checks that the header's tensors lie inside the file: a cut download fails here, not on the ranks
             with safe_open(path, framework="pt"):
                 pass
@@ -452,14 +453,15 @@ GUIDANCE_FLAGS = tuple(
 )  # fmt: skip
 
 
-def check_distilled_flags(args) -> None:
-    """The distilled recipe runs no guidance and its fixed 8 sigmas: refuse flags it would ignore."""
+def check_ignored_flags(args, declared) -> None:
+    """Refuse the flags the recipe would ignore (``recipes.Recipe.ignores``): guidance, step count."""
+    guidance = declared.ignored("guidance")
     set_flags = ["--" + name.replace("_", "-") for name in GUIDANCE_FLAGS if getattr(args, name) is not None]
-    if set_flags:
-        raise refuse(f"{', '.join(set_flags)} do(es) not apply to --pipeline distilled (one unguided pass per step); drop them")
-    steps = defaults_for(args.model_version, "distilled").steps
-    if args.num_inference_steps is not None and args.num_inference_steps != steps:
-        raise refuse(f"--pipeline distilled runs its {steps} fixed distilled sigmas; drop --num-inference-steps (got {args.num_inference_steps})")
+    if guidance is not None and set_flags:
+        raise refuse(f"{', '.join(set_flags)} do(es) not apply to --pipeline {declared.name} ({guidance.why}); drop them")
+    steps = declared.ignored("steps")
+    if steps is not None and args.num_inference_steps is not None and args.num_inference_steps != declared.fixed_steps:
+        raise refuse(f"--pipeline {declared.name} runs {steps.why}; drop --num-inference-steps (got {args.num_inference_steps})")
 
 
 def run_generate(args) -> int:
@@ -472,12 +474,11 @@ def run_generate(args) -> int:
         args.model_version = request_model_version(ModelSpec.from_wire(spec), args.model_version)
     except RequestError as error:
         raise refuse(f"--model-version: {error}") from None
-    distilled = args.pipeline == "distilled"
-    if distilled:
-        check_distilled_flags(args)
+    declared = recipe(args.pipeline)
+    check_ignored_flags(args, declared)
     defaults = dict(TINY_DEFAULTS) if tiny else real_defaults(args.model_version, args.pipeline)
-    if distilled:
-        defaults["num_inference_steps"] = defaults_for(args.model_version, "distilled").steps
+    if declared.fixed_steps is not None:
+        defaults["num_inference_steps"] = declared.fixed_steps
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -520,13 +521,13 @@ def run_generate(args) -> int:
         loaded = api.load(spec, **common)
         progress.close()
         print(f"model on the fleet ({loaded['bytes_read'] / 2**20:.1f} MiB read from disk since it was loaded)", file=sys.stderr)
-        # The distilled recipe runs no unconditional pass: no negative prompt to encode.
-        prompts = [inputs["prompt"]] if distilled else [inputs["prompt"], inputs["negative"]]
+        # An unguided recipe (distilled) runs no unconditional pass: no negative prompt to encode.
+        prompts = [inputs["prompt"], inputs["negative"]] if declared.encodes_negative_prompt else [inputs["prompt"]]
         positive, *negative = api.encode(spec, prompts, free_gemma=args.free_gemma, **common)
         video, audio = api.sample(
             spec, positive, negative[0] if negative else None, width=args.width // 2, height=args.height // 2,
             num_frames=args.num_frames, frame_rate=args.frame_rate, seed=args.seed, steps=args.num_inference_steps,
-            video_guidance=None if distilled else video_guidance, audio_guidance=None if distilled else audio_guidance,
+            video_guidance=video_guidance if declared.guided else None, audio_guidance=audio_guidance if declared.guided else None,
             image=image, parallel=args.parallel, cuda_graphs=args.cuda_graphs, compile_blocks=args.compile_blocks,
             model_version=args.model_version, pipeline=args.pipeline, **common, **denoising,
         )  # fmt: skip

@@ -1,0 +1,333 @@
+"""The recipes (pipelines) of the pack's ltx-core engine, each declared once.
+
+A recipe is what the official ltx-pipelines 1.0.0 runner of the same name does, written as data:
+the model files it needs (with the CLI flag and loader-node input naming each), the LoRA set and
+stepper of each stage, its guidance (the model version's guided passes, or one unguided pass),
+its stage-1 schedule, its stage-2 policy over the fleet, and the inputs it ignores with the words
+of their refusal. ``RECIPES`` holds them by their wire name (``"two-stage"``, ``"distilled"``: the
+``pipeline`` field of the requests, the CLI's ``--pipeline``, the loader node's ``pipeline``), and
+``recipe(name)`` is the one way to get one. The request schema derives ``DEFAULTS[(version,
+pipeline)]`` from these declarations and the model version's official parameters; the jobs, the
+planner, the loader, the weight tracker, the CLI, the nodes, the workflow generator and the benches
+ask the declaration and never compare recipe names. A new recipe is one more declaration here (its
+tests and its workflows aside).
+
+docs/techniques.md carries one section per recipe rendered from these declarations
+(``recipes_markdown``; ``python -m mgpu_backend.ltx.recipes docs/techniques.md`` writes it again).
+
+This module must never import torch, ltx_core, ltx_pipelines or anything that does (the ComfyUI
+process and the schema import it), and never opens a model file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mgpu_backend.ltx.safetensors_header import ModelFileError
+
+# --- The schedules the recipes run ------------------------------------------------------------------
+
+# ltx_pipelines.utils.constants.DISTILLED_SIGMA_VALUES: the distilled model's stage-1 schedule.
+DISTILLED_SIGMAS = (1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0)
+# ltx_pipelines.utils.constants.STAGE_2_DISTILLED_SIGMA_VALUES: stage 2 of both official pipelines.
+STAGE_2_SIGMAS = (0.909375, 0.725, 0.421875, 0.0)
+# TDP Upscale's own default: the official multi-GPU page has TDP start from a smaller first sigma than
+# the single-GPU stage 2, because re-injected noise lets the tiles drift apart (docs/techniques.md).
+TDP_UPSCALE_SIGMAS = (0.625, 0.4, 0.0)
+DISTILLED_LORA_STRENGTH = 1.0  # ltx_pipelines.utils.constants.DEFAULT_LORA_STRENGTH
+
+# --- LoRA sets --------------------------------------------------------------------------------------
+
+LORA_SETS = {"none": (), "distilled": ("distilled_lora",)}
+"""What a stage fuses into the checkpoint's transformer besides the user LoRAs (which every set
+fuses first, in their order): the model spec fields of the extra LoRAs, each fused at the spec's
+``<field>_strength``. ``none``: the user LoRAs only; ``distilled``: they and the distilled LoRA."""
+
+LORA_FILES = frozenset(field for fields in LORA_SETS.values() for field in fields)
+"""The model spec fields that hold a LoRA a set fuses (each with a ``<field>_strength``)."""
+
+
+def stage_loras(spec, lora_set: str) -> tuple[tuple[str, float], ...]:
+    """The ``(path, strength)`` pairs a stage with ``lora_set`` fuses from ``spec`` (a ``ModelSpec``),
+    in the order ltx-core fuses them: the user LoRAs, then the set's own."""
+    if lora_set not in LORA_SETS:
+        raise ValueError(f"lora_set must be one of {' or '.join(map(repr, LORA_SETS))}, got {lora_set!r}")
+    pairs = [(path, strength) for path, strength in spec.loras]
+    for field in LORA_SETS[lora_set]:
+        path = getattr(spec, field)
+        if path is None:
+            raise ModelFileError(f"the LoRA set {lora_set!r} needs the {FILE_WORDS[field]}, but the model spec names none; set {field}")
+        pairs.append((path, getattr(spec, f"{field}_strength")))
+    return tuple(pairs)
+
+
+# --- The declarations ----------------------------------------------------------------------------------
+
+FILE_WORDS = {  # each model spec field's file, in words
+    "checkpoint_path": "checkpoint",
+    "distilled_lora": "distilled LoRA",
+    "spatial_upsampler_path": "spatial upsampler",
+    "gemma_root": "Gemma text encoder",
+}
+
+
+@dataclass(frozen=True)
+class ModelFile:
+    """One file a recipe needs: the ``ModelSpec`` field holding it, the words for it, the CLI flag and
+    the Load Checkpoint MGPU input that name it, the first job that opens it (``load``: every job;
+    ``upscale``: stage 2 only), and the ``bundles.tiny.TinyBundle`` attribute of the tiny bundle's
+    file standing in for it."""
+
+    spec_field: str
+    words: str
+    flag: str
+    node_input: str
+    needed_from: str
+    tiny_file: str
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One denoising stage: its stepper (``euler``: ltx-core's EulerDiffusionStep; the field a
+    higher-order stepper fills), the LoRA set fused for it (``LORA_SETS``), and its sigmas (None:
+    ltx-core's LTX2Scheduler over the model version's official step count)."""
+
+    lora_set: str
+    sigmas: tuple[float, ...] | None
+    stepper: str = "euler"
+
+
+@dataclass(frozen=True)
+class Ignored:
+    """An input a recipe cannot honour, refused when a user sets it (the CLI, the requests) or noted
+    on the node (SP Sampler): the input (``steps``, ``guidance``) and why, in a few words that the
+    refusals quote ("one unguided pass per step")."""
+
+    input: str
+    why: str
+
+
+STEPPERS = {"euler": "Euler steps (ltx-core's EulerDiffusionStep)"}
+"""The steppers a stage may declare."""
+GUIDANCES = {
+    "multimodal": "the model version's official guidance: a conditional pass plus CFG, STG and modality passes (up to 4 per step)",
+    "none": "one conditional pass per step (no negative prompt, no guidance scales)",
+}
+GUIDED_PASSES = {"multimodal": 4, "none": 1}
+"""The most transformer forwards one stage-1 step runs under each guidance (a skipped pass is one fewer)."""
+STAGE2_POLICIES = {
+    "tdp": "TDP Upscale (tiles over the GPUs, the stage-1 audio kept)",
+    "planned": "the planner's rule (SP over the fleet while each GPU keeps enough tokens, else TDP)",
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One recipe: everything the pack knows about a pipeline, and the only place it is written."""
+
+    name: str  # the wire value of ``pipeline``
+    label: str  # its title in the docs
+    official_runner: str  # the ltx_pipelines module and class it reproduces
+    short: str  # what it is, a few words (the CLI's --pipeline help)
+    summary: str  # what it is, one sentence
+    when: str  # when to use it, one sentence
+    files: tuple[ModelFile, ...]  # every file, the checkpoint first, in the order a missing one is named
+    stage1: Stage
+    stage2: Stage
+    guidance: str  # a key of GUIDANCES
+    stage2_policy: str  # a key of STAGE2_POLICIES
+    upscale_sigmas: tuple[float, ...]  # the upscale job's default schedule (the CLI's, TDP Upscale's)
+    refused: tuple[tuple[ModelFile, str], ...] = ()  # files it must not get, each with why (words of the refusal)
+    ignores: tuple[Ignored, ...] = ()
+
+    def __post_init__(self) -> None:
+        assert self.guidance in GUIDANCES and self.stage2_policy in STAGE2_POLICIES, self
+        assert self.stage1.lora_set in LORA_SETS and self.stage2.lora_set in LORA_SETS, self
+        assert self.stage1.stepper in STEPPERS and self.stage2.stepper in STEPPERS, self
+        # stages.sample_stage1 builds stage 1 with the user LoRAs only; a recipe with stage-1 LoRAs needs it changed first.
+        assert self.stage1.lora_set == "none", self
+        assert self.files[0].spec_field == "checkpoint_path", self
+
+    @property
+    def checkpoint(self) -> ModelFile:
+        return self.files[0]
+
+    @property
+    def guided(self) -> bool:
+        return self.guidance != "none"
+
+    @property
+    def encodes_negative_prompt(self) -> bool:
+        """Whether its jobs encode a negative prompt (only guidance reads one)."""
+        return self.guided
+
+    @property
+    def fixed_steps(self) -> int | None:
+        """Stage 1's step count when its sigmas are fixed (None: the model version's official count)."""
+        return None if self.stage1.sigmas is None else len(self.stage1.sigmas) - 1
+
+    def ignored(self, input_name: str) -> Ignored | None:
+        return next((ignored for ignored in self.ignores if ignored.input == input_name), None)
+
+    def files_for(self, op: str) -> tuple[ModelFile, ...]:
+        """The files a job ``op`` opens (``load``, ``encode``, ``sample``: the ``load`` ones; ``upscale``: all)."""
+        return tuple(file for file in self.files if op == "upscale" or file.needed_from == "load")
+
+    def passes_per_step(self) -> int:
+        return GUIDED_PASSES[self.guidance]
+
+    @staticmethod
+    def stepper_words(stage: Stage) -> str:
+        return STEPPERS[stage.stepper]
+
+    @property
+    def stage1_words(self) -> str:
+        """Stage 1 in a few words: "8 fixed distilled steps, one unguided pass each"."""
+        steps = "the model version's official steps" if self.fixed_steps is None else f"{self.fixed_steps} fixed {self.name} steps"
+        passes = "one unguided pass each" if not self.guided else f"up to {self.passes_per_step()} guided passes each"
+        return f"{steps}, {passes}"
+
+
+def _file(spec_field: str, flag: str, node_input: str, needed_from: str, tiny_file: str, words: str | None = None) -> ModelFile:
+    return ModelFile(spec_field, words or FILE_WORDS[spec_field], flag, node_input, needed_from, tiny_file)
+
+
+_GEMMA = _file("gemma_root", "--gemma-root", "gemma", "load", "gemma_root")
+_UPSAMPLER = _file("spatial_upsampler_path", "--spatial-upsampler-path", "spatial_upsampler", "upscale", "spatial_upsampler_path")
+_DEV_CHECKPOINT = _file("checkpoint_path", "--checkpoint-path", "ckpt_name", "load", "checkpoint_path", "dev checkpoint")
+_DISTILLED_CHECKPOINT = _file("checkpoint_path", "--distilled-checkpoint-path", "ckpt_name", "load", "distilled_checkpoint_path", "distilled checkpoint")
+_DISTILLED_LORA = _file("distilled_lora", "--distilled-lora", "distilled_lora", "upscale", "distilled_lora_path")
+
+TWO_STAGE = Recipe(
+    name="two-stage",
+    label="Two-stage",
+    official_runner="ltx_pipelines.ti2vid_two_stages.TI2VidTwoStagesPipeline",
+    short="dev checkpoint + distilled LoRA, guided",
+    summary=(
+        "The dev checkpoint denoises the half-size video with the model version's guidance (CFG, STG and "
+        "modality passes), the spatial upsampler doubles it, and the dev checkpoint with the distilled LoRA "
+        "fused refines it in a few steps."
+    ),
+    when="The best quality of the two: the default, for final renders and whenever the guidance scales matter.",
+    files=(_DEV_CHECKPOINT, _GEMMA, _UPSAMPLER, _DISTILLED_LORA),
+    stage1=Stage(lora_set="none", sigmas=None),
+    stage2=Stage(lora_set="distilled", sigmas=STAGE_2_SIGMAS),
+    guidance="multimodal",
+    stage2_policy="tdp",
+    upscale_sigmas=TDP_UPSCALE_SIGMAS,
+)
+
+DISTILLED = Recipe(
+    name="distilled",
+    label="Distilled",
+    official_runner="ltx_pipelines.distilled.DistilledPipeline",
+    short=f"distilled checkpoint, {len(DISTILLED_SIGMAS) - 1} + {len(STAGE_2_SIGMAS) - 1} unguided steps",
+    summary=(
+        "The distilled checkpoint denoises the half-size video over 8 fixed sigmas with one unguided pass per "
+        "step, the spatial upsampler doubles it, and the same transformer (no LoRA, no swap) refines it over "
+        "the official 3-step tail, audio included."
+    ),
+    when="Drafts and fast iterations: 15 to 20 times fewer stage-1 forwards than two-stage, no negative prompt, no guidance scales.",
+    files=(_DISTILLED_CHECKPOINT, _GEMMA, _UPSAMPLER),
+    stage1=Stage(lora_set="none", sigmas=DISTILLED_SIGMAS),
+    stage2=Stage(lora_set="none", sigmas=STAGE_2_SIGMAS),
+    guidance="none",
+    stage2_policy="planned",
+    upscale_sigmas=STAGE_2_SIGMAS,
+    refused=((_DISTILLED_LORA, "the distilled checkpoint needs no distilled LoRA"),),
+    ignores=(
+        Ignored("guidance", "one unguided pass per step"),
+        Ignored("steps", f"its {len(DISTILLED_SIGMAS) - 1} fixed distilled sigmas"),
+    ),
+)
+
+RECIPES: dict[str, Recipe] = {declared.name: declared for declared in (TWO_STAGE, DISTILLED)}
+"""Every recipe by its wire name; the first is the default."""
+RECIPE_NAMES = tuple(RECIPES)
+DEFAULT_RECIPE = RECIPE_NAMES[0]
+
+
+class UnknownRecipe(ValueError):
+    """A pipeline name no recipe declares."""
+
+
+def recipe(name: str) -> Recipe:
+    """The recipe ``name``; an unknown one is refused in words that list the known ones."""
+    try:
+        return RECIPES[name]
+    except (KeyError, TypeError):
+        raise UnknownRecipe(f"pipeline must be one of {', '.join(RECIPE_NAMES)}, got {name!r}") from None
+
+
+def model_flags() -> tuple[str, ...]:
+    """Every CLI flag that names a recipe's model file, each once, in declaration order."""
+    return tuple(dict.fromkeys(file.flag for declared in RECIPES.values() for file in declared.files))
+
+
+# --- The recipes in docs/techniques.md ---------------------------------------------------------------
+
+DOCS_BEGIN = "<!-- recipes: generated by mgpu_backend.ltx.recipes.recipes_markdown(); tests/test_recipes.py checks it -->"
+DOCS_END = "<!-- recipes: end of the generated part -->"
+
+
+def _stage1_parallelism(declared: Recipe) -> str:
+    if declared.passes_per_step() > 1:
+        return (f"guidance parallel x SP: the planner puts the up to {declared.passes_per_step()} passes of a step on guidance "
+                "groups of GPUs and splits each pass's tokens inside a group (e.g. 4 groups x SP 2 on 8 GPUs)")  # fmt: skip
+    return "SP over all GPUs: one pass per step leaves nothing for guidance groups"
+
+
+def recipes_markdown() -> str:
+    """One section per recipe for docs/techniques.md, rendered from the declarations (and the schema's
+    defaults per model version), between ``DOCS_BEGIN`` and ``DOCS_END``."""
+    from mgpu_backend.ltx.schema import DEFAULTS, MODEL_VERSIONS  # the schema imports this module
+
+    lines = [DOCS_BEGIN]
+    for declared in RECIPES.values():
+        module, runner = declared.official_runner.rsplit(".", 1)
+        steps = ", ".join(f"LTX-{version}: {DEFAULTS[(version, declared.name)].steps}" for version in MODEL_VERSIONS)
+        stage1_sigmas = "ltx-core's LTX2Scheduler over the version's steps" if declared.stage1.sigmas is None else f"the fixed `{', '.join(map(str, declared.stage1.sigmas))}`"
+        stage2_steps = len(declared.stage2.sigmas) - 1
+        passes = declared.passes_per_step()
+        lines += [
+            "",
+            f"### {declared.label} (`pipeline: {declared.name}`, reproduces `{module}.{runner}`)",
+            "",
+            f"{declared.summary} **When:** {declared.when}",
+            "",
+            f"- **Files:** {'; '.join(f'{file.words} (`{file.flag}`, loader input `{file.node_input}`)' for file in declared.files)}.",
+        ]
+        for file, why in declared.refused:
+            lines.append(f"- **Refused:** the {file.words} (`{file.flag}`): {why}.")
+        lines += [
+            f"- **Stage 1:** {steps} steps ({stage1_sigmas}), {declared.stepper_words(declared.stage1)}, "
+            f"LoRA set `{declared.stage1.lora_set}`; {GUIDANCES[declared.guidance]}.",
+            f"- **Stage 2:** {stage2_steps} steps (`{', '.join(map(str, declared.stage2.sigmas))}` as the official runner; the upscale job's "
+            f"default `{', '.join(map(str, declared.upscale_sigmas))}`), {declared.stepper_words(declared.stage2)}, LoRA set "
+            f"`{declared.stage2.lora_set}`{'' if declared.stage1.lora_set == declared.stage2.lora_set else ' (swapped in for stage 2, out after)'}.",
+            f"- **Cost per GPU:** up to {passes} transformer {'pass' if passes == 1 else 'passes'} per stage-1 step "
+            f"({', '.join(f'LTX-{version}: {passes * DEFAULTS[(version, declared.name)].steps}' for version in MODEL_VERSIONS)} stage-1 forwards), "
+            f"then {stage2_steps} full-size forwards (4x the tokens each).",
+            f"- **What spreads it:** stage 1 by {_stage1_parallelism(declared)}; stage 2 (`auto`) by {STAGE2_POLICIES[declared.stage2_policy]}.",
+        ]
+        if declared.ignores:
+            ignored = "; ".join(f"{ignored.input} ({ignored.why})" for ignored in declared.ignores)
+            lines.append(f"- **Ignores:** {ignored}; the CLI and the API refuse them when set, SP Sampler notes them on the node.")
+    return "\n".join([*lines, "", DOCS_END])
+
+
+def with_recipes_markdown(text: str) -> str:
+    """``text`` (docs/techniques.md) with its generated part rendered again from the declarations;
+    ``python -m mgpu_backend.ltx.recipes docs/techniques.md`` writes it back."""
+    begin, end = text.find(DOCS_BEGIN), text.find(DOCS_END)
+    if begin < 0 or end < begin:
+        raise ValueError(f"no generated part ({DOCS_BEGIN} ... {DOCS_END}) in the text; put both markers where the recipes go")
+    return text[:begin] + recipes_markdown() + text[end + len(DOCS_END) :]
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    for name in sys.argv[1:]:
+        Path(name).write_text(with_recipes_markdown(Path(name).read_text(encoding="utf-8")), encoding="utf-8")

@@ -1,0 +1,231 @@
+"""The recipe declarations (``mgpu_backend.ltx.recipes``): the registry, what the schema, jobs, planner,
+CLI, nodes and docs derive from them, and that no product module compares recipe names."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import types
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from mgpu_backend.bundles import tiny
+from mgpu_backend.fleet.jobs import JobInputError
+from mgpu_backend.ltx import recipes
+from mgpu_backend.ltx.jobs import check_recipe_files
+from mgpu_backend.ltx.recipes import DISTILLED, RECIPES, TWO_STAGE, recipe, stage_loras
+from mgpu_backend.ltx.schema import DEFAULTS, NO_GUIDANCE, ModelFileError, ModelSpec, RequestError, defaults_for, stage2_default_sigmas
+from mgpu_backend.parallel.guidance_parallel import plan_stage2
+from mgpu_backend.tools import generate
+
+REPO = Path(__file__).resolve().parent.parent
+PRODUCT = [*sorted((REPO / "mgpu_backend").rglob("*.py")), *sorted((REPO / "nodes").glob("*.py")), *sorted((REPO / "bench").glob("*.py")), REPO / "workflows" / "make_workflows.py"]
+
+
+def test_an_unknown_recipe_is_refused_in_words_listing_the_known_ones():
+    assert recipe("distilled") is DISTILLED and recipe("two-stage") is TWO_STAGE
+    with pytest.raises(ValueError) as raised:
+        recipe("hq")
+    assert str(raised.value) == "pipeline must be one of two-stage, distilled, got 'hq'"
+    with pytest.raises(RequestError, match="pipeline must be one of two-stage, distilled, got 'Distilled'"):
+        defaults_for("2.0", "Distilled")
+
+
+def test_defaults_per_version_and_recipe_are_the_official_values():
+    assert list(DEFAULTS) == [("2.0", "two-stage"), ("2.0", "distilled"), ("2.3", "two-stage"), ("2.3", "distilled")]
+    for version, steps, block in (("2.0", 40, 29), ("2.3", 30, 28)):
+        guided, distilled = DEFAULTS[(version, "two-stage")], DEFAULTS[(version, "distilled")]
+        assert (guided.steps, guided.stage1_sigmas, guided.video_guidance.stg_blocks) == (steps, None, (block,))
+        assert (guided.video_guidance.cfg_scale, guided.audio_guidance.cfg_scale, guided.video_guidance.rescale_scale) == (3.0, 7.0, 0.7)
+        assert distilled.steps == 8 and distilled.stage1_sigmas == (1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0)
+        assert distilled.video_guidance == distilled.audio_guidance == NO_GUIDANCE
+        for defaults in (guided, distilled):
+            assert (defaults.seed, defaults.stage1_height, defaults.stage1_width, defaults.num_frames, defaults.frame_rate) == (10, 512, 768, 121, 24.0)
+            assert defaults.stage2_sigmas == (0.909375, 0.725, 0.421875, 0.0)
+    assert stage2_default_sigmas("two-stage") == (0.625, 0.4, 0.0) and stage2_default_sigmas("distilled") == (0.909375, 0.725, 0.421875, 0.0)
+
+
+def test_lora_sets_fuse_the_user_loras_first_then_the_distilled_lora_at_its_strength():
+    spec = ModelSpec("c.safetensors", "g", distilled_lora="d.safetensors", distilled_lora_strength=0.6, loras=(("a.safetensors", 0.5), ("b.safetensors", 1.25)))
+    assert stage_loras(spec, "none") == (("a.safetensors", 0.5), ("b.safetensors", 1.25))
+    assert stage_loras(spec, "distilled") == (("a.safetensors", 0.5), ("b.safetensors", 1.25), ("d.safetensors", 0.6))
+    with pytest.raises(ModelFileError, match="the LoRA set 'distilled' needs the distilled LoRA, but the model spec names none; set distilled_lora"):
+        stage_loras(ModelSpec("c.safetensors", "g"), "distilled")
+    with pytest.raises(ValueError, match="lora_set must be one of 'none' or 'distilled', got 'stage2'"):
+        stage_loras(spec, "stage2")
+    assert [(declared.stage1.lora_set, declared.stage2.lora_set) for declared in RECIPES.values()] == [("none", "distilled"), ("none", "none")]
+
+
+def test_the_stage2_auto_plan_follows_each_recipes_policy():
+    # 8 ranks, 24576 stage-2 tokens (1024x1536x121): 3072 tokens per rank.
+    assert plan_stage2(8, 24576, "two-stage").technique == "tdp"
+    assert plan_stage2(8, 24576, "distilled").technique == "sp"
+    with pytest.raises(ValueError, match="pipeline must be one of two-stage, distilled, got 'hq'"):
+        plan_stage2(8, 24576, "hq")
+
+
+def _request(pipeline: str, op: str):
+    return types.SimpleNamespace(pipeline=pipeline, op=op)
+
+
+def test_jobs_refuse_a_spec_missing_or_holding_a_file_against_the_recipe():
+    full = ModelSpec("c", "g", spatial_upsampler_path="u", distilled_lora="d")
+    check_recipe_files(_request("two-stage", "upscale"), full)
+    check_recipe_files(_request("two-stage", "sample"), ModelSpec("c", "g"))  # stage 1 opens neither upsampler nor LoRA
+    with pytest.raises(JobInputError) as raised:
+        check_recipe_files(_request("two-stage", "upscale"), ModelSpec("c", "g", spatial_upsampler_path="u"))
+    assert str(raised.value) == "the two-stage pipeline's stage 2 needs the distilled LoRA; set distilled_lora in the model spec, or use pipeline 'distilled'"
+    with pytest.raises(JobInputError) as raised:
+        check_recipe_files(_request("distilled", "upscale"), ModelSpec("c", "g", distilled_lora="d"))
+    assert str(raised.value).startswith("the distilled pipeline's stage 2 needs the spatial upsampler; set spatial_upsampler_path in the model spec")
+    with pytest.raises(JobInputError) as raised:
+        check_recipe_files(_request("distilled", "sample"), full)
+    assert str(raised.value) == (
+        "the distilled pipeline runs the distilled checkpoint as it is, with no distilled LoRA; leave distilled_lora out of "
+        "the model spec (or use pipeline 'two-stage', which takes it)"
+    )
+
+
+def _parsed(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    generate.add_generate_parser(parser.add_subparsers())
+    return parser.parse_args(["generate", "--prompt", "x", *argv])
+
+
+def _recipe_flags(declared, bundle) -> list[str]:
+    return [word for file in declared.files for word in (file.flag, getattr(bundle, file.tiny_file))]
+
+
+@pytest.mark.parametrize("declared", RECIPES.values(), ids=lambda declared: declared.name)
+def test_the_cli_builds_each_recipes_spec_from_its_files_given_as_flags(declared, tiny_bundle_of):
+    """The distilled CLI with real files opened the distilled LoRA it does not have (None) and died in a TypeError."""
+    bundle = tiny_bundle_of("2.0")
+    spec, is_tiny = generate.build_spec(_parsed("--pipeline", declared.name, *_recipe_flags(declared, bundle)))
+    assert not is_tiny
+    assert spec["checkpoint_path"] == getattr(bundle, declared.checkpoint.tiny_file)
+    assert spec["distilled_lora"] == (bundle.distilled_lora_path if declared is TWO_STAGE else None)
+    assert (spec["gemma_root"], spec["spatial_upsampler_path"]) == (bundle.gemma_root, bundle.spatial_upsampler_path)
+
+
+def test_every_declared_file_names_a_spec_field_a_cli_flag_a_loader_input_and_a_tiny_bundle_file():
+    from tests.helpers import load_pack
+
+    loader_inputs = load_pack().NODE_CLASS_MAPPINGS["MGPULoadCheckpoint"].INPUT_TYPES()["required"]
+    spec_fields = {field.name for field in fields(ModelSpec)}
+    cli = _parsed()
+    for declared in RECIPES.values():
+        module, runner = declared.official_runner.rsplit(".", 1)
+        official_keywords = inspect.signature(getattr(__import__(module, fromlist=[runner]), runner)).parameters
+        for file in (*declared.files, *(file for file, _why in declared.refused)):
+            assert file.spec_field in spec_fields and file.node_input in loader_inputs, file
+            assert hasattr(cli, file.flag.lstrip("-").replace("-", "_")) and file.tiny_file in {f.name for f in fields(tiny.TinyBundle)}, file
+        for file in declared.files:  # the CLI flags follow the official runner's keywords
+            assert file.flag.lstrip("-").replace("-", "_") in official_keywords, (declared.name, file.flag)
+
+
+def test_the_docs_recipe_sections_are_the_declarations_rendered():
+    text = (REPO / "docs" / "techniques.md").read_text(encoding="utf-8")
+    assert recipes.with_recipes_markdown(text) == text, "docs/techniques.md drifted: run python -m mgpu_backend.ltx.recipes docs/techniques.md"
+    rendered = recipes.recipes_markdown()
+    assert "LTX-2.0: 160, LTX-2.3: 120 stage-1 forwards" in rendered and "LTX-2.0: 8, LTX-2.3: 8 stage-1 forwards" in rendered
+    assert rendered.count("\n### ") == len(RECIPES)
+
+
+def _name_comparisons(path: Path) -> list[str]:
+    names = set(RECIPES)
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            constants = [c.value for operand in operands for c in ast.walk(operand) if isinstance(c, ast.Constant)]
+            if names & set(constants):
+                found.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    return found
+
+
+def test_no_product_module_compares_recipe_names():
+    assert len(PRODUCT) > 50
+    found = [where for path in PRODUCT if path.name != "recipes.py" for where in _name_comparisons(path)]
+    assert found == []
+    # The scan finds one where there is one: this file's first test compares recipe("distilled") with DISTILLED.
+    assert f"tests/test_recipes.py:{inspect.getsourcelines(test_an_unknown_recipe_is_refused_in_words_listing_the_known_ones)[1] + 1}" in _name_comparisons(Path(__file__))
+
+
+ADDED_RECIPE = '''
+from dataclasses import replace
+import json
+
+from mgpu_backend.ltx import recipes
+
+# A new recipe is one more declaration: the distilled one with TDP Upscale for its stage 2.
+added = replace(recipes.DISTILLED, name="distilled-tdp", label="Distilled, TDP stage 2", stage2_policy="tdp", upscale_sigmas=(0.625, 0.4, 0.0))
+recipes.RECIPES[added.name] = added
+recipes.RECIPE_NAMES = tuple(recipes.RECIPES)
+
+import argparse
+import types
+
+from mgpu_backend.ltx import schema
+from mgpu_backend.ltx.jobs import JobInputError, check_recipe_files
+from mgpu_backend.parallel.guidance_parallel import plan_stage2
+from mgpu_backend.tools import generate
+import importlib.util
+import sys
+
+# The pack as ComfyUI imports it (tests.helpers would import the workflow generator, which rightly
+# asserts that every recipe ships its workflows).
+package = importlib.util.spec_from_file_location("comfyui_mgpu_pack", "__init__.py", submodule_search_locations=["."])
+pack = sys.modules["comfyui_mgpu_pack"] = importlib.util.module_from_spec(package)
+package.loader.exec_module(pack)
+
+parser = argparse.ArgumentParser()
+generate.add_generate_parser(parser.add_subparsers())
+spec, is_tiny = generate.build_spec(parser.parse_args(["generate", "--prompt", "x", "--pipeline", "distilled-tdp", "--model-version", "2.3"]))
+request = schema.UpscaleRequest.from_wire({"spec": spec, "pipeline": "distilled-tdp"})
+try:
+    check_recipe_files(types.SimpleNamespace(pipeline="distilled-tdp", op="sample"), replace(schema.ModelSpec.from_wire(spec), distilled_lora="d"))
+    refusal = None
+except JobInputError as error:
+    refusal = str(error)
+print(json.dumps({
+    "pipelines": list(schema.PIPELINES),
+    "steps": schema.defaults_for("2.3", "distilled-tdp").steps,
+    "unguided": schema.defaults_for("2.3", "distilled-tdp").video_guidance == schema.NO_GUIDANCE,
+    "spec": [spec["checkpoint_path"], spec["distilled_lora"], is_tiny],
+    "upscale_sigmas": list(request.sigmas),
+    "stage2": plan_stage2(8, 24576, "distilled-tdp").technique,
+    "refusal": refusal,
+    "loader_choices": pack.NODE_CLASS_MAPPINGS["MGPULoadCheckpoint"].INPUT_TYPES()["required"]["pipeline"][0],
+    "ignored": importlib.import_module("comfyui_mgpu_pack.nodes.sampling_nodes").ignored_inputs("distilled-tdp"),
+    "docs_sections": recipes.recipes_markdown().count("\\n### "),
+}))
+'''
+
+
+def test_a_recipe_added_as_one_declaration_is_served_by_the_schema_cli_jobs_planner_and_nodes():
+    import json
+    import subprocess
+    import sys
+
+    script = "import importlib\n" + ADDED_RECIPE
+    completed = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    served = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert served == {
+        "pipelines": ["two-stage", "distilled", "distilled-tdp"],
+        "steps": 8,
+        "unguided": True,
+        "spec": ["embedded:tiny-2.3-distilled", None, True],
+        "upscale_sigmas": [0.625, 0.4, 0.0],
+        "stage2": "tdp",
+        "refusal": (
+            "the distilled-tdp pipeline runs the distilled checkpoint as it is, with no distilled LoRA; leave distilled_lora out of "
+            "the model spec (or use pipeline 'two-stage', which takes it)"
+        ),
+        "loader_choices": ["two-stage", "distilled", "distilled-tdp"],
+        "ignored": ["steps", "video_cfg", "audio_cfg", "stg_scale", "stg_blocks", "rescale", "modality_scale", "negative"],
+        "docs_sections": 3,
+    }
