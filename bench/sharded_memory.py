@@ -341,7 +341,7 @@ def whole_job_bench(args) -> tuple[str, torch.device]:
             )  # fmt: skip
             rows.append([case.recipe, size, str(case.ranks), f"{case.cap_gib:g}", weights, "**whole job**", "",
                          f"{max(measured_all) / GIB:.2f}" if measured_all else "-", f"{plan.peak_bytes / GIB:.2f} (plan)" if plan else "-", whole_error,
-                         ending if ending == "finished" else f"{ending}; planner: {planner}"])  # fmt: skip
+                         ending if ending == "finished" or planner.removeprefix("refused: ") in ending else f"{ending}; this process's planner: {planner}"])  # fmt: skip
     headers = ["recipe", "WxHxF", "ranks", "cap GiB", "weights", "job", "peak GiB per rank", "peak GiB (max)", "estimate GiB", "estimate vs peak", "ended"]
     caption = (
         f"Whole jobs on LTX-{args.version} ({'tiny bundle, CPU ranks: no cap, no peaks' if not on_gpu else 'full-size random weights, ranks sharing GPU 0'}), "
