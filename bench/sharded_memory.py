@@ -230,23 +230,46 @@ def _rank_peaks() -> list[int | None]:
 
 def run_case(case: Case, spec: dict, version: str, steps: int) -> tuple[dict[str, list[int | None]], str]:
     """The whole job of ``case`` on the running fleet: each job's per-rank peaks, and how it ended
-    ("finished", the fleet's refusal, or the failing job and its first line)."""
-    from mgpu_backend.fleet.client import FleetError
+    ("finished", the fleet's refusal, or the failing job and its first line).
+
+    Stage 1 of the two-stage recipe runs ``steps`` steps. The distilled recipe's stage 1 runs fixed
+    sigmas, so it is cancelled once ``steps`` steps are done (every rank stops at the same step), and
+    stage 2 starts from a random latent of the stage-1 shape instead: memory does not depend on the
+    values. Stage 2 runs the first ``steps`` of the recipe's sigmas, then 0."""
+    from mgpu_backend.fleet.client import FleetCancelled, FleetError
     from mgpu_backend.ltx import api
+    from mgpu_backend.ltx.latents import StageGeometry
 
     two_stage = case.recipe == "two-stage"
+    defaults = defaults_for(version, case.recipe)
     sigmas = stage2_default_sigmas(case.recipe)
     sigmas = tuple(sigmas[: min(steps, len(sigmas) - 1)]) + (0.0,)
     peaks: dict[str, list[int | None]] = {}
-    state: dict = {}
+    state: dict = {"stage 1 steps": 0}
     recipe = {"model_version": version, "pipeline": case.recipe}
+    stage1 = StageGeometry(height=case.height // 2, width=case.width // 2, num_frames=case.frames, frame_rate=defaults.frame_rate)
+
+    def count_steps(event: dict) -> None:
+        if event.get("stage") == "stage1":
+            state["stage 1 steps"] = max(state["stage 1 steps"], int(event.get("step", 0)))
+
+    def sample() -> None:
+        try:
+            state["stage1"] = api.sample(
+                spec, state["prompts"][0], state["prompts"][1] if two_stage else None, width=stage1.width, height=stage1.height,
+                num_frames=case.frames, steps=steps if two_stage else None, progress=count_steps,
+                should_cancel=lambda: state["stage 1 steps"] >= steps, **recipe,
+            )  # fmt: skip
+        except FleetCancelled:
+            state["cut"] = f" (stage 1 stopped after {state['stage 1 steps']} of its {defaults.steps} steps)"
+            generator = torch.Generator().manual_seed(0)
+            shapes = (stage1.video_shape.to_torch_shape(), stage1.audio_shape.to_torch_shape())
+            state["stage1"] = tuple(torch.randn(tuple(shape), generator=generator) for shape in shapes)
+
     jobs = {
         "load": lambda: api.load(spec),
         "encode": lambda: state.update(prompts=api.encode(spec, [PROMPT, NEGATIVE_PROMPT] if two_stage else [PROMPT])),
-        "stage 1": lambda: state.update(stage1=api.sample(
-            spec, state["prompts"][0], state["prompts"][1] if two_stage else None, width=case.width // 2, height=case.height // 2,
-            num_frames=case.frames, steps=steps if two_stage else None, **recipe,
-        )),
+        "stage 1": sample,
         "upscale": lambda: state.update(stage2=api.upscale(spec, *state["stage1"], state["prompts"][0], sigmas=sigmas, **recipe)),
         "decode": lambda: api.decode(spec, *state["stage2"]),
     }  # fmt: skip
@@ -260,7 +283,7 @@ def run_case(case: Case, spec: dict, version: str, steps: int) -> tuple[dict[str
             peaks[phase] = _rank_peaks()
             return peaks, f"{phase} failed{error.where}: {str(error).splitlines()[0]}"
         peaks[phase] = _rank_peaks()
-    return peaks, "finished"
+    return peaks, "finished" + state.get("cut", "")
 
 
 def whole_job_bench(args) -> tuple[str, torch.device]:
@@ -337,15 +360,16 @@ def whole_job_bench(args) -> tuple[str, torch.device]:
                              f"{max(measured) / GIB:.2f}" if measured else "-", f"{estimate / GIB:.2f}" if estimate else "-", error, ""])  # fmt: skip
             measured_all = [peak for values in peaks.values() for peak in values if peak is not None]
             whole_error = (
-                f"{(plan.peak_bytes - max(measured_all)) / max(measured_all) * 100:+.1f}%" if plan is not None and measured_all and ending == "finished" else "-"
+                f"{(plan.peak_bytes - max(measured_all)) / max(measured_all) * 100:+.1f}%" if plan is not None and measured_all and ending.startswith("finished") else "-"
             )  # fmt: skip
             rows.append([case.recipe, size, str(case.ranks), f"{case.cap_gib:g}", weights, "**whole job**", "",
                          f"{max(measured_all) / GIB:.2f}" if measured_all else "-", f"{plan.peak_bytes / GIB:.2f} (plan)" if plan else "-", whole_error,
-                         ending if ending == "finished" or planner.removeprefix("refused: ") in ending else f"{ending}; this process's planner: {planner}"])  # fmt: skip
+                         ending if ending.startswith("finished") or planner.removeprefix("refused: ") in ending else f"{ending}; this process's planner: {planner}"])  # fmt: skip
     headers = ["recipe", "WxHxF", "ranks", "cap GiB", "weights", "job", "peak GiB per rank", "peak GiB (max)", "estimate GiB", "estimate vs peak", "ended"]
     caption = (
         f"Whole jobs on LTX-{args.version} ({'tiny bundle, CPU ranks: no cap, no peaks' if not on_gpu else 'full-size random weights, ranks sharing GPU 0'}), "
-        f"residency sharded, {args.steps} stage-1 steps (two-stage; distilled: its 8 sigmas) and {args.steps} stage-2 steps: a job peaks in its first step. "
+        f"residency sharded, {args.steps} steps per stage (a job peaks in its first step; the distilled stage 1, whose 8 sigmas are fixed, is "
+        "cancelled after them and stage 2 starts from a random latent of its shape). "
         "Estimates: `residency.job_peaks` per job (this job's activations), the plan's own peak (`plan_residency`, 6 GiB headroom) for the whole job. "
         "upscale = the upsampler, then stage 2 (one fleet job, one peak)."
     )

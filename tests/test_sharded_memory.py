@@ -87,7 +87,7 @@ def test_whole_job_tiny_runs_the_distilled_job_sharded_and_shows_a_too_small_cap
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in completed.stdout.splitlines() if line.startswith("| distilled")]
     by_case = {(row[3], row[5]): row for row in rows}
     assert [phase for cap, phase in by_case if cap == "24"] == ["load", "encode", "stage 1", "upscale", "decode", "**whole job**"]
-    assert by_case[("24", "**whole job**")][10] == "finished"
+    assert by_case[("24", "**whole job**")][10] == "finished (stage 1 stopped after 2 of its 8 steps)"
     assert by_case[("24", "decode")][6] == "n/a (CPU)" and float(by_case[("24", "decode")][8]) > 3.0  # no peak on CPU; the estimate stands
     refused = by_case[("5", "**whole job**")][10]
     assert refused.startswith("refused at load: this model needs about 6.0 GiB per GPU even with its transformer sharded over 2 ranks"), refused
