@@ -49,7 +49,8 @@ What it is
 
     ``job_peaks`` gives one job's estimate per phase (load, encode, stage 1, upscale, decode) under a
     plan, with the activations of that job's sizes in place of the headroom: what the sharded-memory
-    benchmark sets beside each rank's measured peak.
+    benchmark sets beside each rank's measured peak. A sharded transformer counts its gathered blocks
+    only in the jobs that run one (stage 1, upscale).
 
 This module reads file headers only; it never loads weights and never talks to other ranks.
 """
@@ -126,6 +127,12 @@ class ComponentSizes:
             + GATHERED_BLOCKS * self.largest_block_bytes[fp8_cast]
             + self.outside_blocks_bytes[fp8_cast]
         )
+
+    def sharded_transformer_at_rest(self, quantization: str | None, world_size: int) -> int:
+        """One rank's bytes of the sharded transformer between forwards (a job that runs none: the
+        encode, the decode): its shard, and the weights outside the blocks, which FSDP keeps gathered
+        after a forward (the root unit)."""
+        return math.ceil(self.transformer(quantization) / world_size) + self.outside_blocks_bytes[quantization == "fp8-cast"]
 
 
 _CHECKPOINT_COMPONENTS = {
@@ -284,12 +291,15 @@ def _stage_peaks(sizes: ComponentSizes, quantization, per_stage: set[str], shard
                  parked: bool = False, sharded_over: int = 1, gemma_split: int = 1) -> dict[str, int]:  # fmt: skip
     """Each stage's estimated device bytes: what stays resident + what the stage builds + its activations.
     A transformer parked for the encode (with its clean shard, when that is on the device) is not there then.
-    Sharded over several ranks, the transformer counts its shard and gathered blocks, and a Gemma built
-    for the encode 1/``gemma_split`` (one copy spread over that many GPUs)."""
+    Sharded over several ranks, the transformer counts its shard and gathered blocks in the stages that
+    run it, its shard at rest in the others (encode, decode), and a Gemma built for the encode
+    1/``gemma_split`` (one copy spread over that many GPUs)."""
     if sharded_over > 1:
-        transformer = sizes.sharded_transformer(quantization, sharded_over) + shard_bytes
+        running = sizes.sharded_transformer(quantization, sharded_over) + shard_bytes
+        at_rest = sizes.sharded_transformer_at_rest(quantization, sharded_over) + shard_bytes
     else:
-        transformer = sizes.transformer(quantization) + shard_bytes
+        running = at_rest = sizes.transformer(quantization) + shard_bytes
+    transformer = {"encode": 0 if parked else at_rest, "sample": running, "upscale": running, "decode": at_rest}
 
     def built(name: str) -> int:
         size = sizes.components.get(name, 0)
@@ -297,7 +307,7 @@ def _stage_peaks(sizes: ComponentSizes, quantization, per_stage: set[str], shard
 
     others = sum(size for name, size in sizes.components.items() if name not in per_stage)
     return {
-        stage: (0 if parked and stage == "encode" else transformer)
+        stage: transformer[stage]
         + others
         + sum(built(name) for name in names if name in per_stage)
         + activations[stage]
@@ -359,7 +369,7 @@ def plan_residency(
         for plan in levels:
             if budget_bytes is None or plan.peak_bytes <= budget_bytes:
                 return plan
-        raise ResidencyError(_does_not_fit(sizes, quantization, budget_bytes, levels[-1], headroom_bytes, world_size))
+        raise ResidencyError(_does_not_fit(sizes, quantization, budget_bytes, levels[-1], headroom_bytes, min(world_size, gemma_split)))
     shard = math.ceil(sizes.transformer(quantization) / world_size) if lora_swap else 0
     # (built per stage, clean shard on host, transformer parked for the encode), least evicted first
     levels: list[tuple[set[str], bool, bool]] = []
@@ -383,7 +393,7 @@ def plan_residency(
             for plan in _sharded_levels(sizes, budget_bytes, world_size, quantization, lora_swap, headroom_bytes, "auto", gemma_split):
                 if plan.peak_bytes <= budget_bytes:
                     return plan
-        raise ResidencyError(_does_not_fit(sizes, quantization, budget_bytes, minimal, headroom_bytes, world_size))
+        raise ResidencyError(_does_not_fit(sizes, quantization, budget_bytes, minimal, headroom_bytes, min(world_size, gemma_split)))
     if policy == "minimal":
         return minimal
     if policy == "all":
@@ -449,7 +459,9 @@ def _counted(count: int, noun: str) -> str:
     return f"{count} {noun if count == 1 else noun + 's'}"
 
 
-def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: ResidencyPlan, headroom: int, world_size: int = 1) -> str:
+def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: ResidencyPlan, headroom: int, gpus: int = 1) -> str:
+    """Why the lightest plan does not fit and what would; ``gpus``: the fleet's GPUs (fewer than its ranks
+    when ranks share GPUs)."""
     if minimal.shards_weights:
         ranks, gpus = minimal.sharded_over, minimal.gemma_split
         if gpus < ranks:  # ranks sharing GPUs: more of them do not split Gemma, more GPUs do
@@ -499,5 +511,5 @@ def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: Res
     return (
         f"this model needs about {minimal.peak_bytes / GIB:.1f} GiB per GPU even with residency 'minimal' ({needed}), "
         f"but the device has {budget / GIB:.1f} GiB; {advice}. Otherwise "
-        f"{_sharding_advice(sizes, quantization, budget, headroom, world_size)}"
+        f"{_sharding_advice(sizes, quantization, budget, headroom, gpus)}"
     )
