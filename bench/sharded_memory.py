@@ -159,6 +159,8 @@ def measure(config: dict, world: int, cap_gib: float, sizes: list) -> list[dict]
 
 # --- Whole jobs through a fleet ---------------------------------------------------------------------------
 
+WHOLE_JOB_HEADERS = ["recipe", "WxHxF", "ranks", "cap GiB", "weights", "job", "peak GiB per rank", "peak GiB (max)", "estimate GiB",
+                     "estimate vs peak", "ended"]  # fmt: skip
 PROMPT = "A slow camera push toward a lighthouse on a rocky coast at dusk, waves breaking against the stones."
 NEGATIVE_PROMPT = "blurry, low quality"
 
@@ -233,8 +235,9 @@ def run_case(case: Case, spec: dict, version: str, steps: int) -> tuple[dict[str
     ("finished", the fleet's refusal, or the failing job and its first line).
 
     Stage 1 of the two-stage recipe runs ``steps`` steps. The distilled recipe's stage 1 runs fixed
-    sigmas, so it is cancelled once ``steps`` steps are done (every rank stops at the same step), and
-    stage 2 starts from a random latent of the stage-1 shape instead: memory does not depend on the
+    sigmas, so it is cancelled after about ``steps`` steps (the cancel is sent when step ``steps - 1``
+    is reported; every rank stops at the same cancel point, at the end of step ``steps`` when the step
+    outlasts the message, as full-size steps do; on tiny CPU runs one step earlier or later), and stage 2 starts from a random latent of the stage-1 shape instead: memory does not depend on the
     values. Stage 2 runs the first ``steps`` of the recipe's sigmas, then 0."""
     from mgpu_backend.fleet.client import FleetCancelled, FleetError
     from mgpu_backend.ltx import api
@@ -258,7 +261,7 @@ def run_case(case: Case, spec: dict, version: str, steps: int) -> tuple[dict[str
             state["stage1"] = api.sample(
                 spec, state["prompts"][0], state["prompts"][1] if two_stage else None, width=stage1.width, height=stage1.height,
                 num_frames=case.frames, steps=steps if two_stage else None, progress=count_steps,
-                should_cancel=lambda: state["stage 1 steps"] >= steps, **recipe,
+                should_cancel=lambda: state["stage 1 steps"] >= steps - 1, **recipe,
             )  # fmt: skip
         except FleetCancelled:
             state["cut"] = f" (stage 1 stopped after {state['stage 1 steps']} of its {defaults.steps} steps)"
@@ -307,7 +310,7 @@ def whole_job_bench(args) -> tuple[str, torch.device]:
         if width % 64 or height % 64:
             raise SystemExit(f"error: the two-stage sizes are multiples of 64, got {width}x{height}; the 1280x720 template runs at 1280x704")
     cases = [Case(recipe, w, h, frames, ranks, cap) for recipe in args.recipes for w, h in targets for ranks in args.ranks for cap in args.cap_gib]
-    rows, notes, refusals = [], [], {}
+    rows, refusals = [], {}
     with contextlib.ExitStack() as stack:
         bundle = write_random_bundle(stack, config, device, args)
         sizes_by_recipe, specs = {}, {}
@@ -343,6 +346,7 @@ def whole_job_bench(args) -> tuple[str, torch.device]:
                 if ending.startswith("refused"):
                     refusals[key] = ending
             log(f"{case.label()}: {ending}")
+            first_row = len(rows)
             estimates = {}
             if plan is not None:
                 stage1, stage2 = stage_activation_bytes(case, dims, args.version, on_gpu)
@@ -365,15 +369,19 @@ def whole_job_bench(args) -> tuple[str, torch.device]:
             rows.append([case.recipe, size, str(case.ranks), f"{case.cap_gib:g}", weights, "**whole job**", "",
                          f"{max(measured_all) / GIB:.2f}" if measured_all else "-", f"{plan.peak_bytes / GIB:.2f} (plan)" if plan else "-", whole_error,
                          ending if ending.startswith("finished") or planner.removeprefix("refused: ") in ending else f"{ending}; this process's planner: {planner}"])  # fmt: skip
-    headers = ["recipe", "WxHxF", "ranks", "cap GiB", "weights", "job", "peak GiB per rank", "peak GiB (max)", "estimate GiB", "estimate vs peak", "ended"]
+            if args.partial_out:  # a call that runs out of time still leaves the cases it finished
+                with open(args.partial_out, "a") as partial:
+                    partial.write(markdown_table(WHOLE_JOB_HEADERS, rows[first_row:]) + "\n\n")
+    allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     caption = (
         f"Whole jobs on LTX-{args.version} ({'tiny bundle, CPU ranks: no cap, no peaks' if not on_gpu else 'full-size random weights, ranks sharing GPU 0'}), "
         f"residency sharded, {args.steps} steps per stage (a job peaks in its first step; the distilled stage 1, whose 8 sigmas are fixed, is "
         "cancelled after them and stage 2 starts from a random latent of its shape). "
-        "Estimates: `residency.job_peaks` per job (this job's activations), the plan's own peak (`plan_residency`, 6 GiB headroom) for the whole job. "
+        + (f"Allocator: PYTORCH_CUDA_ALLOC_CONF={allocator}. " if allocator else "")
+        + "Estimates: `residency.job_peaks` per job (this job's activations), the plan's own peak (`plan_residency`, 6 GiB headroom) for the whole job. "
         "upscale = the upsampler, then stage 2 (one fleet job, one peak)."
     )
-    return "\n\n".join([caption, markdown_table(headers, rows), *notes]), device
+    return caption + "\n\n" + markdown_table(WHOLE_JOB_HEADERS, rows), device
 
 
 def write_random_bundle(stack: contextlib.ExitStack, config, device: torch.device, args):
@@ -445,6 +453,7 @@ def main() -> None:
     whole.add_argument("--gemma-layers", type=int, default=full_size.GEMMA_FULL_LAYERS, help="layers of the bundle's Gemma-3 12B (default 48, the released size)")
     whole.add_argument("--bundle-dir", help="where to write the random bundle, reused if complete (default: a temporary folder, removed)")
     whole.add_argument("--gemma-dir", help="a folder on another disk (e.g. /dev/shm) for the bundle's Gemma")
+    whole.add_argument("--partial-out", help="append each case's rows to this file as soon as the case ends (the table's columns)")
     whole.add_argument("--fleet-log", help="copy each fleet's log (plans, parks, Gemma placement) to FILE.<case>")
     parser.add_argument("--out", help="also append the table to this file")
     args = parser.parse_args()
