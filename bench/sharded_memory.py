@@ -188,10 +188,10 @@ def stage_activation_bytes(case: Case, dims, version: str, on_gpu: bool) -> tupl
     from mgpu_backend.parallel.batched_passes import BATCH_PASSES_BELOW_TOKENS
     from mgpu_backend.parallel.guidance_parallel import plan_stage1, plan_stage2
 
+    from mgpu_backend.ltx.jobs import active_passes
+
     defaults = defaults_for(version, case.recipe)
-    passes = 1 + sum((
-        defaults.video_guidance.cfg_scale != 1.0, defaults.video_guidance.stg_scale != 0.0, defaults.video_guidance.modality_scale != 1.0,
-    ))  # fmt: skip
+    passes = len(active_passes(defaults.video_guidance, defaults.audio_guidance))  # the recipe's defaults, as the job plans them
     heads = {"attention_heads": dims.video_heads, "audio_attention_heads": dims.audio_heads}
     stage1 = StageGeometry(height=case.height // 2, width=case.width // 2, num_frames=case.frames, frame_rate=defaults.frame_rate)
     plan1 = plan_stage1(case.ranks, stage1.video_tokens, passes, "auto", **heads)
