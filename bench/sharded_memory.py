@@ -261,7 +261,7 @@ def run_case(case: Case, spec: dict, version: str, steps: int) -> tuple[dict[str
             state["stage1"] = api.sample(
                 spec, state["prompts"][0], state["prompts"][1] if two_stage else None, width=stage1.width, height=stage1.height,
                 num_frames=case.frames, steps=steps if two_stage else None, progress=count_steps,
-                should_cancel=lambda: state["stage 1 steps"] >= steps - 1, **recipe,
+                should_cancel=None if two_stage else lambda: state["stage 1 steps"] >= steps - 1, **recipe,
             )  # fmt: skip
         except FleetCancelled:
             state["cut"] = f" (stage 1 stopped after {state['stage 1 steps']} of its {defaults.steps} steps)"
@@ -286,6 +286,8 @@ def run_case(case: Case, spec: dict, version: str, steps: int) -> tuple[dict[str
             peaks[phase] = _rank_peaks()
             return peaks, f"{phase} failed{error.where}: {str(error).splitlines()[0]}"
         peaks[phase] = _rank_peaks()
+        measured = [f"{peak / GIB:.2f}" for peak in peaks[phase] if peak is not None]
+        log(f"{case.label()}: {phase} done, peak GiB per rank: {' / '.join(measured) or 'n/a (CPU)'}")  # seen even if the call is cut short
     return peaks, "finished" + state.get("cut", "")
 
 
@@ -375,7 +377,7 @@ def whole_job_bench(args) -> tuple[str, torch.device]:
     allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
     caption = (
         f"Whole jobs on LTX-{args.version} ({'tiny bundle, CPU ranks: no cap, no peaks' if not on_gpu else 'full-size random weights, ranks sharing GPU 0'}), "
-        f"residency sharded, {args.steps} steps per stage (a job peaks in its first step; the distilled stage 1, whose 8 sigmas are fixed, is "
+        f"residency sharded, {args.steps} step{'s' if args.steps != 1 else ''} per stage (a job peaks in its first step; the distilled stage 1, whose 8 sigmas are fixed, is "
         "cancelled after them and stage 2 starts from a random latent of its shape). "
         + (f"Allocator: PYTORCH_CUDA_ALLOC_CONF={allocator}. " if allocator else "")
         + "Estimates: `residency.job_peaks` per job (this job's activations), the plan's own peak (`plan_residency`, 6 GiB headroom) for the whole job. "

@@ -84,13 +84,17 @@ def run_bench(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_whole_job_tiny_runs_the_distilled_job_sharded_and_shows_a_too_small_cap_refused_in_the_fleets_words(tmp_path):
+def test_whole_job_tiny_runs_both_recipes_sharded_and_shows_a_too_small_cap_refused_in_the_fleets_words(tmp_path):
     completed = run_bench(
-        "--whole-job", "--tiny", "--recipes", "distilled", "--ranks", "2", "--cap-gib", "24", "5", "--out", str(tmp_path / "t.md"),
+        "--whole-job", "--tiny", "--recipes", "two-stage", "distilled", "--ranks", "2", "--cap-gib", "24", "5", "--out", str(tmp_path / "t.md"),
         "--partial-out", str(tmp_path / "partial.md"),
     )  # fmt: skip
     assert completed.returncode == 0, completed.stderr[-3000:]
-    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in completed.stdout.splitlines() if line.startswith("| distilled")]
+    table = [line for line in completed.stdout.splitlines() if line.startswith(("| two-stage", "| distilled"))]
+    two_stage = {(row[3], row[5]): row for row in ([cell.strip() for cell in line.split("|")[1:-1]] for line in table) if row[0] == "two-stage"}
+    assert two_stage[("24", "**whole job**")][10] == "finished"  # its --steps 2 stage 1 runs whole: nothing cancelled
+    assert two_stage[("5", "**whole job**")][10].startswith("refused at load: this model needs about 6.0 GiB per GPU")
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table if line.startswith("| distilled")]
     by_case = {(row[3], row[5]): row for row in rows}
     assert [phase for cap, phase in by_case if cap == "24"] == ["load", "encode", "stage 1", "upscale", "decode", "**whole job**"]
     ended = by_case[("24", "**whole job**")][10]
@@ -103,5 +107,5 @@ def test_whole_job_tiny_runs_the_distilled_job_sharded_and_shows_a_too_small_cap
     assert [phase for cap, phase in by_case if cap == "5"] == ["**whole job**"]
     assert "residency sharded" in completed.stdout and (tmp_path / "t.md").read_text().count("| distilled") == len(rows)
     # Each case's rows reach the partial file when the case ends, so a call cut short keeps what it measured.
-    partial = [line for line in (tmp_path / "partial.md").read_text().splitlines() if line.startswith("| distilled")]
-    assert partial == [line for line in completed.stdout.splitlines() if line.startswith("| distilled")]
+    partial = [line for line in (tmp_path / "partial.md").read_text().splitlines() if line.startswith(("| two-stage", "| distilled"))]
+    assert partial == table
