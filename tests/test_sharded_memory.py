@@ -4,7 +4,7 @@ The estimate of each job of a whole job (``residency.job_peaks``) for the real L
 full-size bundle's headers: nothing is allocated), the planner's count of Gemma on ranks that share a
 GPU (rank 0 builds it whole there, so a 24 GiB cap cannot hold the 22B's encode and is refused before
 loading, saying why), and ``bench/sharded_memory.py --whole-job --tiny``: real fleets of CPU ranks
-running the whole distilled job sharded, and refusing a case whose cap is too small in the fleet's words.
+running the whole two-stage and distilled jobs sharded, and refusing a case whose cap is too small in the fleet's words.
 """
 
 from __future__ import annotations
