@@ -461,6 +461,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1:
         parser.error(f"--steps must be at least 1, got {args.steps}")
+    if not all(cap > 0 for cap in args.cap_gib) or not all(ranks >= 2 for ranks in args.ranks):
+        parser.error(f"--cap-gib takes positive GiB and --ranks 2 or more ranks (weights sharded over them), got {args.cap_gib} and {args.ranks}")
     table, device = whole_job_bench(args) if args.whole_job else forward_bench(args)
     print(table)
     if args.out:
