@@ -338,12 +338,11 @@ def whole_job_bench(args) -> tuple[str, torch.device]:
                 peaks, ending = {}, refusals[key] + " (as above: the load does not depend on the size)"
             else:
                 api.configure(os.path.join(socket_dir, f"fleet-{number}.sock"), gpus="0" if on_gpu else None, cpu_ranks=None if on_gpu else case.ranks)
-                try:
-                    api.fleet()
+                try:  # the load starts the fleet: a fleet that cannot start ends the case as a failed load
                     peaks, ending = run_case(case, spec.to_json(), args.version, args.steps)
                 finally:
                     api.restart()
-                    if args.fleet_log:
+                    if args.fleet_log and os.path.exists(os.path.join(socket_dir, "server.log")):
                         shutil.copyfile(os.path.join(socket_dir, "server.log"), f"{args.fleet_log}.{number}")
                 if ending.startswith("refused"):
                     refusals[key] = ending
