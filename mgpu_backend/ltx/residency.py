@@ -37,14 +37,20 @@ What it is
       (``mgpu_backend.parallel.weight_sharding``): each rank holds 1/N of it plus the gathered
       blocks and their buffers (``GATHERED_BLOCKS`` block sizes) and the weights outside the blocks; the clean LoRA copy is this rank's rows
       (1/N again); the same ladder as ``"auto"`` then applies (per-stage components, clean rows
-      to host memory, the shard parked while Gemma encodes), with Gemma counted 1/N per GPU at its
-      encode (its ``sharded`` mode spreads one copy over the GPUs).
+      to host memory, the shard parked while Gemma encodes), with Gemma counted 1/G per GPU at its
+      encode, G the fleet's GPUs (its ``sharded`` mode spreads one copy over the GPUs; ranks that
+      share one GPU, ``MGPU_SHARED_GPU_RANKS``, share no Gemma: rank 0 builds it whole there).
       Needs at least 2 ranks. ``"auto"`` moves to it when no unsharded plan fits and the fleet
       has several ranks.
 
     A model that does not fit even at ``"minimal"`` (nor, with several ranks, sharded) is refused
     before anything is loaded, naming what would fit: fp8-cast weights (``quantization:
     "fp8-cast"``), sharding over this many or more GPUs, or a GPU with more memory.
+
+    ``job_peaks`` gives one job's estimate per phase (load, encode, stage 1, upscale, decode) under a
+    plan, with the activations of that job's sizes in place of the headroom: what the sharded-memory
+    benchmark sets beside each rank's measured peak. A sharded transformer counts its gathered blocks
+    only in the jobs that run one (stage 1, upscale).
 
 This module reads file headers only; it never loads weights and never talks to other ranks.
 """
@@ -57,6 +63,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mgpu_backend.fleet.shared_gpu import shared_gpu_ranks
 from mgpu_backend.ltx import fp8
 from mgpu_backend.ltx.schema import parse_residency
 from mgpu_backend.parallel.weight_sharding import GATHERED_BLOCKS
@@ -66,6 +73,10 @@ HEADROOM_BYTES = 6 * GIB
 """Activations of a usual denoising or decoding stage (stage 1 at 768x512x121 peaks a few GiB above the weights)."""
 ENCODE_HEADROOM_BYTES = 2 * GIB
 """Activations of a Gemma encode: a 1024-token prompt and every layer's hidden states."""
+DECODE_ACTIVATION_BYTES = 3 * GIB
+"""Activations of the decode job with its default tiles, whatever the video size (each rank decodes one
+tile at a time; the frames go to host memory): the 22B fp8-cast job at 1536x1024x121 on one H200
+peaked at 22.3 GiB in its decode, 3.1 GiB above the transformer and the decoders (docs/BENCHMARKS.md)."""
 MEMORY_LIMIT_ENV = "MGPU_MEMORY_LIMIT_GIB"
 
 # What gives up residency first, in order; then the clean shard (to host memory), and last the
@@ -116,6 +127,12 @@ class ComponentSizes:
             + GATHERED_BLOCKS * self.largest_block_bytes[fp8_cast]
             + self.outside_blocks_bytes[fp8_cast]
         )
+
+    def sharded_transformer_at_rest(self, quantization: str | None, world_size: int) -> int:
+        """One rank's bytes of the sharded transformer between forwards (a job that runs none: the
+        encode, the decode): its shard, and the weights outside the blocks, which FSDP keeps gathered
+        after a forward (the root unit)."""
+        return math.ceil(self.transformer(quantization) / world_size) + self.outside_blocks_bytes[quantization == "fp8-cast"]
 
 
 _CHECKPOINT_COMPONENTS = {
@@ -242,6 +259,8 @@ class ResidencyPlan:
     quantization: str | None = None
     transformer_parked_for_encode: bool = False  # the working copy waits in host memory while Gemma encodes
     sharded_over: int = 1  # ranks the transformer's weights are sharded over (1: a whole copy per rank)
+    gemma_split: int = 1  # GPUs a sharded plan's Gemma is spread over at its encode
+    clean_device_bytes: int = 0  # the clean LoRA copy's bytes this plan counts on the device
 
     @property
     def shards_weights(self) -> bool:
@@ -263,47 +282,65 @@ class ResidencyPlan:
         )
 
 
-def _stage_peaks(sizes: ComponentSizes, quantization, per_stage: set[str], shard_bytes: int, headroom: int,
-                 parked: bool = False, sharded_over: int = 1) -> dict[str, int]:  # fmt: skip
+def _headroom(headroom: int) -> dict[str, int]:
+    """The planner's activations per stage: ``headroom``, and at most ``ENCODE_HEADROOM_BYTES`` for the encode."""
+    return {stage: min(headroom, ENCODE_HEADROOM_BYTES) if stage == "encode" else headroom for stage in STAGE_COMPONENTS}
+
+
+def _stage_peaks(sizes: ComponentSizes, quantization, per_stage: set[str], shard_bytes: int, activations: dict[str, int],
+                 parked: bool = False, sharded_over: int = 1, gemma_split: int = 1) -> dict[str, int]:  # fmt: skip
     """Each stage's estimated device bytes: what stays resident + what the stage builds + its activations.
     A transformer parked for the encode (with its clean shard, when that is on the device) is not there then.
-    Sharded over several ranks, the transformer counts its shard and gathered blocks, and a Gemma built
-    for the encode 1/N (one copy spread over the GPUs)."""
+    Sharded over several ranks, the transformer counts its shard and gathered blocks in the stages that
+    run it, its shard at rest in the others (encode, decode), and a Gemma built for the encode
+    1/``gemma_split`` (one copy spread over that many GPUs)."""
     if sharded_over > 1:
-        transformer = sizes.sharded_transformer(quantization, sharded_over) + shard_bytes
+        running = sizes.sharded_transformer(quantization, sharded_over) + shard_bytes
+        at_rest = sizes.sharded_transformer_at_rest(quantization, sharded_over) + shard_bytes
     else:
-        transformer = sizes.transformer(quantization) + shard_bytes
+        running = at_rest = sizes.transformer(quantization) + shard_bytes
+    transformer = {"encode": 0 if parked else at_rest, "sample": running, "upscale": running, "decode": at_rest}
 
     def built(name: str) -> int:
         size = sizes.components.get(name, 0)
-        return math.ceil(size / sharded_over) if name == "gemma" else size
+        return math.ceil(size / gemma_split) if name == "gemma" and sharded_over > 1 else size
 
     others = sum(size for name, size in sizes.components.items() if name not in per_stage)
     return {
-        stage: (0 if parked and stage == "encode" else transformer)
+        stage: transformer[stage]
         + others
         + sum(built(name) for name in names if name in per_stage)
-        + (min(headroom, ENCODE_HEADROOM_BYTES) if stage == "encode" else headroom)
+        + activations[stage]
         for stage, names in STAGE_COMPONENTS.items()
     }
 
 
 def _peak(sizes: ComponentSizes, quantization, per_stage: set[str], shard_bytes: int, headroom: int, parked: bool = False,
-          sharded_over: int = 1) -> int:  # fmt: skip
-    return max(_stage_peaks(sizes, quantization, per_stage, shard_bytes, headroom, parked, sharded_over).values())
+          sharded_over: int = 1, gemma_split: int = 1) -> int:  # fmt: skip
+    return max(_stage_peaks(sizes, quantization, per_stage, shard_bytes, _headroom(headroom), parked, sharded_over, gemma_split).values())
+
+
+def gemma_gpus(world_size: int, environ: dict | None = None) -> int:
+    """The GPUs a fleet of ``world_size`` ranks spreads one sharded Gemma over: one per rank, or
+    ``world_size / MGPU_SHARED_GPU_RANKS`` when ranks share GPUs (ranks on one GPU share no Gemma:
+    rank 0's process builds it there, whole on a single GPU)."""
+    return max(1, world_size // shared_gpu_ranks(environ))
 
 
 def _sharded_levels(sizes: ComponentSizes, budget_bytes, world_size: int, quantization, lora_swap: bool,
-                    headroom: int, name: str) -> list[ResidencyPlan]:  # fmt: skip
+                    headroom: int, name: str, gemma_split: int | None = None) -> list[ResidencyPlan]:  # fmt: skip
     """The sharded plans over ``world_size`` ranks, least evicted first: the unsharded ladder's
-    per-stage components, then the clean rows in host memory, then the shard parked while Gemma encodes."""
+    per-stage components, then the clean rows in host memory, then the shard parked while Gemma encodes.
+    Gemma spreads over ``gemma_split`` GPUs (default: one per rank)."""
+    gemma_split = world_size if gemma_split is None else gemma_split
     shard = math.ceil(sizes.transformer(quantization) / world_size) if lora_swap else 0
     plans, evicted = [], set()
     ladder = [set()] + [evicted := evicted | set(group) for group in EVICTION_ORDER]
     levels = [(level, False, False) for level in ladder] + [(ladder[-1], True, False), (ladder[-1], True, True)]
     for per_stage, on_host, parked in levels:
-        peak = _peak(sizes, quantization, per_stage, 0 if on_host else shard, headroom, parked, sharded_over=world_size)
-        plans.append(ResidencyPlan(name, frozenset(per_stage), on_host, peak, budget_bytes, quantization, parked, world_size))
+        clean = 0 if on_host else shard
+        peak = _peak(sizes, quantization, per_stage, clean, headroom, parked, world_size, gemma_split)
+        plans.append(ResidencyPlan(name, frozenset(per_stage), on_host, peak, budget_bytes, quantization, parked, world_size, gemma_split, clean))
     return plans
 
 
@@ -315,21 +352,24 @@ def plan_residency(
     quantization: str | None = None,
     lora_swap: bool = True,
     headroom_bytes: int = HEADROOM_BYTES,
+    gemma_split: int | None = None,
 ) -> ResidencyPlan:
-    """The plan for ``policy``; raises ``ResidencyError`` when even the minimal plan exceeds the budget."""
+    """The plan for ``policy``; raises ``ResidencyError`` when even the minimal plan exceeds the budget.
+    ``gemma_split``: the GPUs a sharded plan spreads Gemma over (default ``gemma_gpus(world_size)``)."""
     policy = parse_residency(policy)
     quantization = fp8.parse_quantization(quantization)
+    gemma_split = gemma_gpus(world_size) if gemma_split is None else gemma_split
     if policy == "sharded":
         if world_size < 2:
             raise ResidencyError(
                 "residency 'sharded' spreads the transformer over the fleet's ranks, but this fleet has 1 rank; "
                 "start the fleet on 2 or more GPUs, or choose residency 'auto'"
             )
-        for plan in _sharded_levels(sizes, budget_bytes, world_size, quantization, lora_swap, headroom_bytes, "sharded"):
+        levels = _sharded_levels(sizes, budget_bytes, world_size, quantization, lora_swap, headroom_bytes, "sharded", gemma_split)
+        for plan in levels:
             if budget_bytes is None or plan.peak_bytes <= budget_bytes:
                 return plan
-        lightest = _sharded_levels(sizes, budget_bytes, world_size, quantization, lora_swap, headroom_bytes, "sharded")[-1]
-        raise ResidencyError(_does_not_fit(sizes, quantization, budget_bytes, lightest, headroom_bytes, world_size))
+        raise ResidencyError(_does_not_fit(sizes, quantization, budget_bytes, levels[-1], headroom_bytes, min(world_size, gemma_split)))
     shard = math.ceil(sizes.transformer(quantization) / world_size) if lora_swap else 0
     # (built per stage, clean shard on host, transformer parked for the encode), least evicted first
     levels: list[tuple[set[str], bool, bool]] = []
@@ -343,21 +383,22 @@ def plan_residency(
 
     def plan_at(level: int, name: str) -> ResidencyPlan:
         per_stage, on_host, parked = levels[level]
-        peak = _peak(sizes, quantization, per_stage, 0 if on_host else shard, headroom_bytes, parked)
-        return ResidencyPlan(name, frozenset(per_stage), on_host, peak, budget_bytes, quantization, parked)
+        clean = 0 if on_host else shard
+        peak = _peak(sizes, quantization, per_stage, clean, headroom_bytes, parked)
+        return ResidencyPlan(name, frozenset(per_stage), on_host, peak, budget_bytes, quantization, parked, clean_device_bytes=clean)
 
     minimal = plan_at(len(levels) - 1, "minimal")
     if budget_bytes is not None and minimal.peak_bytes > budget_bytes:
         if policy == "auto" and world_size > 1:
-            for plan in _sharded_levels(sizes, budget_bytes, world_size, quantization, lora_swap, headroom_bytes, "auto"):
+            for plan in _sharded_levels(sizes, budget_bytes, world_size, quantization, lora_swap, headroom_bytes, "auto", gemma_split):
                 if plan.peak_bytes <= budget_bytes:
                     return plan
-        raise ResidencyError(_does_not_fit(sizes, quantization, budget_bytes, minimal, headroom_bytes, world_size))
+        raise ResidencyError(_does_not_fit(sizes, quantization, budget_bytes, minimal, headroom_bytes, min(world_size, gemma_split)))
     if policy == "minimal":
         return minimal
     if policy == "all":
         plan = plan_at(0, "all")
-        return ResidencyPlan("all", plan.per_stage, None, plan.peak_bytes, budget_bytes, quantization)
+        return ResidencyPlan("all", plan.per_stage, None, plan.peak_bytes, budget_bytes, quantization, clean_device_bytes=plan.clean_device_bytes)
     for level in range(len(levels)):
         plan = plan_at(level, "auto")
         if budget_bytes is None or plan.peak_bytes <= budget_bytes:
@@ -365,13 +406,37 @@ def plan_residency(
     return minimal  # unreachable: the minimal level fits (checked above)
 
 
+JOB_PHASES = ("load", "encode", "stage 1", "upscale", "decode")
+"""The jobs of one whole job, as the fleet runs them (``upscale``: the upsampler, then stage 2)."""
+_PHASE_STAGES = {"encode": "encode", "stage 1": "sample", "upscale": "upscale", "decode": "decode"}
+
+
+def job_peaks(sizes: ComponentSizes, plan: ResidencyPlan, stage1_activation_bytes: int, stage2_activation_bytes: int,
+              decode_activation_bytes: int = DECODE_ACTIVATION_BYTES) -> dict[str, int]:  # fmt: skip
+    """One rank's estimated peak in each job of a whole job (``JOB_PHASES``) under ``plan``: the plan's
+    stages with this job's activations in place of the headroom (stage 1's and stage 2's transformer
+    activations per rank, ``validation.estimate_memory_bytes``; the encode's ``ENCODE_HEADROOM_BYTES``;
+    the decode's ``decode_activation_bytes``). The load job holds the transformer at rest (a sharded
+    one: its shard, nothing gathered) and builds every component once, a per-stage one released
+    before the next is built, Gemma not at all."""
+    activations = {"encode": ENCODE_HEADROOM_BYTES, "sample": stage1_activation_bytes, "upscale": stage2_activation_bytes,
+                   "decode": decode_activation_bytes}  # fmt: skip
+    peaks = _stage_peaks(sizes, plan.quantization, set(plan.per_stage), plan.clean_device_bytes, activations,
+                         plan.transformer_parked_for_encode, plan.sharded_over, plan.gemma_split)  # fmt: skip
+    at_rest = math.ceil(sizes.transformer(plan.quantization) / plan.sharded_over)
+    resident = sum(size for name, size in sizes.components.items() if name not in plan.per_stage)
+    built_at_load = max((size for name, size in sizes.components.items() if name in plan.per_stage and name != "gemma"), default=0)
+    return {"load": at_rest + plan.clean_device_bytes + resident + built_at_load, **{phase: peaks[stage] for phase, stage in _PHASE_STAGES.items()}}
+
+
 SHARDING_WORLD_SIZES = (2, 4, 8)
 """The fleet sizes a refusal looks at when it says over how many GPUs sharding would fit."""
 
 
-def _sharded_peak(sizes: ComponentSizes, quantization, world_size: int, headroom: int) -> int:
-    """The lightest sharded plan's peak over ``world_size`` ranks (everything per stage, clean rows on host)."""
-    return _sharded_levels(sizes, None, world_size, quantization, False, headroom, "sharded")[-1].peak_bytes
+def _sharded_peak(sizes: ComponentSizes, quantization, world_size: int, headroom: int, gemma_split: int | None = None) -> int:
+    """The lightest sharded plan's peak over ``world_size`` ranks (everything per stage, clean rows on host),
+    Gemma spread over ``gemma_split`` GPUs (default: one per rank)."""
+    return _sharded_levels(sizes, None, world_size, quantization, False, headroom, "sharded", gemma_split)[-1].peak_bytes
 
 
 def _sharding_advice(sizes: ComponentSizes, quantization, budget: int, headroom: int, fleet_size: int, at_least: int = 2) -> str:
@@ -390,20 +455,35 @@ def _sharding_advice(sizes: ComponentSizes, quantization, budget: int, headroom:
     return f"sharding the transformer over {candidates[-1]} GPUs would still need about {peak / GIB:.1f} GiB per GPU (fp8-cast)"
 
 
-def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: ResidencyPlan, headroom: int, world_size: int = 1) -> str:
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun if count == 1 else noun + 's'}"
+
+
+def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: ResidencyPlan, headroom: int, gpus: int = 1) -> str:
+    """Why the lightest plan does not fit and what would; ``gpus``: the fleet's GPUs (fewer than its ranks
+    when ranks share GPUs)."""
     if minimal.shards_weights:
-        advice = _sharding_advice(sizes, quantization, budget, headroom, minimal.sharded_over, 2 * minimal.sharded_over)
+        ranks, gpus = minimal.sharded_over, minimal.gemma_split
+        if gpus < ranks:  # ranks sharing GPUs: more of them do not split Gemma, more GPUs do
+            gemma = sizes.components.get("gemma", 0) / GIB
+            advice = (
+                f"its {ranks} ranks share {_counted(gpus, 'GPU')} (MGPU_SHARED_GPU_RANKS), where rank 0 builds Gemma whole "
+                f"({gemma:.1f} GiB) for the encode; give each rank a GPU of its own: "
+                f"{_sharding_advice(sizes, quantization, budget, headroom, gpus, ranks)}"
+            )
+        else:
+            advice = _sharding_advice(sizes, quantization, budget, headroom, ranks, 2 * ranks)
         if quantization is None:
-            fp8_peak = _sharded_peak(sizes, "fp8-cast", minimal.sharded_over, headroom)
+            fp8_peak = _sharded_peak(sizes, "fp8-cast", ranks, headroom, gpus)
             if fp8_peak <= budget:
                 advice = f"load it with quantization 'fp8-cast' (estimated peak {fp8_peak / GIB:.1f} GiB sharded), or {advice}"
         return (
             f"this model needs about {minimal.peak_bytes / GIB:.1f} GiB per GPU even with its transformer sharded over "
-            f"{minimal.sharded_over} ranks and every other component built per stage, but the device has {budget / GIB:.1f} GiB; "
+            f"{ranks} ranks and every other component built per stage, but the device has {budget / GIB:.1f} GiB; "
             f"{advice}, or use GPUs with more memory"
         )
     parked = minimal.transformer_parked_for_encode
-    peaks = _stage_peaks(sizes, quantization, set(minimal.per_stage), 0, headroom, parked)
+    peaks = _stage_peaks(sizes, quantization, set(minimal.per_stage), 0, _headroom(headroom), parked)
     stage = max(peaks, key=peaks.get)  # the stage that sets the peak
     names = [name for name in STAGE_COMPONENTS[stage] if name in minimal.per_stage]
     built = sum(sizes.components.get(name, 0) for name in names)
@@ -431,5 +511,5 @@ def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: Res
     return (
         f"this model needs about {minimal.peak_bytes / GIB:.1f} GiB per GPU even with residency 'minimal' ({needed}), "
         f"but the device has {budget / GIB:.1f} GiB; {advice}. Otherwise "
-        f"{_sharding_advice(sizes, quantization, budget, headroom, world_size)}"
+        f"{_sharding_advice(sizes, quantization, budget, headroom, gpus)}"
     )

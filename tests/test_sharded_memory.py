@@ -1,0 +1,111 @@
+"""The sharded-memory benchmark's estimates and its whole-job mode.
+
+The estimate of each job of a whole job (``residency.job_peaks``) for the real LTX-2.3 22B sizes (the
+full-size bundle's headers: nothing is allocated), the planner's count of Gemma on ranks that share a
+GPU (rank 0 builds it whole there, so a 24 GiB cap cannot hold the 22B's encode and is refused before
+loading, saying why), and ``bench/sharded_memory.py --whole-job --tiny``: real fleets of CPU ranks
+running the whole two-stage and distilled jobs sharded, and refusing a case whose cap is too small in the fleet's words.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mgpu_backend.fleet.shared_gpu import SHARED_GPU_RANKS_ENV
+from mgpu_backend.ltx.residency import (
+    DECODE_ACTIVATION_BYTES,
+    ENCODE_HEADROOM_BYTES,
+    GIB,
+    ResidencyError,
+    gemma_gpus,
+    job_peaks,
+    plan_residency,
+)
+
+from .helpers import full_size_sizes
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def sizes_22b():
+    return full_size_sizes("ltx2.3-22b-transformer.json")
+
+
+def test_ranks_sharing_one_gpu_spread_gemma_over_that_gpu_only():
+    assert gemma_gpus(4, {}) == 4
+    assert gemma_gpus(4, {SHARED_GPU_RANKS_ENV: "4"}) == 1
+    assert gemma_gpus(8, {SHARED_GPU_RANKS_ENV: "4"}) == 2
+
+
+def test_4_ranks_sharing_one_gpu_are_refused_the_22b_at_24_gib_because_rank_0_builds_gemma_whole(sizes_22b):
+    # On 4 GPUs, Gemma spreads over them: 23.2 GiB per GPU fits 24 GiB (without parking the shard).
+    on_4_gpus = plan_residency(sizes_22b, 24 * GIB, 4, "sharded", gemma_split=4)
+    assert round(on_4_gpus.peak_bytes / GIB, 1) == 23.2 and not on_4_gpus.transformer_parked_for_encode, on_4_gpus.describe()
+    with pytest.raises(ResidencyError) as refused:
+        plan_residency(sizes_22b, 24 * GIB, 4, "sharded", gemma_split=1)
+    message = str(refused.value)
+    assert message.startswith("this model needs about 30.6 GiB per GPU even with its transformer sharded over 4 ranks"), message
+    assert "its 4 ranks share 1 GPU (MGPU_SHARED_GPU_RANKS), where rank 0 builds Gemma whole (22.7 GiB) for the encode" in message
+    assert "give each rank a GPU of its own: shard the transformer over the GPUs (residency 'sharded': about 19.3 GiB per GPU on 4 GPUs)" in message
+
+
+def test_the_22b_two_stage_job_on_4_ranks_sharing_one_gpu_at_32_gib_is_estimated_job_by_job(sizes_22b):
+    plan = plan_residency(sizes_22b, 32 * GIB, 4, "sharded", gemma_split=1)
+    assert plan.transformer_parked_for_encode and plan.clean_shard_on_host and plan.clean_device_bytes == 0, plan.describe()
+    stage1, stage2 = 1 * GIB, 2 * GIB
+    peaks = job_peaks(sizes_22b, plan, stage1, stage2)
+    parts = sizes_22b.components
+    sharded = sizes_22b.sharded_transformer(None, 4)  # the shard, four block-sized gather buffers, the rest
+    at_rest = sizes_22b.sharded_transformer_at_rest(None, 4)  # between forwards: the shard and the rest
+    assert peaks["load"] == math.ceil(sizes_22b.transformer_bytes / 4) + parts["embeddings_processor"]  # the largest build of the load
+    assert peaks["encode"] == parts["gemma"] + parts["embeddings_processor"] + ENCODE_HEADROOM_BYTES  # parked: Gemma whole in rank 0
+    assert peaks["stage 1"] == sharded + parts["video_encoder"] + stage1
+    assert peaks["upscale"] == sharded + parts["video_encoder"] + parts["spatial_upsampler"] + stage2
+    assert peaks["decode"] == at_rest + parts["video_decoder"] + parts["audio_decoder"] + parts["vocoder"] + DECODE_ACTIVATION_BYTES
+    assert at_rest == -(-sizes_22b.transformer_bytes // 4) + sizes_22b.outside_blocks_bytes[0] < sharded
+    assert round(peaks["encode"] / GIB, 1) == 30.6 and round(peaks["stage 1"] / GIB, 1) == 14.1 and round(peaks["decode"] / GIB, 1) == 13.7
+    # The plan's own peak (6 GiB of headroom per stage) is the encode's here: the job's estimate equals it.
+    assert plan.peak_bytes == peaks["encode"] == max(peaks.values())
+
+
+def run_bench(*args: str) -> subprocess.CompletedProcess:
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("MGPU_")}
+    return subprocess.run(
+        [sys.executable, str(REPO / "bench" / "sharded_memory.py"), *args], capture_output=True, text=True, timeout=900, cwd=REPO,
+        env={**environment, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_whole_job_tiny_runs_both_recipes_sharded_and_shows_a_too_small_cap_refused_in_the_fleets_words(tmp_path):
+    completed = run_bench(
+        "--whole-job", "--tiny", "--recipes", "two-stage", "distilled", "--ranks", "2", "--cap-gib", "24", "5", "--out", str(tmp_path / "t.md"),
+        "--partial-out", str(tmp_path / "partial.md"),
+    )  # fmt: skip
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    table = [line for line in completed.stdout.splitlines() if line.startswith(("| two-stage", "| distilled"))]
+    two_stage = {(row[3], row[5]): row for row in ([cell.strip() for cell in line.split("|")[1:-1]] for line in table) if row[0] == "two-stage"}
+    assert two_stage[("24", "**whole job**")][10] == "finished"  # its --steps 2 stage 1 runs whole: nothing cancelled
+    assert two_stage[("5", "**whole job**")][10].startswith("refused at load: this model needs about 6.0 GiB per GPU")
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table if line.startswith("| distilled")]
+    by_case = {(row[3], row[5]): row for row in rows}
+    assert [phase for cap, phase in by_case if cap == "24"] == ["load", "encode", "stage 1", "upscale", "decode", "**whole job**"]
+    ended = by_case[("24", "**whole job**")][10]
+    assert ended.startswith("finished (stage 1 stopped after ") and ended.endswith(" of its 8 steps)"), ended
+    # Cancelled near --steps 2: the cancel is sent once step 1 is reported and races the ranks' next cancel point.
+    assert 1 <= int(ended.split("after ")[1].split(" of")[0]) < 8, ended
+    assert by_case[("24", "decode")][6] == "n/a (CPU)" and float(by_case[("24", "decode")][8]) > 3.0  # no peak on CPU; the estimate stands
+    refused = by_case[("5", "**whole job**")][10]
+    assert refused.startswith("refused at load: this model needs about 6.0 GiB per GPU even with its transformer sharded over 2 ranks"), refused
+    assert [phase for cap, phase in by_case if cap == "5"] == ["**whole job**"]
+    assert "residency sharded" in completed.stdout and (tmp_path / "t.md").read_text().count("| distilled") == len(rows)
+    # Each case's rows reach the partial file when the case ends, so a call cut short keeps what it measured.
+    partial = [line for line in (tmp_path / "partial.md").read_text().splitlines() if line.startswith(("| two-stage", "| distilled"))]
+    assert partial == table
