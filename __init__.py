@@ -28,10 +28,12 @@ else:
 
 
 def _comfy_prompt_server():
-    try:
-        import server
-    except ImportError:
-        return None
+    """ComfyUI's running PromptServer, read from the module ComfyUI's main has already loaded. Never
+    imported here: anywhere else (a rank process, a test that put ComfyUI's folder on the path) importing
+    ComfyUI's ``server`` would start importing the whole server, and fail without a GPU."""
+    import sys
+
+    server = sys.modules.get("server")
     return getattr(getattr(server, "PromptServer", None), "instance", None)
 
 

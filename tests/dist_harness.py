@@ -7,7 +7,9 @@ it by name) and return CPU tensors or plain Python values.
 from __future__ import annotations
 
 import os
+import queue
 import tempfile
+import time
 import traceback
 
 import torch
@@ -57,7 +59,7 @@ def _rank_main(rank: int, world_size: int, store_path: str, fn, args, results) -
 def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
     """Call ``fn(*args)`` on ranks 0..world_size-1 with torch.distributed (gloo) initialised."""
     ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
+    results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [
@@ -68,15 +70,28 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 300.0) -> list:
             proc.start()
         collected: dict[int, object] = {}
         errors = []
-        for _ in range(world_size):
-            rank, status, value = results.get()
-            if status == "error":
-                errors.append(f"rank {rank}:\n{value}")
-            collected[rank] = _from_plain(value)
-        for proc in procs:
-            proc.join(timeout)
-            if proc.is_alive():
-                proc.kill()
+        deadline = time.monotonic() + timeout
+        try:
+            while len(collected) < world_size:
+                try:
+                    rank, status, value = results.get(timeout=0.5)
+                except queue.Empty:
+                    # A rank that died before reporting (killed, or its interpreter failed before
+                    # _rank_main) would leave the others waiting in a collective and this loop forever.
+                    dead = [rank for rank, proc in enumerate(procs) if rank not in collected and proc.exitcode not in (None, 0)]
+                    if dead:
+                        raise AssertionError(f"rank(s) {dead} died before reporting (exit codes {[procs[rank].exitcode for rank in dead]})") from None
+                    if time.monotonic() > deadline:
+                        raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(collected))} did not report within {timeout:.0f} s") from None
+                    continue
+                if status == "error":
+                    errors.append(f"rank {rank}:\n{value}")
+                collected[rank] = _from_plain(value)
+        finally:
+            for proc in procs:
+                proc.join(timeout if len(collected) == world_size else 0)
+                if proc.is_alive():
+                    proc.kill()
         if errors:
             raise AssertionError("\n".join(errors))
     return [collected[rank] for rank in range(world_size)]
