@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import log, markdown_table, provenance  # noqa: E402
 from mgpu_backend.bundles import full_size  # noqa: E402
+from mgpu_backend.ltx import recipes  # noqa: E402
 from mgpu_backend.ltx.diagnostics import bench_config, context_widths, random_transformer_inputs  # noqa: E402
 from mgpu_backend.ltx.residency import GIB, ResidencyError, plan_residency, sizes_from_headers  # noqa: E402
 from mgpu_backend.ltx.schema import PIPELINES, QUANTIZATIONS, defaults_for, stage2_default_sigmas  # noqa: E402
@@ -243,7 +244,8 @@ def run_case(case: Case, spec: dict, version: str, steps: int) -> tuple[dict[str
     from mgpu_backend.ltx import api
     from mgpu_backend.ltx.latents import StageGeometry
 
-    two_stage = case.recipe == "two-stage"
+    declared = recipes.recipe(case.recipe)
+    negative, fixed_steps = declared.encodes_negative_prompt, declared.fixed_steps is not None
     defaults = defaults_for(version, case.recipe)
     sigmas = stage2_default_sigmas(case.recipe)
     sigmas = tuple(sigmas[: min(steps, len(sigmas) - 1)]) + (0.0,)
@@ -259,9 +261,9 @@ def run_case(case: Case, spec: dict, version: str, steps: int) -> tuple[dict[str
     def sample() -> None:
         try:
             state["stage1"] = api.sample(
-                spec, state["prompts"][0], state["prompts"][1] if two_stage else None, width=stage1.width, height=stage1.height,
-                num_frames=case.frames, steps=steps if two_stage else None, progress=count_steps,
-                should_cancel=None if two_stage else lambda: state["stage 1 steps"] >= steps - 1, **recipe,
+                spec, state["prompts"][0], state["prompts"][1] if negative else None, width=stage1.width, height=stage1.height,
+                num_frames=case.frames, steps=None if fixed_steps else steps, progress=count_steps,
+                should_cancel=None if not fixed_steps else lambda: state["stage 1 steps"] >= steps - 1, **recipe,
             )  # fmt: skip
         except FleetCancelled:
             state["cut"] = f" (stage 1 stopped after {state['stage 1 steps']} of its {defaults.steps} steps)"
@@ -271,7 +273,7 @@ def run_case(case: Case, spec: dict, version: str, steps: int) -> tuple[dict[str
 
     jobs = {
         "load": lambda: api.load(spec),
-        "encode": lambda: state.update(prompts=api.encode(spec, [PROMPT, NEGATIVE_PROMPT] if two_stage else [PROMPT])),
+        "encode": lambda: state.update(prompts=api.encode(spec, [PROMPT, NEGATIVE_PROMPT] if negative else [PROMPT])),
         "stage 1": sample,
         "upscale": lambda: state.update(stage2=api.upscale(spec, *state["stage1"], state["prompts"][0], sigmas=sigmas, **recipe)),
         "decode": lambda: api.decode(spec, *state["stage2"]),
@@ -318,8 +320,9 @@ def whole_job_bench(args) -> tuple[str, torch.device]:
         sizes_by_recipe, specs = {}, {}
         for recipe in args.recipes:
             spec = replace(bundle.spec(), quantization=args.quantization, residency="sharded")
-            if recipe == "distilled":  # the bundle's checkpoint stands in for the distilled one: same shapes, no LoRA
-                spec = replace(spec, distilled_lora=None)
+            # The files the recipe refuses (the distilled one's LoRA) leave the spec; the bundle's checkpoint
+            # stands in for the distilled one: the same shapes.
+            spec = replace(spec, **{file.spec_field: None for file, _ in recipes.recipe(recipe).refused})
             specs[recipe], sizes_by_recipe[recipe] = spec, component_sizes(spec)
         dims = TransformerDims.from_checkpoint(bundle.checkpoint_path)
         socket_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-sharded-memory-"))
