@@ -142,12 +142,11 @@ def patches(ctx: JobContext, args: dict, tensors: dict):
     except ValueError as exc:
         raise JobInputError(f"the patch tensor blob is malformed: {exc}") from exc
     held = ctx.state.setdefault(PATCH_TENSORS, {})
-    for digest, view in arrived.items():
-        if digest in held:
-            continue
-        with torch.inference_mode(False):  # a normal tensor: wire.tensor_digest reads its version counter
-            tensor = view.clone()
-        if wire.tensor_digest(tensor) != digest:
+    new = [digest for digest in arrived if digest not in held]
+    with torch.inference_mode(False):  # normal tensors: wire.tensor_digest reads their version counters
+        copies = [arrived[digest].clone() for digest in new]
+    for digest, tensor, found in zip(new, copies, wire.tensor_digests(copies), strict=True):
+        if found != digest:
             raise JobInputError(f"patch tensor {digest!r} arrived with other contents than its digest names; resend it")
         held[digest] = tensor
     return {"held": sorted(held)}, {}
