@@ -191,7 +191,7 @@ def describe_version(version: str, pipeline: str) -> str:
 
 def strength_tooltip(field: str) -> str:
     """A per-stage LoRA strength input's tooltip: the recipes that read it and its official default."""
-    readers = " and ".join(declared.name for declared in RECIPES.values() if field in declared.strengths)
+    readers = " and ".join(declared.name for declared in RECIPES.values() if field in declared.stage_strengths)
     return (f"The {readers} pipeline only: {STRENGTH_WORDS[field]} (the official {ModelSpec.__dataclass_fields__[field].default}); "
             "its distilled_lora_strength is not read.")  # fmt: skip
 

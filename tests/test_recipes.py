@@ -141,6 +141,34 @@ def test_the_cli_builds_each_recipes_spec_from_its_files_given_as_flags(declared
     assert (spec["gemma_root"], spec["spatial_upsampler_path"]) == (bundle.gemma_root, bundle.spatial_upsampler_path)
 
 
+def test_the_cli_takes_hq_stage_strengths_and_refuses_what_the_recipe_does_not_read(tiny_bundle_of, capsys):
+    bundle = tiny_bundle_of("2.3")
+    assert _recipe_flags(HQ, bundle)[-2:] == ["--distilled-lora", bundle.distilled_lora_path]
+    spec, _ = generate.build_spec(_parsed("--pipeline", "hq", *_recipe_flags(HQ, bundle), "--distilled-lora-strength-stage-1", "0.3"))
+    assert (spec["distilled_lora_strength_stage_1"], spec["distilled_lora_strength_stage_2"]) == (0.3, 0.5)
+    refusals = {
+        ("--pipeline", "two-stage", "--distilled-lora-strength-stage-2", "0.6"): (
+            "--distilled-lora-strength-stage-2 does not apply to --pipeline two-stage (use --pipeline hq for it; --distilled-lora's "
+            "STRENGTH sets its stage-2 strength); drop it"
+        ),
+        ("--pipeline", "hq", "--model-version", "2.0"): (
+            "--model-version: the hq pipeline runs LTX-2.3 only (ltx-pipelines has its parameters for no other version), got an "
+            "LTX-2.0 checkpoint; use an LTX-2.3 checkpoint, or pipeline 'two-stage' or 'distilled'"
+        ),
+        ("--pipeline", "hq", *_recipe_flags(HQ, bundle), "0.7"): (  # the distilled LoRA's flag comes last: 0.7 is its STRENGTH
+            f"--distilled-lora {bundle.distilled_lora_path} 0.7: --pipeline hq reads no strength there (its stages take "
+            "--distilled-lora-strength-stage-1 and --distilled-lora-strength-stage-2); drop 0.7"
+        ),
+    }
+    for argv, message in refusals.items():
+        with pytest.raises(SystemExit) as exited:
+            generate.build_spec(_parsed(*argv))
+        assert exited.value.code == 2 and capsys.readouterr().err.strip() == f"error: {message}", argv
+    # Without model flags, hq runs the tiny LTX-2.3 bundle (it runs no 2.0).
+    spec, is_tiny = generate.build_spec(_parsed("--pipeline", "hq"))
+    assert is_tiny and spec["checkpoint_path"] == "embedded:tiny-2.3" and spec["distilled_lora"] == "embedded:tiny-2.3"
+
+
 def test_every_declared_file_names_a_spec_field_a_cli_flag_a_loader_input_and_a_tiny_bundle_file():
     from tests.helpers import load_pack
 

@@ -58,7 +58,7 @@ STRENGTH_WORDS = {
     "distilled_lora_strength_stage_1": "the distilled LoRA's strength in stage 1",
     "distilled_lora_strength_stage_2": "the distilled LoRA's strength in stage 2",
 }
-"""The per-stage strength fields a recipe may read (``Recipe.strengths``), in words."""
+"""The per-stage strength fields a recipe may read (``Recipe.stage_strengths``), in words."""
 
 LORA_FILES = frozenset(field for pairs in LORA_SETS.values() for field, _strength in pairs)
 """The model spec fields that hold a LoRA a set fuses."""
@@ -173,7 +173,6 @@ class Recipe:
     # The official parameters its runner takes per model version it supports (``OFFICIAL_PARAMS``'
     # form); a version missing here is one the official layer has no parameters for, refused.
     official_params: tuple[tuple[str, str], ...] = tuple(OFFICIAL_PARAMS.items())
-    strengths: tuple[str, ...] = ()  # the model spec's LoRA strength fields it reads, each a CLI flag of its runner
 
     def __post_init__(self) -> None:
         assert self.guidance in GUIDANCES and self.stage2_policy in STAGE2_POLICIES, self
@@ -182,8 +181,17 @@ class Recipe:
         # GenerationParams has one stepper for both stages.
         assert self.stage1.stepper == self.stage2.stepper, self
         assert self.files[0].spec_field == "checkpoint_path", self
-        assert all(field in STRENGTH_WORDS for field in self.strengths), self
         assert self.official_params and all(version in OFFICIAL_PARAMS for version, _params in self.official_params), self
+
+    @property
+    def lora_strengths(self) -> tuple[str, ...]:
+        """The model spec's strength fields its stages' LoRA sets read (a user LoRA's strength aside)."""
+        return tuple(dict.fromkeys(strength for stage in (self.stage1, self.stage2) for _file, strength in LORA_SETS[stage.lora_set]))
+
+    @property
+    def stage_strengths(self) -> tuple[str, ...]:
+        """Its per-stage strength fields (``STRENGTH_WORDS``), each a flag of its official runner."""
+        return tuple(field for field in self.lora_strengths if field in STRENGTH_WORDS)
 
     @property
     def versions(self) -> tuple[str, ...]:
@@ -320,7 +328,6 @@ HQ = Recipe(
     stage2_policy="sp",
     upscale_sigmas=STAGE_2_SIGMAS,
     official_params=(("2.3", "ltx_pipelines.utils.constants.LTX_2_3_HQ_PARAMS"),),
-    strengths=("distilled_lora_strength_stage_1", "distilled_lora_strength_stage_2"),
 )
 
 RECIPES: dict[str, Recipe] = {declared.name: declared for declared in (TWO_STAGE, DISTILLED, HQ)}
@@ -343,7 +350,12 @@ def recipe(name: str) -> Recipe:
 
 def strength_fields() -> tuple[str, ...]:
     """Every per-stage LoRA strength field a recipe reads, each once, in declaration order."""
-    return tuple(dict.fromkeys(field for declared in RECIPES.values() for field in declared.strengths))
+    return tuple(dict.fromkeys(field for declared in RECIPES.values() for field in declared.stage_strengths))
+
+
+def strength_flag(field: str) -> str:
+    """The CLI flag of a per-stage strength field, as its official runner names it."""
+    return "--" + field.replace("_", "-")
 
 
 def model_flags() -> tuple[str, ...]:
@@ -401,8 +413,8 @@ def recipes_markdown() -> str:
         if tuple(versions) != MODEL_VERSIONS:
             lines.append(f"- **Model versions:** {', '.join(f'LTX-{version}' for version in versions)} only (`{', '.join(params for _v, params in declared.official_params)}`: "
                          "the official layer has parameters for no other); a checkpoint of another version is refused.")  # fmt: skip
-        if declared.strengths:
-            lines.append(f"- **LoRA strengths:** {'; '.join(f'`{field}` (`--{field.replace(chr(95), chr(45))}`)' for field in declared.strengths)} of the model spec.")
+        if declared.stage_strengths:
+            lines.append(f"- **LoRA strengths:** {'; '.join(f'{STRENGTH_WORDS[field]}: `{field}` of the model spec (`{strength_flag(field)}`)' for field in declared.stage_strengths)}.")
         if declared.ignores:
             ignored = "; ".join(f"{ignored.input} ({ignored.why})" for ignored in declared.ignores)
             lines.append(f"- **Ignores:** {ignored}; the CLI and the API refuse them when set, SP Sampler notes them on the node.")
