@@ -324,7 +324,8 @@ class TDPUpscale:
     FUNCTION = "upscale"
     DESCRIPTION = (
         "LTX-2 stage 2 on all GPUs: the upsampled latent is cut into overlapping tiles refined on different GPUs "
-        "and blended. An upscaler only: the audio of stage 1 is passed through unchanged. With the distilled recipe "
+        "and blended. An upscaler only: the audio of stage 1 is passed through unchanged. With the "
+        f"{' and '.join(declared.name for declared in RECIPES.values() if declared.stage2_policy != 'tdp')} recipes "
         "it may instead run sequence parallel (faithful to one GPU, audio re-denoised), as stage2_parallel and the planner decide."
     )
 

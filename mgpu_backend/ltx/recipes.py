@@ -136,8 +136,9 @@ GUIDANCES = {
     "none": "one conditional pass per step (no negative prompt, no guidance scales)",
 }
 GUIDED_PASSES = {"multimodal": 4, "none": 1}
-DENOISES_PER_STEP = {"euler": 1, "res2s": 2}
-"""The guided denoises (each up to ``GUIDED_PASSES`` forwards) one step of each stepper runs."""
+DENOISES = {"euler": (1, 0), "res2s": (2, 1)}
+"""The denoise calls (each up to ``GUIDED_PASSES`` forwards in stage 1) of each stepper: per step, and
+once more per stage (res_2s evaluates its extra last sigma: 2N + 1 for N steps)."""
 OFFICIAL_PARAMS = {
     "2.0": "ltx_pipelines.utils.constants.LTX_2_PARAMS",
     "2.3": "ltx_pipelines.utils.constants.LTX_2_3_PARAMS",
@@ -240,9 +241,10 @@ class Recipe:
     def passes_per_step(self) -> int:
         return GUIDED_PASSES[self.guidance]
 
-    def forwards_per_step(self, stage: Stage) -> int:
-        """The most transformer forwards one step of ``stage`` runs (stage 2 is unguided)."""
-        return DENOISES_PER_STEP[stage.stepper] * (self.passes_per_step() if stage is self.stage1 else 1)
+    def forwards(self, stage: Stage, steps: int) -> int:
+        """The most transformer forwards ``steps`` steps of ``stage`` run (stage 2 is unguided)."""
+        per_step, per_stage = DENOISES[stage.stepper]
+        return (per_step * steps + per_stage) * (self.passes_per_step() if stage is self.stage1 else 1)
 
     @staticmethod
     def stepper_words(stage: Stage) -> str:
@@ -388,7 +390,7 @@ def recipes_markdown() -> str:
         steps = ", ".join(f"LTX-{version}: {DEFAULTS[(version, declared.name)].steps}" for version in versions)
         stage1_sigmas = "ltx-core's LTX2Scheduler over the version's steps" if declared.stage1.sigmas is None else f"the fixed `{', '.join(map(str, declared.stage1.sigmas))}`"
         stage2_steps = len(declared.stage2.sigmas) - 1
-        passes, stage2_forwards = declared.forwards_per_step(declared.stage1), declared.forwards_per_step(declared.stage2) * stage2_steps
+        passes = declared.passes_per_step() * DENOISES[declared.stage1.stepper][0]
         lines += [
             "",
             f"### {declared.label} (`pipeline: {declared.name}`, reproduces `{module}.{runner}`)",
@@ -406,8 +408,8 @@ def recipes_markdown() -> str:
             f"default `{', '.join(map(str, declared.upscale_sigmas))}`), {declared.stepper_words(declared.stage2)}, LoRA set "
             f"`{declared.stage2.lora_set}`{'' if declared.stage1.lora_set == declared.stage2.lora_set else ' (swapped in for stage 2, out after)'}.",
             f"- **Cost per GPU:** up to {passes} transformer {'pass' if passes == 1 else 'passes'} per stage-1 step "
-            f"({', '.join(f'LTX-{version}: {passes * DEFAULTS[(version, declared.name)].steps}' for version in versions)} stage-1 forwards), "
-            f"then {stage2_forwards} full-size forwards (4x the tokens each).",
+            f"({', '.join(f'LTX-{version}: {declared.forwards(declared.stage1, DEFAULTS[(version, declared.name)].steps)}' for version in versions)} stage-1 forwards), "
+            f"then {declared.forwards(declared.stage2, stage2_steps)} full-size forwards (4x the tokens each).",
             f"- **What spreads it:** stage 1 by {_stage1_parallelism(declared)}; stage 2 (`auto`) by {STAGE2_POLICIES[declared.stage2_policy]}.",
         ]
         if tuple(versions) != MODEL_VERSIONS:
