@@ -13,8 +13,9 @@ heavy work, so the fleet stays as it was), then runs the stage functions of ``st
 Every recipe of ``recipes.RECIPES`` runs, as its declaration says: ``two-stage`` (the dev checkpoint;
 stage 2 fuses the distilled LoRA) and ``distilled`` (the distilled checkpoint, no LoRA: the working
 transformer never swaps; stage 1 one positive-only pass per step over the fixed distilled sigmas, so
-the sample job needs no negative prompt). ``check_recipe_files`` refuses a spec that does not fit the
-recipe.
+the sample job needs no negative prompt) and ``hq`` (the dev checkpoint with the distilled LoRA in
+both stages at each stage's strength, two LoRA sets the working transformer swaps between; res_2s
+steps in both stages). ``check_recipe_files`` refuses a spec that does not fit the recipe.
 - decode: the distributed decoder, frames written straight into shared memory on rank 0.
 
 Every job reads its arguments with the request type of ``schema`` (``SampleRequest.from_wire`` ...),

@@ -2,9 +2,10 @@
 
 A recipe is what the official ltx-pipelines 1.0.0 runner of the same name does, written as data:
 the model files it needs (with the CLI flag and loader-node input naming each), the LoRA set and
-stepper of each stage, its guidance (the model version's guided passes, or one unguided pass),
-its stage-1 schedule, its stage-2 policy over the fleet, and the inputs it ignores with the words
-of their refusal. ``RECIPES`` holds them by their wire name (``"two-stage"``, ``"distilled"``: the
+stepper of each stage, its guidance (the official parameters' guided passes, or one unguided pass),
+its stage-1 schedule, its stage-2 policy over the fleet, the model versions its runner has
+parameters for, and the inputs it ignores with the words of their refusal. ``RECIPES`` holds them
+by their wire name (``"two-stage"``, ``"distilled"``, ``"hq"``: the
 ``pipeline`` field of the requests, the CLI's ``--pipeline``, the loader node's ``pipeline``), and
 ``recipe(name)`` is the one way to get one. The request schema derives ``DEFAULTS[(version,
 pipeline)]`` from these declarations and the model version's official parameters; the jobs, the
@@ -136,6 +137,7 @@ GUIDANCES = {
     "none": "one conditional pass per step (no negative prompt, no guidance scales)",
 }
 GUIDED_PASSES = {"multimodal": 4, "none": 1}
+"""The most transformer forwards one stage-1 step runs under each guidance (a skipped pass is one fewer)."""
 DENOISES = {"euler": (1, 0), "res2s": (2, 1)}
 """The denoise calls (each up to ``GUIDED_PASSES`` forwards in stage 1) of each stepper: per step, and
 once more per stage (res_2s evaluates its extra last sigma: 2N + 1 for N steps)."""
@@ -145,7 +147,6 @@ OFFICIAL_PARAMS = {
 }
 """The official parameters (steps, sizes, guidance) a recipe's runner takes per model version, by
 default (``Recipe.official_params``; ``schema.OFFICIAL_PARAMS`` holds their values)."""
-"""The most transformer forwards one stage-1 step runs under each guidance (a skipped pass is one fewer)."""
 STAGE2_POLICIES = {
     "tdp": "TDP Upscale (tiles over the GPUs, the stage-1 audio kept)",
     "planned": "the planner's rule (SP over the fleet while each GPU keeps enough tokens, else TDP)",
@@ -204,7 +205,7 @@ class Recipe:
         if model_version not in self.versions:
             names = " and ".join(f"LTX-{version}" for version in self.versions)
             others = [other.name for other in RECIPES.values() if model_version in other.versions]
-            raise UnknownRecipe(
+            raise UnsupportedModelVersion(
                 f"the {self.name} pipeline runs {names} only (ltx-pipelines has its parameters for no other version), got an "
                 f"LTX-{model_version} checkpoint; use an {names} checkpoint, or pipeline {' or '.join(map(repr, others))}"
             )
@@ -340,6 +341,10 @@ DEFAULT_RECIPE = RECIPE_NAMES[0]
 
 class UnknownRecipe(ValueError):
     """A pipeline name no recipe declares."""
+
+
+class UnsupportedModelVersion(ValueError):
+    """A model version a recipe's official runner has no parameters for."""
 
 
 def recipe(name: str) -> Recipe:

@@ -42,6 +42,7 @@ from mgpu_backend.ltx.recipes import (  # noqa: F401 - the recipes' schedules ar
     TDP_UPSCALE_SIGMAS,
     Recipe,
     UnknownRecipe,
+    UnsupportedModelVersion,
     recipe,
 )
 from mgpu_backend.ltx.safetensors_header import ModelFileError, checkpoint_model_version
@@ -692,7 +693,7 @@ def defaults_for(model_version: str = "2.0", pipeline: str = DEFAULT_RECIPE) -> 
     declared = recipe_of(pipeline)
     try:
         declared.check_version(model_version)
-    except UnknownRecipe as error:
+    except UnsupportedModelVersion as error:
         raise RequestError(str(error)) from None
     return DEFAULTS[(model_version, declared.name)]
 

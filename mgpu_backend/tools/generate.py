@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, FILE_WORDS, RECIPES, STAGE2_POLICIES, STRENGTH_WORDS, UnknownRecipe, model_flags, recipe, strength_flag, strength_fields
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, FILE_WORDS, RECIPES, STAGE2_POLICIES, STRENGTH_WORDS, UnsupportedModelVersion, model_flags, recipe, strength_flag, strength_fields
 from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PARALLEL_PLANS, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
@@ -325,7 +325,7 @@ def build_spec(args) -> tuple[dict, bool]:
         version = args.model_version or (DEFAULT_VERSION if DEFAULT_VERSION in declared.versions else declared.versions[0])
         try:
             declared.check_version(version)
-        except UnknownRecipe as error:
+        except UnsupportedModelVersion as error:
             raise refuse(f"--model-version: {error}") from None
         spec = replace(ModelSpec.embedded_tiny_for(pipeline, version=version), **held)
         try:  # the bundle itself is made on the ranks; a user LoRA must exist here already
@@ -500,7 +500,7 @@ def run_generate(args) -> int:
     try:
         args.model_version = request_model_version(ModelSpec.from_wire(spec), args.model_version)
         declared.check_version(args.model_version)
-    except (RequestError, UnknownRecipe) as error:
+    except (RequestError, UnsupportedModelVersion) as error:
         raise refuse(f"--model-version: {error}" if isinstance(error, RequestError) else str(error)) from None
     check_ignored_flags(args, declared)
     defaults = dict(TINY_DEFAULTS) if tiny else real_defaults(args.model_version, args.pipeline)
