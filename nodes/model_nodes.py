@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.safetensors_header import ModelFileError
-from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES, recipe
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES, STRENGTH_WORDS, recipe, strength_fields
 from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, ModelSpec, defaults_for, validate_dtype_with_loras
 
 from .fleet_admin import format_status, status_snapshot, stop_fleet, unload_models
@@ -112,16 +112,24 @@ def _resolve_gemma(name: str) -> str:
 
 
 def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: float, spatial_upsampler: str, gemma: str,
-               quantization: str = NO_QUANTIZATION, residency: str = RESIDENCY_POLICIES[0], pipeline: str = DEFAULT_RECIPE) -> dict:  # fmt: skip
+               quantization: str = NO_QUANTIZATION, residency: str = RESIDENCY_POLICIES[0], pipeline: str = DEFAULT_RECIPE,
+               strengths: dict[str, float] | None = None) -> dict:  # fmt: skip
     """The ModelSpec JSON for the chosen files; the embedded tiny bundle is one set of one version,
     never mixed, and named symbolically: the fleet makes (or finds) its files, nothing is written in
     this process. A file the recipe refuses (the distilled recipe: the distilled LoRA, its checkpoint
-    being the distilled model) must be (none)."""
+    being the distilled model) must be (none). ``strengths``: the per-stage LoRA strengths
+    (``recipes.STRENGTH_WORDS``) given; the others keep the model spec's defaults."""
+    return replace(ModelSpec.from_wire(_files_spec(ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma,
+                                                   quantization, residency, pipeline)), **(strengths or {})).to_wire()  # fmt: skip
+
+
+def _files_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: float, spatial_upsampler: str, gemma: str,
+                quantization: str, residency: str, pipeline: str) -> dict:  # fmt: skip
     declared = recipe(pipeline)
     chosen = {"ckpt_name": ckpt_name, "distilled_lora": distilled_lora, "spatial_upsampler": spatial_upsampler, "gemma": gemma}
     for file, _why in declared.refused:
         if chosen[file.node_input] != NO_FILE:
-            takers = " or ".join(other.name for other in RECIPES.values() if file in other.files)
+            takers = " or ".join(other.name for other in RECIPES.values() if other.takes(file))
             raise ValueError(
                 f"the {declared.name} pipeline runs the {declared.checkpoint.words} with no {file.words}, but {file.node_input} is "
                 f"{chosen[file.node_input]!r}; set {file.node_input} to {NO_FILE!r} (or pipeline to {takers}, which takes it)"
@@ -177,7 +185,15 @@ def describe_version(version: str, pipeline: str) -> str:
     if declared.fixed_steps is not None:
         return (f"LTX-{version} checkpoint, {declared.name} pipeline: {declared.fixed_steps} fixed {declared.name} steps, "
                 f"then the {len(declared.stage2.sigmas) - 1}-step tail")  # fmt: skip
-    return f"LTX-{version} checkpoint: official defaults {official.steps} steps, STG block {','.join(map(str, official.video_guidance.stg_blocks))}"
+    stg = f"STG block {','.join(map(str, official.video_guidance.stg_blocks))}" if official.video_guidance.stg_scale else "no STG"
+    return f"LTX-{version} checkpoint: official defaults {official.steps} steps, {stg}"
+
+
+def strength_tooltip(field: str) -> str:
+    """A per-stage LoRA strength input's tooltip: the recipes that read it and its official default."""
+    readers = " and ".join(declared.name for declared in RECIPES.values() if field in declared.stage_strengths)
+    return (f"The {readers} pipeline only: {STRENGTH_WORDS[field]} (the official {ModelSpec.__dataclass_fields__[field].default}); "
+            "its distilled_lora_strength is not read.")  # fmt: skip
 
 
 def pipeline_tooltip() -> str:
@@ -213,6 +229,10 @@ class LoadCheckpointMGPU:
                 "residency": (list(RESIDENCY_POLICIES), {"default": RESIDENCY_POLICIES[0], "tooltip": "What stays on each GPU between jobs. auto keeps what fits the GPU and builds the rest per stage (Gemma first); all keeps everything (fastest warm runs, most memory); minimal keeps only the transformer; sharded spreads the transformer's weights over the fleet's GPUs (1/N each: for GPUs too small to hold it whole, at the cost of gathering each block over the GPU links)."}),
                 "pipeline": (list(PIPELINES), {"default": DEFAULT_RECIPE, "tooltip": pipeline_tooltip()}),
             },
+            "optional": {
+                field: ("FLOAT", {"default": ModelSpec.__dataclass_fields__[field].default, "min": 0.0, "max": 2.0, "step": 0.05, "tooltip": strength_tooltip(field)})
+                for field in strength_fields()
+            },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
@@ -235,16 +255,18 @@ class LoadCheckpointMGPU:
         return refusal([("dtype", dtype, check_dtype), ("distilled_lora", distilled_lora, check_lora)])
 
     def load(self, ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, gpus, gemma_mode, parallel, dtype,
-             quantization=NO_QUANTIZATION, residency=RESIDENCY_POLICIES[0], pipeline=DEFAULT_RECIPE, unique_id=None):  # fmt: skip
+             quantization=NO_QUANTIZATION, residency=RESIDENCY_POLICIES[0], pipeline=DEFAULT_RECIPE, unique_id=None, **strengths):  # fmt: skip
         gpus = parse_gpus(gpus)
-        spec = build_spec(ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, quantization, residency, pipeline)
+        spec = build_spec(ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma, quantization, residency, pipeline, strengths)
         handle = make_model_handle(spec, dtype=dtype, gemma_mode=gemma_mode, parallel=parallel, gpus=gpus, pipeline=pipeline)
+        version = spec_model_version(spec)
+        if version is not None:
+            recipe(pipeline).check_version(version)  # before any weight is read: the recipe's official runner has no such version
         job = FleetJob(unique_id, "Load Checkpoint MGPU")
         # Takes effect when this process starts the fleet; 'all' leaves the choice to the server
         # (every visible GPU, or one CPU rank without CUDA).
         api.configure(gpus=None if gpus == "all" else gpus)
         job.call(api.load, spec, dtype=dtype)
-        version = spec_model_version(spec)
         if version is not None:
             node_note(unique_id, describe_version(version, pipeline))
         self._warn_on_device_mismatch(gpus, unique_id)

@@ -114,11 +114,11 @@ def version_default_notes(model_version: str | None, pipeline: str, steps: int, 
     not this checkpoint's: what the checkpoint is, what it was given, and its own values. None when
     the version is unknown, the recipe ignores those widgets (distilled), or nothing fits."""
     declared = recipe(pipeline)
-    if model_version is None or declared.ignored("steps") or declared.ignored("guidance"):
-        return None
+    if model_version not in declared.versions or declared.ignored("steps") or declared.ignored("guidance"):
+        return None  # no version known, one the recipe refuses (the job says so), or no such widgets
     own = DEFAULTS[(model_version, pipeline)]
     own_blocks = own.video_guidance.stg_blocks
-    for other_version in (version for version in MODEL_VERSIONS if version != model_version):
+    for other_version in (version for version in declared.versions if version != model_version):
         other = DEFAULTS[(other_version, pipeline)]
         given = [f"steps {steps}"] if steps == other.steps != own.steps else []
         if stg_blocks is not None and stg_blocks == other.video_guidance.stg_blocks != own_blocks:
@@ -133,9 +133,16 @@ def version_default_notes(model_version: str | None, pipeline: str, steps: int, 
 
 
 DEFAULT_SIGMAS = ", ".join(map(str, TDP_UPSCALE_SIGMAS))
+SAME_AS_RESCALE = -1.0
+"""SP Sampler's ``audio_rescale`` that takes ``rescale`` for the audio too (older graphs have no such widget)."""
+OWN_AUDIO_RESCALE = "; ".join(
+    f"{pipeline} on LTX-{version}: video {official.video_guidance.rescale_scale}, audio {official.audio_guidance.rescale_scale}"
+    for (version, pipeline), official in DEFAULTS.items() if official.video_guidance.rescale_scale != official.audio_guidance.rescale_scale
+)
+"""The recipes whose official audio rescale differs from the video's, in words (``audio_rescale``'s tooltip)."""
 STAGE2_AUTO = "; ".join(f"{declared.name}: {STAGE2_POLICIES[declared.stage2_policy]}" for declared in RECIPES.values())
 RECIPE_SIGMAS = "; ".join(f"{declared.name}: {', '.join(map(str, declared.upscale_sigmas))}" for declared in RECIPES.values())
-SP_SAMPLER_INPUTS = {"steps": ("steps",), "guidance": ("video_cfg", "audio_cfg", "stg_scale", "stg_blocks", "rescale", "modality_scale", "negative")}
+SP_SAMPLER_INPUTS = {"steps": ("steps",), "guidance": ("video_cfg", "audio_cfg", "stg_scale", "stg_blocks", "rescale", "audio_rescale", "modality_scale", "negative")}
 """SP Sampler's inputs behind each input a recipe may ignore (``recipes.Ignored.input``)."""
 
 
@@ -241,6 +248,7 @@ class SPSampler:
                 "parallel": ([FROM_LOADER, *PARALLEL_PLANS], {"default": FROM_LOADER, "tooltip": "How the steps are spread over the GPUs; (from loader) uses the loader's choice. sp: sequence parallel, guidance: passes on separate GPUs, hybrid: both, auto: planner."}),
             },
             "optional": {
+                "audio_rescale": ("FLOAT", {"default": SAME_AS_RESCALE, "min": SAME_AS_RESCALE, "max": 1.0, "step": 0.05, "tooltip": f"The audio's own rescale, where it differs from the video's (the official values where they differ: {OWN_AUDIO_RESCALE}). {SAME_AS_RESCALE}: the same as rescale."}),
                 "image": ("IMAGE", {"tooltip": "Optional first frame for image-to-video; it is resized to cover width x height and centre-cropped."}),
                 "compile_blocks": ("BOOLEAN", {"default": False, "tooltip": "Compile the transformer blocks with torch.compile (GPU). The first run of each size waits tens of seconds for the compile; later runs on the same fleet get faster steps when each GPU holds a small share of the video (4 or more GPUs). Results differ from off by bf16 rounding only."}),
             },
@@ -254,7 +262,8 @@ class SPSampler:
         values = {"width": width, "height": height, "length": length, "frame_rate": frame_rate, "seed": seed, "steps": steps}
         return refusal([*((name, value, generation_check(name)) for name, value in values.items()), ("stg_blocks", stg_blocks, parse_stg_blocks)])
 
-    def sample(self, model, positive, negative, width, height, length, frame_rate, seed, steps, video_cfg, audio_cfg, stg_scale, stg_blocks, rescale, modality_scale, parallel, image=None, compile_blocks=False, unique_id=None):
+    def sample(self, model, positive, negative, width, height, length, frame_rate, seed, steps, video_cfg, audio_cfg, stg_scale, stg_blocks, rescale, modality_scale, parallel,
+               image=None, compile_blocks=False, audio_rescale=SAME_AS_RESCALE, unique_id=None):  # fmt: skip
         handle = check_model_handle(model)
         pipeline = handle_pipeline(handle)
         declared = recipe(pipeline)
@@ -268,8 +277,10 @@ class SPSampler:
                                  f"set SP Sampler's frame_rate to {carried:g} (it also sets how long the audio is) or LTXVConditioning's to {frame_rate:g}")  # fmt: skip
         positive_contexts = conditioning_contexts(positive, "positive")
         negative_contexts = conditioning_contexts(negative, "negative") if declared.encodes_negative_prompt else None
-        shared = {"stg_scale": stg_scale, "rescale_scale": rescale, "modality_scale": modality_scale, "stg_blocks": blocks}
-        video_guidance, audio_guidance = api.Guidance(cfg_scale=video_cfg, **shared), api.Guidance(cfg_scale=audio_cfg, **shared)
+        shared = {"stg_scale": stg_scale, "modality_scale": modality_scale, "stg_blocks": blocks}
+        audio_rescale = rescale if audio_rescale == SAME_AS_RESCALE else audio_rescale
+        video_guidance = api.Guidance(cfg_scale=video_cfg, rescale_scale=rescale, **shared)
+        audio_guidance = api.Guidance(cfg_scale=audio_cfg, rescale_scale=audio_rescale, **shared)
         version_note = version_default_notes(spec_model_version(handle["spec"]), pipeline, steps, blocks)
         if version_note is not None:
             node_note(unique_id, version_note)
@@ -313,7 +324,8 @@ class TDPUpscale:
     FUNCTION = "upscale"
     DESCRIPTION = (
         "LTX-2 stage 2 on all GPUs: the upsampled latent is cut into overlapping tiles refined on different GPUs "
-        "and blended. An upscaler only: the audio of stage 1 is passed through unchanged. With the distilled recipe "
+        "and blended. An upscaler only: the audio of stage 1 is passed through unchanged. With the "
+        f"{' and '.join(declared.name for declared in RECIPES.values() if declared.stage2_policy != 'tdp')} recipes "
         "it may instead run sequence parallel (faithful to one GPU, audio re-denoised), as stage2_parallel and the planner decide."
     )
 

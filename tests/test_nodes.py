@@ -617,7 +617,7 @@ def test_loader_pipeline_choice_builds_the_distilled_spec_and_the_handle_carries
     from mgpu_backend.ltx.schema import EMBEDDED_TINY, EMBEDDED_TINY_DISTILLED, ModelSpec
 
     required = NODES["MGPULoadCheckpoint"].INPUT_TYPES()["required"]
-    assert required["pipeline"][0] == ["two-stage", "distilled"] and required["pipeline"][1]["default"] == "two-stage"
+    assert required["pipeline"][0] == ["two-stage", "distilled", "hq"] and required["pipeline"][1]["default"] == "two-stage"
     fake_api["load"].result = {"seconds": 0.1}
     (handle,) = node("MGPULoadCheckpoint").load(
         model_nodes.EMBEDDED, model_nodes.NO_FILE, 1.0, model_nodes.EMBEDDED, model_nodes.EMBEDDED,
@@ -632,6 +632,35 @@ def test_loader_pipeline_choice_builds_the_distilled_spec_and_the_handle_carries
     assert len(fake_api["load"].calls) == 1
 
 
+def test_loader_hq_choice_carries_the_per_stage_strengths_and_refuses_an_ltx_2_0_checkpoint_before_loading(fake_api):
+    from mgpu_backend.ltx.schema import EMBEDDED_TINY_2_3, ModelSpec
+
+    optional = NODES["MGPULoadCheckpoint"].INPUT_TYPES()["optional"]
+    assert {name: value[1]["default"] for name, value in optional.items()} == {"distilled_lora_strength_stage_1": 0.25, "distilled_lora_strength_stage_2": 0.5}
+    assert optional["distilled_lora_strength_stage_1"][1]["tooltip"].startswith("The hq pipeline only: the distilled LoRA's strength in stage 1 (the official 0.25)")
+    fake_api["load"].result = {"seconds": 0.1}
+    files = (model_nodes.EMBEDDED_2_3, model_nodes.EMBEDDED_2_3, 1.0, model_nodes.EMBEDDED_2_3, model_nodes.EMBEDDED_2_3)
+    (handle,) = node("MGPULoadCheckpoint").load(*files, "all", "sharded", "auto", "bfloat16", pipeline="hq", unique_id="4",
+                                                distilled_lora_strength_stage_1=0.3, distilled_lora_strength_stage_2=0.6)  # fmt: skip
+    spec = ModelSpec.from_wire(handle["spec"])
+    assert (handle["pipeline"], spec.checkpoint_path, spec.distilled_lora) == ("hq", EMBEDDED_TINY_2_3, EMBEDDED_TINY_2_3)
+    assert (spec.distilled_lora_strength_stage_1, spec.distilled_lora_strength_stage_2) == (0.3, 0.6)
+    old = (model_nodes.EMBEDDED, model_nodes.EMBEDDED, 1.0, model_nodes.EMBEDDED, model_nodes.EMBEDDED)
+    with pytest.raises(ValueError, match=r"the hq pipeline runs LTX-2.3 only \(ltx-pipelines has its parameters for no other version\), got an LTX-2.0 checkpoint"):
+        node("MGPULoadCheckpoint").load(*old, "all", "sharded", "auto", "bfloat16", pipeline="hq")
+    assert len(fake_api["load"].calls) == 1
+
+
+def test_sp_sampler_sends_the_audio_its_own_rescale_as_the_hq_recipe_has_it(fake_api):
+    fake_api["sample"].result = (torch.zeros(1, 128, 2, 2, 3), torch.zeros(1, 8, 7, 16))
+    inputs = {**SAMPLER_INPUTS, "rescale": 0.45}
+    node("MGPUSPSampler").sample({**tiny_handle(), "pipeline": "hq"}, mgpu_conditioning(1), mgpu_conditioning(2), **inputs, audio_rescale=1.0)
+    node("MGPUSPSampler").sample({**tiny_handle(), "pipeline": "hq"}, mgpu_conditioning(1), mgpu_conditioning(2), **inputs)
+    (_args, own), (_args2, same) = fake_api["sample"].calls
+    assert own["pipeline"] == "hq" and (own["video_guidance"].rescale_scale, own["audio_guidance"].rescale_scale) == (0.45, 1.0)
+    assert (same["video_guidance"].rescale_scale, same["audio_guidance"].rescale_scale) == (0.45, 0.45)  # -1 (the default): the same as rescale
+
+
 def test_sp_sampler_with_a_distilled_model_sends_the_recipe_defaults_and_no_negative(fake_api, monkeypatch):
     notes = []
     monkeypatch.setattr(sampling_nodes, "node_note", lambda node_id, text: notes.append((node_id, text)))
@@ -643,7 +672,7 @@ def test_sp_sampler_with_a_distilled_model_sends_the_recipe_defaults_and_no_nega
     assert kwargs["video_guidance"] is None and kwargs["audio_guidance"] is None
     assert (kwargs["width"], kwargs["height"], kwargs["seed"]) == (96, 64, 7)
     assert notes == [("9", "distilled pipeline: 8 fixed distilled steps, one unguided pass each; steps, video_cfg, audio_cfg, "
-                           "stg_scale, stg_blocks, rescale, modality_scale, negative are ignored")]  # fmt: skip
+                           "stg_scale, stg_blocks, rescale, audio_rescale, modality_scale, negative are ignored")]  # fmt: skip
 
 
 def test_tdp_upscale_with_a_distilled_model_needs_no_lora_runs_the_official_tail_and_keeps_sp_audio(fake_api, monkeypatch):

@@ -57,7 +57,8 @@ def cli_flags(declared: Recipe, bundle: tiny.TinyBundle) -> list[str]:
 
 def official_runner(declared: Recipe, bundle: tiny.TinyBundle):
     """``build(module)`` for ``official_reference.reference_side``: the runner on the recipe's files,
-    each under the keyword its CLI flag follows (a LoRA at strength 1.0, as the CLI's default)."""
+    each under the keyword its CLI flag follows (a LoRA at strength 1.0, as the CLI's default), and
+    its per-stage LoRA strengths (HQ) at the CLI's defaults."""
     module_name, class_name = declared.official_runner.rsplit(".", 1)
 
     def build(module):
@@ -65,7 +66,8 @@ def official_runner(declared: Recipe, bundle: tiny.TinyBundle):
         for file in declared.files:
             path = getattr(bundle, file.tiny_file)
             files[file.flag.lstrip("-").replace("-", "_")] = [LoraPathStrengthAndSDOps(path, 1.0, LTXV_LORA_COMFY_RENAMING_MAP)] if file.spec_field in LORA_FILES else path
-        return getattr(module, class_name)(loras=[], device=torch.device("cpu"), **files)
+        strengths = {field: ModelSpec.__dataclass_fields__[field].default for field in declared.stage_strengths}
+        return getattr(module, class_name)(loras=[], device=torch.device("cpu"), **files, **strengths)
 
     return module_name.removeprefix("ltx_pipelines."), build
 
@@ -113,9 +115,15 @@ def run_official(declared: Recipe, bundle: tiny.TinyBundle, version: str) -> lis
     return denoised
 
 
+RUNS = [
+    pytest.param(declared, version, id=f"{declared.name}-{official_reference.version_id(version)}")
+    for declared in RECIPES.values() for version in tiny.VERSIONS if version in declared.versions
+]  # fmt: skip
+"""Every recipe on the tiny bundle of each model version its official runner supports."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("version", tiny.VERSIONS, ids=official_reference.version_id)
-@pytest.mark.parametrize("declared", RECIPES.values(), ids=lambda declared: declared.name)
+@pytest.mark.parametrize("declared, version", RUNS)
 def test_each_recipes_cli_on_real_files_matches_its_official_runner_bitwise(declared, version, tiny_bundle_of, tmp_path):
     bundle = tiny_bundle_of(version)
     completed = run_generate(tmp_path, "cli", *cli_flags(declared, bundle))

@@ -16,7 +16,7 @@ from mgpu_backend.bundles import tiny
 from mgpu_backend.fleet.jobs import JobInputError
 from mgpu_backend.ltx import recipes
 from mgpu_backend.ltx.jobs import check_recipe_files
-from mgpu_backend.ltx.recipes import DISTILLED, RECIPES, TWO_STAGE, recipe, stage_loras
+from mgpu_backend.ltx.recipes import DISTILLED, HQ, RECIPES, TWO_STAGE, recipe, stage_loras
 from mgpu_backend.ltx.schema import DEFAULTS, NO_GUIDANCE, ModelFileError, ModelSpec, RequestError, defaults_for, stage2_default_sigmas
 from mgpu_backend.parallel.guidance_parallel import plan_stage2
 from mgpu_backend.tools import generate
@@ -28,14 +28,14 @@ PRODUCT = [*sorted((REPO / "mgpu_backend").rglob("*.py")), *sorted((REPO / "node
 def test_an_unknown_recipe_is_refused_in_words_listing_the_known_ones():
     assert recipe("distilled") is DISTILLED and recipe("two-stage") is TWO_STAGE
     with pytest.raises(ValueError) as raised:
-        recipe("hq")
-    assert str(raised.value) == "pipeline must be one of two-stage, distilled, got 'hq'"
-    with pytest.raises(RequestError, match="pipeline must be one of two-stage, distilled, got 'Distilled'"):
+        recipe("lcm")
+    assert str(raised.value) == "pipeline must be one of two-stage, distilled, hq, got 'lcm'"
+    with pytest.raises(RequestError, match="pipeline must be one of two-stage, distilled, hq, got 'Distilled'"):
         defaults_for("2.0", "Distilled")
 
 
 def test_defaults_per_version_and_recipe_are_the_official_values():
-    assert list(DEFAULTS) == [("2.0", "two-stage"), ("2.0", "distilled"), ("2.3", "two-stage"), ("2.3", "distilled")]
+    assert list(DEFAULTS) == [("2.0", "two-stage"), ("2.0", "distilled"), ("2.3", "two-stage"), ("2.3", "distilled"), ("2.3", "hq")]
     for version, steps, block in (("2.0", 40, 29), ("2.3", 30, 28)):
         guided, distilled = DEFAULTS[(version, "two-stage")], DEFAULTS[(version, "distilled")]
         assert (guided.steps, guided.stage1_sigmas, guided.video_guidance.stg_blocks) == (steps, None, (block,))
@@ -48,23 +48,50 @@ def test_defaults_per_version_and_recipe_are_the_official_values():
     assert stage2_default_sigmas("two-stage") == (0.625, 0.4, 0.0) and stage2_default_sigmas("distilled") == (0.909375, 0.725, 0.421875, 0.0)
 
 
+def test_hq_defaults_are_ltx_2_3_hq_params_and_ltx_2_0_is_refused_in_words():
+    from ltx_pipelines.utils.constants import LTX_2_3_HQ_PARAMS
+
+    hq = DEFAULTS[("2.3", "hq")]
+    assert (hq.steps, hq.stage1_height, hq.stage1_width, hq.stage1_sigmas, hq.stage2_sigmas) == (15, 544, 960, None, (0.909375, 0.725, 0.421875, 0.0))
+    for ours, official in ((hq.video_guidance, LTX_2_3_HQ_PARAMS.video_guider_params), (hq.audio_guidance, LTX_2_3_HQ_PARAMS.audio_guider_params)):
+        assert (ours.cfg_scale, ours.stg_scale, ours.rescale_scale, ours.modality_scale, ours.skip_step, list(ours.stg_blocks)) == (
+            official.cfg_scale, official.stg_scale, official.rescale_scale, official.modality_scale, official.skip_step, official.stg_blocks)  # fmt: skip
+    assert (hq.steps, hq.stage1_height, hq.stage1_width) == (LTX_2_3_HQ_PARAMS.num_inference_steps, LTX_2_3_HQ_PARAMS.stage_1_height, LTX_2_3_HQ_PARAMS.stage_1_width)
+    assert (HQ.stage1.stepper, HQ.stage2.stepper, HQ.stage1.shift_by_tokens, HQ.stage2_policy) == ("res2s", "res2s", True, "sp")
+    with pytest.raises(RequestError) as raised:
+        defaults_for("2.0", "hq")
+    assert str(raised.value) == (
+        "the hq pipeline runs LTX-2.3 only (ltx-pipelines has its parameters for no other version), got an LTX-2.0 checkpoint; "
+        "use an LTX-2.3 checkpoint, or pipeline 'two-stage' or 'distilled'"
+    )
+
+
 def test_lora_sets_fuse_the_user_loras_first_then_the_distilled_lora_at_its_strength():
     spec = ModelSpec("c.safetensors", "g", distilled_lora="d.safetensors", distilled_lora_strength=0.6, loras=(("a.safetensors", 0.5), ("b.safetensors", 1.25)))
     assert stage_loras(spec, "none") == (("a.safetensors", 0.5), ("b.safetensors", 1.25))
     assert stage_loras(spec, "distilled") == (("a.safetensors", 0.5), ("b.safetensors", 1.25), ("d.safetensors", 0.6))
     with pytest.raises(ModelFileError, match="the LoRA set 'distilled' needs the distilled LoRA, but the model spec names none; set distilled_lora"):
         stage_loras(ModelSpec("c.safetensors", "g"), "distilled")
-    with pytest.raises(ValueError, match="lora_set must be one of 'none' or 'distilled', got 'stage2'"):
+    with pytest.raises(ValueError, match="lora_set must be one of 'none' or 'distilled' or 'distilled-stage-1' or 'distilled-stage-2', got 'stage2'"):
         stage_loras(spec, "stage2")
-    assert [(declared.stage1.lora_set, declared.stage2.lora_set) for declared in RECIPES.values()] == [("none", "distilled"), ("none", "none")]
+    # The HQ sets: one file at each stage's own strength (hq_2_stage_arg_parser's 0.25 and 0.5 unless the spec says).
+    assert stage_loras(spec, "distilled-stage-1")[-1] == ("d.safetensors", 0.25) and stage_loras(spec, "distilled-stage-2")[-1] == ("d.safetensors", 0.5)
+    tuned = ModelSpec.from_wire({**spec.to_wire(), "distilled_lora_strength_stage_1": 0.3, "distilled_lora_strength_stage_2": 0.75})
+    assert stage_loras(tuned, "distilled-stage-1")[-1] == ("d.safetensors", 0.3) and stage_loras(tuned, "distilled-stage-2")[-1] == ("d.safetensors", 0.75)
+    assert [(declared.stage1.lora_set, declared.stage2.lora_set) for declared in RECIPES.values()] == [
+        ("none", "distilled"), ("none", "none"), ("distilled-stage-1", "distilled-stage-2")]  # fmt: skip
 
 
 def test_the_stage2_auto_plan_follows_each_recipes_policy():
     # 8 ranks, 24576 stage-2 tokens (1024x1536x121): 3072 tokens per rank.
     assert plan_stage2(8, 24576, "two-stage").technique == "tdp"
     assert plan_stage2(8, 24576, "distilled").technique == "sp"
-    with pytest.raises(ValueError, match="pipeline must be one of two-stage, distilled, got 'hq'"):
-        plan_stage2(8, 24576, "hq")
+    # HQ denoises the audio in stage 2, as its official runner: SP even where the distilled rule takes TDP (48 tokens on 2 ranks).
+    assert plan_stage2(2, 48, "distilled").technique == "tdp" and plan_stage2(2, 48, "hq").technique == "sp"
+    assert "the hq recipe's stage 2 denoises the audio too, as its official runner" in plan_stage2(2, 48, "hq").reason
+    assert plan_stage2(3, 48, "hq").technique == "tdp"  # 3 ranks is no SP degree of 32 heads
+    with pytest.raises(ValueError, match="pipeline must be one of two-stage, distilled, hq, got 'lcm'"):
+        plan_stage2(8, 24576, "lcm")
 
 
 def _request(pipeline: str, op: str):
@@ -85,8 +112,12 @@ def test_jobs_refuse_a_spec_missing_or_holding_a_file_against_the_recipe():
         check_recipe_files(_request("distilled", "sample"), full)
     assert str(raised.value) == (
         "the distilled pipeline runs the distilled checkpoint as it is, with no distilled LoRA; leave distilled_lora out of "
-        "the model spec (or use pipeline 'two-stage', which takes it)"
+        "the model spec (or use pipeline 'two-stage' or 'hq', which takes it)"
     )
+    # HQ fuses the distilled LoRA in stage 1 too: the sample job already needs it.
+    with pytest.raises(JobInputError) as raised:
+        check_recipe_files(_request("hq", "sample"), ModelSpec("c", "g"))
+    assert str(raised.value) == "the hq pipeline's stage 1 needs the distilled LoRA; set distilled_lora in the model spec, or use pipeline 'distilled'"
 
 
 def _parsed(*argv: str) -> argparse.Namespace:
@@ -102,12 +133,40 @@ def _recipe_flags(declared, bundle) -> list[str]:
 @pytest.mark.parametrize("declared", RECIPES.values(), ids=lambda declared: declared.name)
 def test_the_cli_builds_each_recipes_spec_from_its_files_given_as_flags(declared, tiny_bundle_of):
     """The distilled CLI with real files opened the distilled LoRA it does not have (None) and died in a TypeError."""
-    bundle = tiny_bundle_of("2.0")
+    bundle = tiny_bundle_of(declared.versions[0])
     spec, is_tiny = generate.build_spec(_parsed("--pipeline", declared.name, *_recipe_flags(declared, bundle)))
     assert not is_tiny
     assert spec["checkpoint_path"] == getattr(bundle, declared.checkpoint.tiny_file)
-    assert spec["distilled_lora"] == (bundle.distilled_lora_path if declared is TWO_STAGE else None)
+    assert spec["distilled_lora"] == (bundle.distilled_lora_path if declared in (TWO_STAGE, HQ) else None)
     assert (spec["gemma_root"], spec["spatial_upsampler_path"]) == (bundle.gemma_root, bundle.spatial_upsampler_path)
+
+
+def test_the_cli_takes_hq_stage_strengths_and_refuses_what_the_recipe_does_not_read(tiny_bundle_of, capsys):
+    bundle = tiny_bundle_of("2.3")
+    assert _recipe_flags(HQ, bundle)[-2:] == ["--distilled-lora", bundle.distilled_lora_path]
+    spec, _ = generate.build_spec(_parsed("--pipeline", "hq", *_recipe_flags(HQ, bundle), "--distilled-lora-strength-stage-1", "0.3"))
+    assert (spec["distilled_lora_strength_stage_1"], spec["distilled_lora_strength_stage_2"]) == (0.3, 0.5)
+    refusals = {
+        ("--pipeline", "two-stage", "--distilled-lora-strength-stage-2", "0.6"): (
+            "--distilled-lora-strength-stage-2 does not apply to --pipeline two-stage (use --pipeline hq for it; --distilled-lora's "
+            "STRENGTH sets its stage-2 strength); drop it"
+        ),
+        ("--pipeline", "hq", "--model-version", "2.0"): (
+            "--model-version: the hq pipeline runs LTX-2.3 only (ltx-pipelines has its parameters for no other version), got an "
+            "LTX-2.0 checkpoint; use an LTX-2.3 checkpoint, or pipeline 'two-stage' or 'distilled'"
+        ),
+        ("--pipeline", "hq", *_recipe_flags(HQ, bundle), "0.7"): (  # the distilled LoRA's flag comes last: 0.7 is its STRENGTH
+            f"--distilled-lora {bundle.distilled_lora_path} 0.7: --pipeline hq reads no strength there (its stages take "
+            "--distilled-lora-strength-stage-1 and --distilled-lora-strength-stage-2); drop 0.7"
+        ),
+    }
+    for argv, message in refusals.items():
+        with pytest.raises(SystemExit) as exited:
+            generate.build_spec(_parsed(*argv))
+        assert exited.value.code == 2 and capsys.readouterr().err.strip() == f"error: {message}", argv
+    # Without model flags, hq runs the tiny LTX-2.3 bundle (it runs no 2.0).
+    spec, is_tiny = generate.build_spec(_parsed("--pipeline", "hq"))
+    assert is_tiny and spec["checkpoint_path"] == "embedded:tiny-2.3" and spec["distilled_lora"] == "embedded:tiny-2.3"
 
 
 def test_every_declared_file_names_a_spec_field_a_cli_flag_a_loader_input_and_a_tiny_bundle_file():
@@ -215,7 +274,7 @@ def test_a_recipe_added_as_one_declaration_is_served_by_the_schema_cli_jobs_plan
     assert completed.returncode == 0, completed.stderr[-3000:]
     served = json.loads(completed.stdout.strip().splitlines()[-1])
     assert served == {
-        "pipelines": ["two-stage", "distilled", "distilled-tdp"],
+        "pipelines": ["two-stage", "distilled", "hq", "distilled-tdp"],
         "steps": 8,
         "unguided": True,
         "spec": ["embedded:tiny-2.3-distilled", None, True],
@@ -223,9 +282,9 @@ def test_a_recipe_added_as_one_declaration_is_served_by_the_schema_cli_jobs_plan
         "stage2": "tdp",
         "refusal": (
             "the distilled-tdp pipeline runs the distilled checkpoint as it is, with no distilled LoRA; leave distilled_lora out of "
-            "the model spec (or use pipeline 'two-stage', which takes it)"
+            "the model spec (or use pipeline 'two-stage' or 'hq', which takes it)"
         ),
-        "loader_choices": ["two-stage", "distilled", "distilled-tdp"],
-        "ignored": ["steps", "video_cfg", "audio_cfg", "stg_scale", "stg_blocks", "rescale", "modality_scale", "negative"],
-        "docs_sections": 3,
+        "loader_choices": ["two-stage", "distilled", "hq", "distilled-tdp"],
+        "ignored": ["steps", "video_cfg", "audio_cfg", "stg_scale", "stg_blocks", "rescale", "audio_rescale", "modality_scale", "negative"],
+        "docs_sections": 4,
     }

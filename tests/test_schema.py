@@ -204,7 +204,8 @@ def test_embedded_tiny_spec_is_symbolic_and_resolves_to_the_bundle_files(tmp_pat
     spec = ModelSpec.embedded_tiny(spatial_upsampler=False, distilled_lora_strength=0.8)
     assert spec.to_wire() == {"checkpoint_path": EMBEDDED_TINY, "gemma_root": EMBEDDED_TINY, "spatial_upsampler_path": None,
                               "distilled_lora": EMBEDDED_TINY, "distilled_lora_strength": 0.8, "loras": [],
-                              "quantization": None, "residency": "auto"}  # fmt: skip
+                              "quantization": None, "residency": "auto",
+                              "distilled_lora_strength_stage_1": 0.25, "distilled_lora_strength_stage_2": 0.5}  # fmt: skip
     spec.check_files_exist()  # embedded names are resolved by the ranks, not checked here
     bundle = make_tiny_bundle(tmp_path)
     resolved = spec.resolve_embedded(bundle)

@@ -77,6 +77,18 @@ def _tracker_scenario(bundle: dict) -> dict:
     tracker.apply(())
     out["warm_job_bytes"] = loader.bytes_read_from_disk - out["cold_job_bytes"]
     out["stats_end"] = vars(tracker.stats).copy()
+
+    # The HQ recipe's two sets: one LoRA file at two strengths (0.25 in stage 1, 0.5 in stage 2), swapped
+    # into each other and back as any two sets.
+    hq_references = {stage: reference_loader.transformer(stage) for stage in ("distilled-stage-1", "distilled-stage-2")}
+    out["hq_sets_differ"] = _differences(hq_references["distilled-stage-1"], hq_references["distilled-stage-2"])
+    out["hq_swaps"] = []
+    for stage in ("distilled-stage-1", "distilled-stage-2", "distilled-stage-1"):
+        assert tracker.transformer(loader, stage) is model
+        out["hq_swaps"].append(_differences(model, hq_references[stage]))
+    tracker.apply(())
+    out["hq_reset_equals_clean"] = _differences(model, clean_reference)
+
     out["owned_keys"] = list(tracker._clean)  # the clean weights this rank really holds: its shard
     out["key_bytes"] = {key: value.nbytes for key, value in model.velocity_model.state_dict().items()}
     out["memory"] = tracker.memory_report()
@@ -156,6 +168,14 @@ def test_distilled_lora_fused_by_tracker_is_bitwise_ltx_core_fusion_on_every_ran
         assert unequal == 0, f"rank {rank}, warm job: {unequal} keys differ, max abs diff {max_diff}"
         unequal, max_diff = out["no_swap_fused_equals_ltx_core"]
         assert unequal == 0, f"rank {rank}, no_lora_swap: {unequal} keys differ, max abs diff {max_diff}"
+
+
+def test_the_hq_sets_one_lora_at_two_strengths_swap_into_each_other_bitwise_on_every_rank(results):
+    for rank, result in enumerate(results):
+        unequal, max_diff = result["hq_sets_differ"]
+        assert unequal > 0 and max_diff > 0.0, f"rank {rank}: 0.25 and 0.5 must fuse to different weights"
+        assert result["hq_swaps"] == [(0, 0.0)] * 3, f"rank {rank}: {result['hq_swaps']}"
+        assert result["hq_reset_equals_clean"] == (0, 0.0), f"rank {rank}"
 
 
 def test_reset_restores_clean_weights_bitwise(results):

@@ -202,6 +202,8 @@ OFFICIAL_FILES = {
     # LTX-2.3: the files ComfyUI's own LTX-2.3 templates name (its fp8 checkpoints, the 1.0 LoRA).
     ("2.3", "two-stage"): ("ltx-2.3-22b-dev-fp8.safetensors", "ltx-2.3-22b-distilled-lora-384.safetensors", "ltx-2.3-spatial-upscaler-x2-1.1.safetensors"),
     ("2.3", "distilled"): ("ltx-2.3-22b-distilled-fp8.safetensors", "(none)", "ltx-2.3-spatial-upscaler-x2-1.1.safetensors"),
+    # HQ (LTX-2.3 only): the two-stage files, the distilled LoRA fused in both stages.
+    ("2.3", "hq"): ("ltx-2.3-22b-dev-fp8.safetensors", "ltx-2.3-22b-distilled-lora-384.safetensors", "ltx-2.3-spatial-upscaler-x2-1.1.safetensors"),
 }
 OFFICIAL_REPOS = {"2.0": "https://huggingface.co/Lightricks/LTX-2/resolve/main/", "2.3": "https://huggingface.co/Lightricks/LTX-2.3/resolve/main/"}
 FP8_REPO = "https://huggingface.co/Lightricks/LTX-2.3-fp8/resolve/main/"
@@ -259,6 +261,8 @@ def test_widget_values_are_the_official_defaults_of_the_examples_version_and_pip
     guidance = {"video_cfg": video.cfg_scale, "audio_cfg": audio.cfg_scale, "stg_scale": video.stg_scale, "rescale": video.rescale_scale,
                 "modality_scale": video.modality_scale, "seed": recipe.seed}  # fmt: skip
     assert {key: sampler[key] for key in guidance} == guidance
+    # The audio's own rescale only where the recipe's differs from the video's (HQ: 0.45 and 1.0); -1: the same.
+    assert sampler["audio_rescale"] == (-1.0 if audio.rescale_scale == video.rescale_scale else audio.rescale_scale)
     if example.tiny:
         # Smaller only in size, frames and steps; empty STG blocks: the tiny model's last block.
         assert (sampler["width"], sampler["height"], sampler["length"], sampler["steps"], sampler["stg_blocks"]) == (96, 64, 9, 3, "")

@@ -44,6 +44,7 @@ from mgpu_backend.ltx.schema import (
     DISTILLED_LORA_STRENGTH,
     MODEL_VERSIONS,
     TDP_OVERLAP,
+    ModelSpec,
     PipelineDefaults,
     stage2_default_sigmas,
 )
@@ -115,6 +116,10 @@ MODEL_FILES = {
     },
     ("2.3", "distilled"): {
         "ckpt_name": "ltx-2.3-22b-distilled-fp8.safetensors", "distilled_lora": NO_FILE,
+        "spatial_upsampler": "ltx-2.3-spatial-upscaler-x2-1.1.safetensors", "gemma": GEMMA_FP4_MIXED,
+    },
+    ("2.3", "hq"): {
+        "ckpt_name": "ltx-2.3-22b-dev-fp8.safetensors", "distilled_lora": "ltx-2.3-22b-distilled-lora-384.safetensors",
         "spatial_upsampler": "ltx-2.3-spatial-upscaler-x2-1.1.safetensors", "gemma": GEMMA_FP4_MIXED,
     },
 }  # fmt: skip
@@ -367,16 +372,25 @@ def recipe_text(defaults: PipelineDefaults, tiny: bool) -> str:
     on its model's last block)."""
     declared = recipes.recipe(defaults.pipeline)
     opening = f"The {declared.name} recipe of LTX-{defaults.model_version}: the {declared.checkpoint.words}"
-    stage2_steps, stage2_loras = len(declared.stage2.sigmas) - 1, recipes.LORA_SETS[declared.stage2.lora_set]
+    stage2_steps = len(declared.stage2.sigmas) - 1
+
+    def lora(stage: recipes.Stage, none: str = "") -> str:
+        pairs = recipes.LORA_SETS[stage.lora_set]
+        return none if not pairs else f" with the {' and '.join(recipes.FILE_WORDS[field] for field, _strength in pairs)}"
+
     if not declared.guided:
-        lora = "no LoRA" if not stage2_loras else f"with the {' and '.join(recipes.FILE_WORDS[field] for field in stage2_loras)}"
         return (f"{opening}, {defaults.steps} unguided steps (one pass each; the sampler's steps and guidance widgets are ignored), "
-                f"then the {stage2_steps}-step tail, {lora}.")  # fmt: skip
+                f"then the {stage2_steps}-step tail,{lora(declared.stage2, ' no LoRA')}.")  # fmt: skip
     blocks = ",".join(map(str, defaults.video_guidance.stg_blocks))
-    steps = f"{TINY_SIZE['steps']} steps (the official {defaults.steps}, fewer for the tiny bundle)" if tiny else f"{defaults.steps} steps"
-    stg = f"STG on the tiny model's last block; officially block {blocks}" if tiny else f"STG on block {blocks}"
-    lora = "" if not stage2_loras else f" with the {' and '.join(recipes.FILE_WORDS[field] for field in stage2_loras)}"
-    return f"{opening}, {steps} of up to {declared.passes_per_step()} guided passes ({stg}), then {stage2_steps} steps{lora}."
+    # The recipe's own stepper is named where it is not plain Euler ("15 res2s steps").
+    named = "steps" if declared.stage1.stepper == "euler" else f"{declared.stage1.stepper} steps"
+    steps = f"{TINY_SIZE['steps']} {named} (the official {defaults.steps}, fewer for the tiny bundle)" if tiny else f"{defaults.steps} {named}"
+    if not defaults.video_guidance.stg_scale:
+        stg = "no STG"
+    else:
+        stg = f"STG on the tiny model's last block; officially block {blocks}" if tiny else f"STG on block {blocks}"
+    return (f"{opening}{lora(declared.stage1)}, {steps} of up to {declared.passes_per_step()} guided passes ({stg}), "
+            f"then {stage2_steps} steps{lora(declared.stage2)}.")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -408,13 +422,16 @@ def sampler_widgets(example: Example) -> dict:
     """SP Sampler's widget values: the recipe's official defaults (the tiny examples smaller)."""
     recipe = example.recipe
     video, audio = recipe.video_guidance, recipe.audio_guidance
-    # One widget each for STG scale, rescale and modality scale: the official values are the same for video and audio.
-    assert (video.stg_scale, video.rescale_scale, video.modality_scale, video.stg_blocks) == (audio.stg_scale, audio.rescale_scale, audio.modality_scale, audio.stg_blocks)
+    load_pack()
+    same_as_rescale = importlib.import_module("comfyui_mgpu_pack.nodes.sampling_nodes").SAME_AS_RESCALE
+    # One widget each for STG scale and modality scale: the official values are the same for video and audio.
+    assert (video.stg_scale, video.modality_scale, video.stg_blocks) == (audio.stg_scale, audio.modality_scale, audio.stg_blocks)
     widgets = {
         "width": recipe.stage1_width, "height": recipe.stage1_height, "length": recipe.num_frames, "frame_rate": recipe.frame_rate,
         "seed": recipe.seed, "steps": recipe.steps, "video_cfg": video.cfg_scale, "audio_cfg": audio.cfg_scale,
         "stg_scale": video.stg_scale, "stg_blocks": ",".join(map(str, video.stg_blocks)), "rescale": video.rescale_scale,
         "modality_scale": video.modality_scale, "parallel": "(from loader)", "compile_blocks": False,
+        "audio_rescale": same_as_rescale if audio.rescale_scale == video.rescale_scale else audio.rescale_scale,
     }  # fmt: skip
     if example.tiny:
         widgets.update({name: TINY_SIZE[name] for name in ("width", "height", "length", "steps")}, stg_blocks="")
@@ -447,13 +464,13 @@ class Box:
 
 
 # Sizes hold each node as ComfyUI's frontend 1.43 draws it in both modes: classic (LiteGraph) and
-# "Nodes 2.0" (Vue), which draws widgets taller (e.g. the loader's 13 widgets need 515 px there). The
+# "Nodes 2.0" (Vue), which draws widgets taller (e.g. the loader's 15 widgets need about 595 px there). The
 # loader is wide enough for its combo labels and file names to show whole; TDP Upscale leaves room
 # under its widgets for the stage-2 plan it prints there; MGPU Text Encode for several prompt lines.
 # The output column stacks decode, Create Video and Save Video, so the whole graph shows at a zoom
 # (initial_view) where the classic canvas still draws text. tests/e2e/test_browser_ui.py loads every
 # workflow in both modes and fails on any overlap.
-_LOADER = Box(40, 60, 500, 540)
+_LOADER = Box(40, 60, 500, 620)
 _TEXT = _LOADER.right(440, 520)
 _SAMPLER = _TEXT.right(360, 640)
 _UPSCALE = _SAMPLER.right(400, 560)
@@ -480,7 +497,8 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
     overlap = TINY_SIZE["overlap"] if example.tiny else TDP_OVERLAP
     nodes = [
         Node(1, "MGPULoadCheckpoint", LAYOUT["loader"].pos, {**files, "distilled_lora_strength": DISTILLED_LORA_STRENGTH, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto",
-                                                  "dtype": "bfloat16", "quantization": "none", "residency": "auto", "pipeline": example.pipeline},
+                                                  "dtype": "bfloat16", "quantization": "none", "residency": "auto", "pipeline": example.pipeline,
+                                                  **{field: ModelSpec.__dataclass_fields__[field].default for field in recipes.strength_fields()}},
              size=LAYOUT["loader"].size, models=model_metadata(files)),
         Node(2, "MGPUTextEncode", LAYOUT["text"].pos, {"positive": IMAGE_PROMPT if example.image else default_positive, "negative": negative, "free_gemma": False},
              {"model": (1, 0)}, size=LAYOUT["text"].size),
@@ -562,6 +580,10 @@ TEMPLATES = [
              "LTX-2.3 text to video on all GPUs, distilled recipe: 8 + 3 unguided steps; 1536x1024, 121 frames with audio."),
     Template("ltx23_i2v_distilled", Example("2.3", "distilled", image=True), "LTX-2.3 Image to Video (distilled)",
              "LTX-2.3 image to video on all GPUs, distilled recipe: the image is the first frame; 8 + 3 unguided steps."),
+    Template("ltx23_t2v_hq", Example("2.3", "hq"), "LTX-2.3 Text to Video (HQ)",
+             "LTX-2.3 text to video on all GPUs, HQ recipe: 15 res_2s steps with the distilled LoRA in both stages; 1920x1088, 121 frames with audio."),
+    Template("ltx23_i2v_hq", Example("2.3", "hq", image=True), "LTX-2.3 Image to Video (HQ)",
+             "LTX-2.3 image to video on all GPUs, HQ recipe: the image is the first frame; 15 res_2s steps, 1920x1088, 121 frames with audio."),
     Template("ltx2_t2v_two_stage", Example("2.0", "two-stage"), "LTX-2.0 Text to Video (two-stage)",
              "LTX-2.0 text to video on all GPUs, two-stage recipe: 768x512 sampled, 1536x1024 out, 121 frames with audio."),
     Template("ltx2_i2v_two_stage", Example("2.0", "two-stage", image=True), "LTX-2.0 Image to Video (two-stage)",

@@ -13,8 +13,9 @@ heavy work, so the fleet stays as it was), then runs the stage functions of ``st
 Every recipe of ``recipes.RECIPES`` runs, as its declaration says: ``two-stage`` (the dev checkpoint;
 stage 2 fuses the distilled LoRA) and ``distilled`` (the distilled checkpoint, no LoRA: the working
 transformer never swaps; stage 1 one positive-only pass per step over the fixed distilled sigmas, so
-the sample job needs no negative prompt). ``check_recipe_files`` refuses a spec that does not fit the
-recipe.
+the sample job needs no negative prompt) and ``hq`` (the dev checkpoint with the distilled LoRA in
+both stages at each stage's strength, two LoRA sets the working transformer swaps between; res_2s
+steps in both stages). ``check_recipe_files`` refuses a spec that does not fit the recipe.
 - decode: the distributed decoder, frames written straight into shared memory on rank 0.
 
 Every job reads its arguments with the request type of ``schema`` (``SampleRequest.from_wire`` ...),
@@ -186,11 +187,12 @@ class ResidentModel:
         report["host_copies_bytes"] = self.loader.host_copy_bytes
         return report
 
-    def layer_count(self) -> int:
-        return transformer_layer_count(self.transformer("none"))
+    # Asked with the LoRA set the caller runs next, so that asking costs no swap (collective, as ``transformer``).
+    def layer_count(self, lora_set: str = "none") -> int:
+        return transformer_layer_count(self.transformer(lora_set))
 
-    def attention_heads(self) -> tuple[int, int]:
-        velocity_model = self.transformer("none").velocity_model
+    def attention_heads(self, lora_set: str = "none") -> tuple[int, int]:
+        velocity_model = self.transformer(lora_set).velocity_model
         block = velocity_model.transformer_blocks[0]
         return block.attn1.heads, block.audio_attn1.heads
 
@@ -274,13 +276,13 @@ def unload_models(ctx: JobContext) -> None:
 
 def stage1_params(request: SampleRequest, layer_count: int) -> GenerationParams:
     """The stage-1 generation a sample request asks for, on a model of ``layer_count`` blocks."""
-    official = request.defaults
+    official, stage1 = request.defaults, recipe(request.pipeline).stage1
     return GenerationParams(
         height=request.height, width=request.width, num_frames=request.num_frames, frame_rate=request.frame_rate,
         seed=request.seed, num_inference_steps=request.steps,
         video_guider=guider_params(request.video_guidance, official.video_guidance, layer_count),
         audio_guider=guider_params(request.audio_guidance, official.audio_guidance, layer_count),
-        two_stage=False, stage1_sigmas=official.stage1_sigmas,
+        two_stage=False, stage1_sigmas=official.stage1_sigmas, shift_sigmas_by_tokens=stage1.shift_by_tokens, stepper=stage1.stepper,
     )  # fmt: skip
 
 
@@ -290,12 +292,12 @@ def check_recipe_files(request, spec: ModelSpec) -> None:
     declared = recipe(request.pipeline)
     for file in declared.files_for(request.op):
         if getattr(spec, file.spec_field) is None:
-            others = [other.name for other in RECIPES.values() if file not in other.files]
+            others = [other.name for other in RECIPES.values() if not other.takes(file)]
             instead = f", or use pipeline {' or '.join(map(repr, others))}" if others else ""
             raise JobInputError(f"the {declared.name} pipeline's stage {2 if file.needed_from == 'upscale' else 1} needs the {file.words}; set {file.spec_field} in the model spec{instead}")
     for file, _why in declared.refused:
         if getattr(spec, file.spec_field) is not None:
-            takers = [other.name for other in RECIPES.values() if file in other.files]
+            takers = [other.name for other in RECIPES.values() if other.takes(file)]
             raise JobInputError(
                 f"the {declared.name} pipeline runs the {declared.checkpoint.words} as it is, with no {file.words}; leave "
                 f"{file.spec_field} out of the model spec (or use pipeline {' or '.join(map(repr, takers))}, which takes it)"
@@ -512,7 +514,8 @@ def sample(ctx: JobContext, args: dict, tensors: dict):
         request = SampleRequest.from_wire(args)
         check_recipe_files(request, request.spec)
     resident = resident_model(ctx, request)
-    layers = resident.layer_count()
+    lora_set = recipe(request.pipeline).stage1.lora_set
+    layers = resident.layer_count(lora_set)
     with input_errors():
         params = stage1_params(request, layers)
         params.validate()
@@ -528,27 +531,27 @@ def sample(ctx: JobContext, args: dict, tensors: dict):
         positive, *rest = prompt_contexts(ctx, tensors, wanted, resident)
         negative = rest[0] if rest else None  # no unconditional pass (the distilled recipe): no negative prompt
     return run_stage1(ctx, resident, params, positive, negative, image, request.parallel, dims, cuda_graphs, request.batch_passes, compile_blocks,
-                      request.preview_every)  # fmt: skip
+                      request.preview_every, lora_set)  # fmt: skip
 
 
 def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: TextContext, negative: TextContext | None,
                image: torch.Tensor | None, mode: str, dims: TransformerDims, cuda_graphs: bool = True,
-               batch_passes: str | bool = "auto", compile_blocks: bool = False, preview_every: int = 0):  # fmt: skip
-    """Plan, memory check and the stage-1 loop under ``parallelize_stage1``: shared by ``sample`` and
-    the benchmark job."""
+               batch_passes: str | bool = "auto", compile_blocks: bool = False, preview_every: int = 0, lora_set: str = "none"):  # fmt: skip
+    """Plan, memory check and the stage-1 loop under ``parallelize_stage1``, with the recipe's stage-1
+    ``lora_set`` fused: shared by ``sample`` and the benchmark job."""
     passes = active_passes(params.video_guider, params.audio_guider)
-    video_heads, audio_heads = resident.attention_heads()
+    video_heads, audio_heads = resident.attention_heads(lora_set)
     with input_errors():
         plan = plan_stage1(ctx.world_size, params.stage1.video_tokens, passes, mode, attention_heads=video_heads, audio_attention_heads=audio_heads)
         batched = batch_passes_wanted(batch_passes, plan, ctx.device)
         options = Stage1Options(cuda_graphs=cuda_graphs, batch_passes=batched, compile_blocks=compile_blocks)
         check_generation_fits(params, ctx.device, dims, resident.dtype, sp_degree=plan.sp_degree, weights_resident=True)
-    transformer = resident.transformer("none")
+    transformer = resident.transformer(lora_set)
     on_step = _stage_steps(ctx, resident, "stage1", preview_every)
     with parallelize_stage1(transformer, plan, ctx.comm, ctx.device, options, stage1_cache(ctx.state), ctx.log) as stage:
         video, audio = sample_stage1(
             resident, params, _moved(positive, resident), negative and _moved(negative, resident), image, pass_runner=stage.runner,
-            on_step=on_step,
+            on_step=on_step, lora_set=lora_set,
         )
     return stage.fields(), {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
 
@@ -604,8 +607,10 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
             raise JobInputError("TDP Upscale needs the stage-1 audio latent too (the video attends to it)")
         height, width, frames = pixel_geometry(*video_latent.shape[2:])
         sigmas = list(request.sigmas)
+        stage2 = recipe(request.pipeline).stage2
         params = GenerationParams(
             height=height * 2, width=width * 2, num_frames=frames, frame_rate=request.frame_rate, seed=request.seed, two_stage=True,
+            stepper=stage2.stepper,
         )  # fmt: skip
         params.validate()
         image = _image(tensors)
@@ -620,7 +625,7 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
         (positive,) = prompt_contexts(ctx, tensors, [("positive", request.positive_digest)], resident)
     upsampled = upsample_video(resident, video_latent)
     ctx.step("upsample", 1, 1)
-    lora_set = recipe(request.pipeline).stage2.lora_set
+    lora_set = stage2.lora_set
     stage2_transformer = resident.transformer(lora_set)  # the same working copy stage 1 used, clean again
     sequence_parallel = plan.technique == "sp"
     on_step = _stage_steps(ctx, resident, "stage2", request.preview_every)

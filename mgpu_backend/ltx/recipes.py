@@ -2,9 +2,10 @@
 
 A recipe is what the official ltx-pipelines 1.0.0 runner of the same name does, written as data:
 the model files it needs (with the CLI flag and loader-node input naming each), the LoRA set and
-stepper of each stage, its guidance (the model version's guided passes, or one unguided pass),
-its stage-1 schedule, its stage-2 policy over the fleet, and the inputs it ignores with the words
-of their refusal. ``RECIPES`` holds them by their wire name (``"two-stage"``, ``"distilled"``: the
+stepper of each stage, its guidance (the official parameters' guided passes, or one unguided pass),
+its stage-1 schedule, its stage-2 policy over the fleet, the model versions its runner has
+parameters for, and the inputs it ignores with the words of their refusal. ``RECIPES`` holds them
+by their wire name (``"two-stage"``, ``"distilled"``, ``"hq"``: the
 ``pipeline`` field of the requests, the CLI's ``--pipeline``, the loader node's ``pipeline``), and
 ``recipe(name)`` is the one way to get one. The request schema derives ``DEFAULTS[(version,
 pipeline)]`` from these declarations and the model version's official parameters; the jobs, the
@@ -21,7 +22,7 @@ process and the schema import it), and never opens a model file.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mgpu_backend.ltx.safetensors_header import ModelFileError
 
@@ -35,16 +36,33 @@ STAGE_2_SIGMAS = (0.909375, 0.725, 0.421875, 0.0)
 # the single-GPU stage 2, because re-injected noise lets the tiles drift apart (docs/techniques.md).
 TDP_UPSCALE_SIGMAS = (0.625, 0.4, 0.0)
 DISTILLED_LORA_STRENGTH = 1.0  # ltx_pipelines.utils.constants.DEFAULT_LORA_STRENGTH
+# ltx_pipelines.utils.args.hq_2_stage_arg_parser's defaults: the HQ recipe fuses the distilled LoRA in
+# both stages, at these strengths (its own strength in the runner's list is not read).
+HQ_LORA_STRENGTH_STAGE_1, HQ_LORA_STRENGTH_STAGE_2 = 0.25, 0.5
 
 # --- LoRA sets --------------------------------------------------------------------------------------
 
-LORA_SETS = {"none": (), "distilled": ("distilled_lora",)}
+LORA_SETS = {
+    "none": (),
+    "distilled": (("distilled_lora", "distilled_lora_strength"),),
+    "distilled-stage-1": (("distilled_lora", "distilled_lora_strength_stage_1"),),
+    "distilled-stage-2": (("distilled_lora", "distilled_lora_strength_stage_2"),),
+}
 """What a stage fuses into the checkpoint's transformer besides the user LoRAs (which every set
-fuses first, in their order): the model spec fields of the extra LoRAs, each fused at the spec's
-``<field>_strength``. ``none``: the user LoRAs only; ``distilled``: they and the distilled LoRA."""
+fuses first, in their order): ``(file field, strength field)`` pairs of the model spec. ``none``: the
+user LoRAs only; ``distilled``: they and the distilled LoRA at ``distilled_lora_strength`` (the
+two-stage recipe's stage 2); ``distilled-stage-1`` / ``-2``: the distilled LoRA at the HQ recipe's
+per-stage strength. Two sets of one file at two strengths are two sets: the weight tracker swaps
+between them as between any two."""
 
-LORA_FILES = frozenset(field for fields in LORA_SETS.values() for field in fields)
-"""The model spec fields that hold a LoRA a set fuses (each with a ``<field>_strength``)."""
+STRENGTH_WORDS = {
+    "distilled_lora_strength_stage_1": "the distilled LoRA's strength in stage 1",
+    "distilled_lora_strength_stage_2": "the distilled LoRA's strength in stage 2",
+}
+"""The per-stage strength fields a recipe may read (``Recipe.stage_strengths``), in words."""
+
+LORA_FILES = frozenset(field for pairs in LORA_SETS.values() for field, _strength in pairs)
+"""The model spec fields that hold a LoRA a set fuses."""
 
 
 def stage_loras(spec, lora_set: str) -> tuple[tuple[str, float], ...]:
@@ -53,11 +71,11 @@ def stage_loras(spec, lora_set: str) -> tuple[tuple[str, float], ...]:
     if lora_set not in LORA_SETS:
         raise ValueError(f"lora_set must be one of {' or '.join(map(repr, LORA_SETS))}, got {lora_set!r}")
     pairs = [(path, strength) for path, strength in spec.loras]
-    for field in LORA_SETS[lora_set]:
+    for field, strength in LORA_SETS[lora_set]:
         path = getattr(spec, field)
         if path is None:
             raise ModelFileError(f"the LoRA set {lora_set!r} needs the {FILE_WORDS[field]}, but the model spec names none; set {field}")
-        pairs.append((path, getattr(spec, f"{field}_strength")))
+        pairs.append((path, getattr(spec, strength)))
     return tuple(pairs)
 
 
@@ -90,11 +108,13 @@ class ModelFile:
 class Stage:
     """One denoising stage: its stepper (``euler``: ltx-core's EulerDiffusionStep; the field a
     higher-order stepper fills), the LoRA set fused for it (``LORA_SETS``), and its sigmas (None:
-    ltx-core's LTX2Scheduler over the model version's official step count)."""
+    ltx-core's LTX2Scheduler over the model version's official step count, shifted by the stage's own
+    token count when ``shift_by_tokens``, else by its default 4096-token anchor)."""
 
     lora_set: str
     sigmas: tuple[float, ...] | None
     stepper: str = "euler"
+    shift_by_tokens: bool = False
 
 
 @dataclass(frozen=True)
@@ -107,17 +127,30 @@ class Ignored:
     why: str
 
 
-STEPPERS = {"euler": "Euler steps (ltx-core's EulerDiffusionStep)"}
+STEPPERS = {
+    "euler": "Euler steps (ltx-core's EulerDiffusionStep)",
+    "res2s": "res_2s steps (the official HQ sampler: two denoises per step, SDE noise; `mgpu_backend.ltx.res2s`)",
+}
 """The steppers a stage may declare."""
 GUIDANCES = {
-    "multimodal": "the model version's official guidance: a conditional pass plus CFG, STG and modality passes (up to 4 per step)",
+    "multimodal": "the official parameters' guidance: a conditional pass plus the CFG, STG and modality passes their scales ask for (up to 4 per step)",
     "none": "one conditional pass per step (no negative prompt, no guidance scales)",
 }
 GUIDED_PASSES = {"multimodal": 4, "none": 1}
 """The most transformer forwards one stage-1 step runs under each guidance (a skipped pass is one fewer)."""
+DENOISES = {"euler": (1, 0), "res2s": (2, 1)}
+"""The denoise calls (each up to ``GUIDED_PASSES`` forwards in stage 1) of each stepper: per step, and
+once more per stage (res_2s evaluates its extra last sigma: 2N + 1 for N steps)."""
+OFFICIAL_PARAMS = {
+    "2.0": "ltx_pipelines.utils.constants.LTX_2_PARAMS",
+    "2.3": "ltx_pipelines.utils.constants.LTX_2_3_PARAMS",
+}
+"""The official parameters (steps, sizes, guidance) a recipe's runner takes per model version, by
+default (``Recipe.official_params``; ``schema.OFFICIAL_PARAMS`` holds their values)."""
 STAGE2_POLICIES = {
     "tdp": "TDP Upscale (tiles over the GPUs, the stage-1 audio kept)",
     "planned": "the planner's rule (SP over the fleet while each GPU keeps enough tokens, else TDP)",
+    "sp": "SP over the fleet (the audio denoised, as the official runner; TDP only where the fleet is no usable SP degree)",
 }
 
 
@@ -139,14 +172,43 @@ class Recipe:
     upscale_sigmas: tuple[float, ...]  # the upscale job's default schedule (the CLI's, TDP Upscale's)
     refused: tuple[tuple[ModelFile, str], ...] = ()  # files it must not get, each with why (words of the refusal)
     ignores: tuple[Ignored, ...] = ()
+    # The official parameters its runner takes per model version it supports (``OFFICIAL_PARAMS``'
+    # form); a version missing here is one the official layer has no parameters for, refused.
+    official_params: tuple[tuple[str, str], ...] = tuple(OFFICIAL_PARAMS.items())
 
     def __post_init__(self) -> None:
         assert self.guidance in GUIDANCES and self.stage2_policy in STAGE2_POLICIES, self
         assert self.stage1.lora_set in LORA_SETS and self.stage2.lora_set in LORA_SETS, self
         assert self.stage1.stepper in STEPPERS and self.stage2.stepper in STEPPERS, self
-        # stages.sample_stage1 builds stage 1 with the user LoRAs only; a recipe with stage-1 LoRAs needs it changed first.
-        assert self.stage1.lora_set == "none", self
+        # GenerationParams has one stepper for both stages.
+        assert self.stage1.stepper == self.stage2.stepper, self
         assert self.files[0].spec_field == "checkpoint_path", self
+        assert self.official_params and all(version in OFFICIAL_PARAMS for version, _params in self.official_params), self
+
+    @property
+    def lora_strengths(self) -> tuple[str, ...]:
+        """The model spec's strength fields its stages' LoRA sets read (a user LoRA's strength aside)."""
+        return tuple(dict.fromkeys(strength for stage in (self.stage1, self.stage2) for _file, strength in LORA_SETS[stage.lora_set]))
+
+    @property
+    def stage_strengths(self) -> tuple[str, ...]:
+        """Its per-stage strength fields (``STRENGTH_WORDS``), each a flag of its official runner."""
+        return tuple(field for field in self.lora_strengths if field in STRENGTH_WORDS)
+
+    @property
+    def versions(self) -> tuple[str, ...]:
+        """The model versions it runs: those its official runner has parameters for."""
+        return tuple(version for version, _params in self.official_params)
+
+    def check_version(self, model_version: str) -> None:
+        """Refuse, in words, a model version its official runner has no parameters for."""
+        if model_version not in self.versions:
+            names = " and ".join(f"LTX-{version}" for version in self.versions)
+            others = [other.name for other in RECIPES.values() if model_version in other.versions]
+            raise UnsupportedModelVersion(
+                f"the {self.name} pipeline runs {names} only (ltx-pipelines has its parameters for no other version), got an "
+                f"LTX-{model_version} checkpoint; use an {names} checkpoint, or pipeline {' or '.join(map(repr, others))}"
+            )
 
     @property
     def checkpoint(self) -> ModelFile:
@@ -169,12 +231,21 @@ class Recipe:
     def ignored(self, input_name: str) -> Ignored | None:
         return next((ignored for ignored in self.ignores if ignored.input == input_name), None)
 
+    def takes(self, file: ModelFile) -> bool:
+        """Whether it runs with the file of ``file``'s model spec field."""
+        return any(own.spec_field == file.spec_field for own in self.files)
+
     def files_for(self, op: str) -> tuple[ModelFile, ...]:
         """The files a job ``op`` opens (``load``, ``encode``, ``sample``: the ``load`` ones; ``upscale``: all)."""
         return tuple(file for file in self.files if op == "upscale" or file.needed_from == "load")
 
     def passes_per_step(self) -> int:
         return GUIDED_PASSES[self.guidance]
+
+    def forwards(self, stage: Stage, steps: int) -> int:
+        """The most transformer forwards ``steps`` steps of ``stage`` run (stage 2 is unguided)."""
+        per_step, per_stage = DENOISES[stage.stepper]
+        return (per_step * steps + per_stage) * (self.passes_per_step() if stage is self.stage1 else 1)
 
     @staticmethod
     def stepper_words(stage: Stage) -> str:
@@ -241,7 +312,28 @@ DISTILLED = Recipe(
     ),
 )
 
-RECIPES: dict[str, Recipe] = {declared.name: declared for declared in (TWO_STAGE, DISTILLED)}
+HQ = Recipe(
+    name="hq",
+    label="HQ",
+    official_runner="ltx_pipelines.ti2vid_two_stages_hq.TI2VidTwoStagesHQPipeline",
+    short="dev checkpoint + distilled LoRA in both stages, res_2s, guided (LTX-2.3)",
+    summary=(
+        "The dev checkpoint with the distilled LoRA fused at a low strength denoises the half-size video with "
+        "the res_2s sampler (two denoises per step) under CFG and modality guidance (no STG), over LTX2Scheduler's "
+        "sigmas shifted by the stage's own token count; the spatial upsampler doubles it, and the dev checkpoint "
+        "with the distilled LoRA at a higher strength refines video and audio with res_2s over the official tail."
+    ),
+    when="LTX-2.3 renders where quality matters most: half of two-stage's steps, each costing two denoises.",
+    files=(_DEV_CHECKPOINT, _GEMMA, _UPSAMPLER, replace(_DISTILLED_LORA, needed_from="load")),
+    stage1=Stage(lora_set="distilled-stage-1", sigmas=None, stepper="res2s", shift_by_tokens=True),
+    stage2=Stage(lora_set="distilled-stage-2", sigmas=STAGE_2_SIGMAS, stepper="res2s"),
+    guidance="multimodal",
+    stage2_policy="sp",
+    upscale_sigmas=STAGE_2_SIGMAS,
+    official_params=(("2.3", "ltx_pipelines.utils.constants.LTX_2_3_HQ_PARAMS"),),
+)
+
+RECIPES: dict[str, Recipe] = {declared.name: declared for declared in (TWO_STAGE, DISTILLED, HQ)}
 """Every recipe by its wire name; the first is the default."""
 RECIPE_NAMES = tuple(RECIPES)
 DEFAULT_RECIPE = RECIPE_NAMES[0]
@@ -251,12 +343,26 @@ class UnknownRecipe(ValueError):
     """A pipeline name no recipe declares."""
 
 
+class UnsupportedModelVersion(ValueError):
+    """A model version a recipe's official runner has no parameters for."""
+
+
 def recipe(name: str) -> Recipe:
     """The recipe ``name``; an unknown one is refused in words that list the known ones."""
     try:
         return RECIPES[name]
     except (KeyError, TypeError):
         raise UnknownRecipe(f"pipeline must be one of {', '.join(RECIPE_NAMES)}, got {name!r}") from None
+
+
+def strength_fields() -> tuple[str, ...]:
+    """Every per-stage LoRA strength field a recipe reads, each once, in declaration order."""
+    return tuple(dict.fromkeys(field for declared in RECIPES.values() for field in declared.stage_strengths))
+
+
+def strength_flag(field: str) -> str:
+    """The CLI flag of a per-stage strength field, as its official runner names it."""
+    return "--" + field.replace("_", "-")
 
 
 def model_flags() -> tuple[str, ...]:
@@ -285,10 +391,11 @@ def recipes_markdown() -> str:
     lines = [DOCS_BEGIN]
     for declared in RECIPES.values():
         module, runner = declared.official_runner.rsplit(".", 1)
-        steps = ", ".join(f"LTX-{version}: {DEFAULTS[(version, declared.name)].steps}" for version in MODEL_VERSIONS)
+        versions = [version for version in MODEL_VERSIONS if version in declared.versions]
+        steps = ", ".join(f"LTX-{version}: {DEFAULTS[(version, declared.name)].steps}" for version in versions)
         stage1_sigmas = "ltx-core's LTX2Scheduler over the version's steps" if declared.stage1.sigmas is None else f"the fixed `{', '.join(map(str, declared.stage1.sigmas))}`"
         stage2_steps = len(declared.stage2.sigmas) - 1
-        passes = declared.passes_per_step()
+        passes = declared.passes_per_step() * DENOISES[declared.stage1.stepper][0]
         lines += [
             "",
             f"### {declared.label} (`pipeline: {declared.name}`, reproduces `{module}.{runner}`)",
@@ -306,10 +413,15 @@ def recipes_markdown() -> str:
             f"default `{', '.join(map(str, declared.upscale_sigmas))}`), {declared.stepper_words(declared.stage2)}, LoRA set "
             f"`{declared.stage2.lora_set}`{'' if declared.stage1.lora_set == declared.stage2.lora_set else ' (swapped in for stage 2, out after)'}.",
             f"- **Cost per GPU:** up to {passes} transformer {'pass' if passes == 1 else 'passes'} per stage-1 step "
-            f"({', '.join(f'LTX-{version}: {passes * DEFAULTS[(version, declared.name)].steps}' for version in MODEL_VERSIONS)} stage-1 forwards), "
-            f"then {stage2_steps} full-size forwards (4x the tokens each).",
+            f"({', '.join(f'LTX-{version}: {declared.forwards(declared.stage1, DEFAULTS[(version, declared.name)].steps)}' for version in versions)} stage-1 forwards), "
+            f"then {declared.forwards(declared.stage2, stage2_steps)} full-size forwards (4x the tokens each).",
             f"- **What spreads it:** stage 1 by {_stage1_parallelism(declared)}; stage 2 (`auto`) by {STAGE2_POLICIES[declared.stage2_policy]}.",
         ]
+        if tuple(versions) != MODEL_VERSIONS:
+            lines.append(f"- **Model versions:** {', '.join(f'LTX-{version}' for version in versions)} only (`{', '.join(params for _v, params in declared.official_params)}`: "
+                         "the official layer has parameters for no other); a checkpoint of another version is refused.")  # fmt: skip
+        if declared.stage_strengths:
+            lines.append(f"- **LoRA strengths:** {'; '.join(f'{STRENGTH_WORDS[field]}: `{field}` of the model spec (`{strength_flag(field)}`)' for field in declared.stage_strengths)}.")
         if declared.ignores:
             ignored = "; ".join(f"{ignored.input} ({ignored.why})" for ignored in declared.ignores)
             lines.append(f"- **Ignores:** {ignored}; the CLI and the API refuse them when set, SP Sampler notes them on the node.")

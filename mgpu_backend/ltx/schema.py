@@ -34,12 +34,15 @@ from mgpu_backend.ltx.recipes import (  # noqa: F401 - the recipes' schedules ar
     DEFAULT_RECIPE,
     DISTILLED_LORA_STRENGTH,
     DISTILLED_SIGMAS,
+    HQ_LORA_STRENGTH_STAGE_1,
+    HQ_LORA_STRENGTH_STAGE_2,
     RECIPE_NAMES,
     RECIPES,
     STAGE_2_SIGMAS,
     TDP_UPSCALE_SIGMAS,
     Recipe,
     UnknownRecipe,
+    UnsupportedModelVersion,
     recipe,
 )
 from mgpu_backend.ltx.safetensors_header import ModelFileError, checkpoint_model_version
@@ -363,6 +366,10 @@ class ModelSpec:
     loras: tuple[tuple[str, float], ...] = ()
     quantization: str | None = None
     residency: str = "auto"
+    # The HQ recipe's strengths of the distilled LoRA in each stage (its LoRA sets read these, not
+    # distilled_lora_strength).
+    distilled_lora_strength_stage_1: float = HQ_LORA_STRENGTH_STAGE_1
+    distilled_lora_strength_stage_2: float = HQ_LORA_STRENGTH_STAGE_2
 
     @classmethod
     def embedded_tiny(cls, spatial_upsampler: bool = True, distilled_lora: bool = True, distilled_lora_strength: float = DISTILLED_LORA_STRENGTH,
@@ -453,6 +460,8 @@ class ModelSpec:
             "loras": [[path, strength] for path, strength in self.loras],
             "quantization": self.quantization,
             "residency": self.residency,
+            "distilled_lora_strength_stage_1": self.distilled_lora_strength_stage_1,
+            "distilled_lora_strength_stage_2": self.distilled_lora_strength_stage_2,
         }
 
     to_json = to_wire
@@ -471,9 +480,12 @@ class ModelSpec:
         for name in ("spatial_upsampler_path", "distilled_lora"):
             if data.get(name) is not None and (not isinstance(data[name], str) or not data[name]):
                 raise ModelFileError(f"model spec field {name!r} must be a path string or null, got {data[name]!r}")
-        strength = data.get("distilled_lora_strength", DISTILLED_LORA_STRENGTH)
-        if isinstance(strength, bool) or not isinstance(strength, (int, float)):
-            raise ModelFileError(f"model spec field 'distilled_lora_strength' must be a number, got {strength!r}")
+        strengths = {}
+        for name in ("distilled_lora_strength", "distilled_lora_strength_stage_1", "distilled_lora_strength_stage_2"):
+            strength = data.get(name, cls.__dataclass_fields__[name].default)
+            if isinstance(strength, bool) or not isinstance(strength, (int, float)):
+                raise ModelFileError(f"model spec field {name!r} must be a number, got {strength!r}")
+            strengths[name] = float(strength)
         loras = data.get("loras", [])
         if not isinstance(loras, (list, tuple)):
             raise ModelFileError(f"model spec field 'loras' must be a list of [path, strength], got {loras!r}")
@@ -493,7 +505,7 @@ class ModelSpec:
             gemma_root=data["gemma_root"],
             spatial_upsampler_path=data.get("spatial_upsampler_path"),
             distilled_lora=data.get("distilled_lora"),
-            distilled_lora_strength=float(strength),
+            **strengths,
             loras=tuple(parsed_loras),
             quantization=parse_quantization(data.get("quantization")),
             residency=parse_residency(data.get("residency", "auto")),
@@ -626,6 +638,22 @@ _LTX_2_3_PARAMS = replace(
     audio_guidance=replace(_LTX_2_0_PARAMS.audio_guidance, stg_blocks=(28,)),
 )
 VERSION_PARAMS = {"2.0": _LTX_2_0_PARAMS, "2.3": _LTX_2_3_PARAMS}
+# ltx_pipelines.utils.constants.LTX_2_3_HQ_PARAMS: 15 steps, a 544x960 stage 1 (1088x1920 out), CFG and
+# modality guidance with no STG.
+_LTX_2_3_HQ_PARAMS = replace(
+    _LTX_2_3_PARAMS,
+    steps=15,
+    stage1_height=1088 // 2,
+    stage1_width=1920 // 2,
+    video_guidance=Guidance(cfg_scale=3.0, stg_scale=0.0, rescale_scale=0.45, modality_scale=3.0, skip_step=0, stg_blocks=()),
+    audio_guidance=Guidance(cfg_scale=7.0, stg_scale=0.0, rescale_scale=1.0, modality_scale=3.0, skip_step=0, stg_blocks=()),
+)
+OFFICIAL_PARAMS = {
+    "ltx_pipelines.utils.constants.LTX_2_PARAMS": _LTX_2_0_PARAMS,
+    "ltx_pipelines.utils.constants.LTX_2_3_PARAMS": _LTX_2_3_PARAMS,
+    "ltx_pipelines.utils.constants.LTX_2_3_HQ_PARAMS": _LTX_2_3_HQ_PARAMS,
+}
+"""The official parameter sets a recipe names (``Recipe.official_params``), by their ltx-pipelines name."""
 # An unguided recipe (ltx_pipelines.distilled): one positive-only pass per step (simple_denoising_func:
 # no guidance, which is ltx-core's MultiModalGuiderParams() as it comes).
 NO_GUIDANCE = Guidance(cfg_scale=1.0, stg_scale=0.0, rescale_scale=0.0, modality_scale=1.0, skip_step=0, stg_blocks=())
@@ -642,8 +670,12 @@ def _recipe_defaults(version_params: PipelineDefaults, declared: Recipe) -> Pipe
 
 
 DEFAULTS: dict[tuple[str, str], PipelineDefaults] = {
-    (version, declared.name): _recipe_defaults(VERSION_PARAMS[version], declared) for version in MODEL_VERSIONS for declared in RECIPES.values()
+    (version, declared.name): _recipe_defaults(OFFICIAL_PARAMS[dict(declared.official_params)[version]], declared)
+    for version in MODEL_VERSIONS
+    for declared in RECIPES.values()
+    if version in declared.versions
 }
+"""The defaults of each model version and recipe its official runner supports."""
 
 
 def recipe_of(pipeline: str) -> Recipe:
@@ -658,7 +690,12 @@ def defaults_for(model_version: str = "2.0", pipeline: str = DEFAULT_RECIPE) -> 
     """THE defaults of one model version and pipeline."""
     if model_version not in MODEL_VERSIONS:
         raise RequestError(f"model_version must be one of {', '.join(MODEL_VERSIONS)}, got {model_version!r}")
-    return DEFAULTS[(model_version, recipe_of(pipeline).name)]
+    declared = recipe_of(pipeline)
+    try:
+        declared.check_version(model_version)
+    except UnsupportedModelVersion as error:
+        raise RequestError(str(error)) from None
+    return DEFAULTS[(model_version, declared.name)]
 
 
 def stage2_default_sigmas(pipeline: str) -> tuple[float, ...]:

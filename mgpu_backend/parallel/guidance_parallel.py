@@ -246,7 +246,8 @@ def plan_stage2(
     """Choose sequence parallel or tiled data parallel for stage 2.
 
     ``auto`` follows the recipe's ``stage2_policy``: ``tdp`` (two-stage) keeps its TDP Upscale (the
-    graph's upscaler, audio frozen); ``planned`` (distilled, whose stage 2 is part of the recipe) takes SP when the shards per rank stay at
+    graph's upscaler, audio frozen); ``sp`` (HQ) takes SP wherever the world is a usable SP degree;
+    ``planned`` (distilled, whose stage 2 is part of the recipe) takes SP when the shards per rank stay at
     or above ``STAGE2_SP_MIN_SHARD_TOKENS`` and the world is a usable SP degree, TDP otherwise; one
     rank runs the whole latent (SP degree 1). Tiles given by the user mean TDP.
     """
@@ -269,6 +270,8 @@ def plan_stage2(
         technique, why = "sp", "one rank: the whole latent on it"
     elif not usable_sp:
         technique, why = "tdp", f"{world_size} ranks is no usable SP degree for {attention_heads} attention heads"
+    elif recipe(pipeline).stage2_policy == "sp":
+        technique, why = "sp", f"the {pipeline} recipe's stage 2 denoises the audio too, as its official runner"
     elif shard_tokens >= STAGE2_SP_MIN_SHARD_TOKENS:
         technique, why = "sp", f"{shard_tokens} tokens per rank, at or above the launch-bound ~{STAGE2_SP_MIN_SHARD_TOKENS}"
     else:

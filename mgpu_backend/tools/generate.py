@@ -1,11 +1,12 @@
 """``python -m mgpu_backend generate``: the whole two-stage LTX-2 job from the command line.
 
 Every recipe of ``mgpu_backend.ltx.recipes`` (``--pipeline``): ``two-stage`` (the default: the dev
-checkpoint, guided stage 1, stage 2 with the distilled LoRA) and ``distilled`` (the distilled
-checkpoint, 8 + 3 unguided steps, no LoRA, no negative prompt). The model flags, the flags a recipe
-ignores and the prompts it encodes are its declaration's; flag names follow the official runners
-(``ltx_pipelines.ti2vid_two_stages`` and ``ltx_pipelines.distilled``: ``--distilled-checkpoint-path``)
-where they exist; every default is the schema's (``mgpu_backend.ltx.schema``) for the chosen
+checkpoint, guided stage 1, stage 2 with the distilled LoRA), ``distilled`` (the distilled
+checkpoint, 8 + 3 unguided steps, no LoRA, no negative prompt) and ``hq`` (LTX-2.3 only: the dev
+checkpoint with the distilled LoRA in both stages at ``--distilled-lora-strength-stage-1/2``, res_2s
+steps). The model flags, the flags a recipe ignores and the prompts it encodes are its declaration's;
+flag names follow the official runners (``ltx_pipelines.ti2vid_two_stages``, ``ltx_pipelines.distilled``:
+``--distilled-checkpoint-path``, ``ltx_pipelines.ti2vid_two_stages_hq``) where they exist; every default is the schema's (``mgpu_backend.ltx.schema``) for the chosen
 ``--model-version`` and recipe. Without model files it uses the embedded tiny bundle (random weights:
 the output is noise, but every real component runs; the fleet makes or finds its files) at small
 sizes, and says so; files given as flags get a real model's sizes. It drives the same fleet jobs as
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, FILE_WORDS, RECIPES, STAGE2_POLICIES, model_flags, recipe
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, FILE_WORDS, RECIPES, STAGE2_POLICIES, STRENGTH_WORDS, UnsupportedModelVersion, model_flags, recipe, strength_flag, strength_fields
 from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PARALLEL_PLANS, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
@@ -48,6 +49,7 @@ DEFAULT_NEGATIVE_PROMPT = (
 
 # The tiny bundle's sizes, which must stay fast on a CPU (a real model gets the schema's defaults).
 TINY_DEFAULTS = {"height": 128, "width": 192, "num_frames": 9, "num_inference_steps": 4}
+DEFAULT_VERSION = "2.0"  # the embedded tiny bundle's without --model-version, where the recipe runs it
 MULTI_GPU_STAGE2_SIGMAS = TDP_UPSCALE_SIGMAS
 SINGLE_GPU_STAGE2_SIGMAS = STAGE_2_SIGMAS
 
@@ -70,14 +72,18 @@ def add_generate_parser(commands) -> None:
     model.add_argument("--checkpoint-path", help="LTX-2 dev checkpoint (.safetensors) of the two-stage pipeline (default: none, the tiny bundle)")
     model.add_argument("--distilled-checkpoint-path", help="LTX-2 distilled checkpoint (.safetensors) of the distilled pipeline (default: none, the tiny bundle)")
     model.add_argument("--gemma-root", help="Gemma-3 text encoder: a Hugging Face folder or ComfyUI's single file (gemma_3_12B_it.safetensors) (default: none, the tiny bundle)")
-    model.add_argument("--distilled-lora", nargs="+", metavar=("PATH", "STRENGTH"), help="distilled LoRA for stage 2 and an optional strength (strength default 1.0; default: none, the tiny bundle)")
+    model.add_argument("--distilled-lora", nargs="+", metavar=("PATH", "STRENGTH"), help="distilled LoRA for stage 2 (the hq pipeline: both stages, at its --distilled-lora-strength-stage-1/2, no STRENGTH here) and an optional strength (strength default 1.0; default: none, the tiny bundle)")
     model.add_argument("--spatial-upsampler-path", help="spatial 2x latent upsampler (.safetensors) (default: none, the tiny bundle)")
+    for field in strength_fields():
+        readers = " and ".join(declared.name for declared in RECIPES.values() if field in declared.stage_strengths)
+        model.add_argument(strength_flag(field), type=float, help=f"--pipeline {readers} only: {STRENGTH_WORDS[field]} (default {ModelSpec.__dataclass_fields__[field].default}, as the official runner)")
     model.add_argument("--lora", nargs="+", action="append", metavar=("PATH", "STRENGTH"), help="a user LoRA, optional strength (default 1.0; repeatable; with the tiny bundle too). Default: none")
     # bfloat16 only: stage 2 fuses the distilled LoRA, and ltx-core fuses LoRAs into bfloat16 or fp8 weights only.
     model.add_argument("--dtype", choices=("bfloat16",), default="bfloat16", help="compute dtype (default bfloat16, as the official pipeline; the two-stage job fuses the distilled LoRA, which needs bfloat16)")
     model.add_argument("--quantization", choices=QUANTIZATIONS, help="fp8-cast: transformer weights in float8, upcast per layer (about half its memory; as the official --quantization fp8-cast). Default: none")
     model.add_argument("--residency", choices=RESIDENCY_POLICIES, default=RESIDENCY_POLICIES[0], help="what stays on each GPU between jobs: auto (what fits), all, minimal (the transformer only), sharded (the transformer spread over the GPUs, 1/N each) (default auto)")
-    model.add_argument("--model-version", choices=MODEL_VERSIONS, help="LTX-2 version: a check only, the checkpoint's model_version metadata decides whose official defaults apply (a contradicting value is refused); without model flags, which embedded tiny bundle runs (default 2.0)")
+    only = ", ".join(f"{declared.name} {'/'.join(declared.versions)}" for declared in RECIPES.values() if DEFAULT_VERSION not in declared.versions)
+    model.add_argument("--model-version", choices=MODEL_VERSIONS, help=f"LTX-2 version: a check only, the checkpoint's model_version metadata decides whose official defaults apply (a contradicting value is refused); without model flags, which embedded tiny bundle runs (default {DEFAULT_VERSION}, or the recipe's own where it runs no {DEFAULT_VERSION}: {only})")
 
     job = parser.add_argument_group("generation")
     prompt = job.add_mutually_exclusive_group(required=True)
@@ -287,6 +293,17 @@ def _refuse_foreign_model_flags(args, declared) -> None:
             raise refuse(f"{flag} does not apply to --pipeline {declared.name} ({why.get(flag, f'use --pipeline {takers} for it')}); drop it")
 
 
+def _stage_strengths(args, declared) -> dict[str, float]:
+    """The per-stage strength flags given; one the recipe does not read is refused, naming the one that does."""
+    given = {field: getattr(args, field) for field in strength_fields() if getattr(args, field) is not None}
+    for field in given:
+        if field not in declared.stage_strengths:
+            readers = " or ".join(other.name for other in RECIPES.values() if field in other.stage_strengths)
+            ours = "; --distilled-lora's STRENGTH sets its stage-2 strength" if "distilled_lora_strength" in declared.lora_strengths else ""
+            raise refuse(f"{strength_flag(field)} does not apply to --pipeline {declared.name} (use --pipeline {readers} for it{ours}); drop it")
+    return given
+
+
 def build_spec(args) -> tuple[dict, bool]:
     """The model spec JSON, and whether it is the embedded tiny bundle (named, not written here)."""
     from safetensors import SafetensorError, safe_open
@@ -303,9 +320,14 @@ def build_spec(args) -> tuple[dict, bool]:
         if len(lora) > 2:
             raise refuse(f"--lora takes a path and an optional strength, got {' '.join(lora)}; repeat --lora for each LoRA")
         loras.append((lora[0], _strength(lora, "--lora", 1.0)))
-    held = {"quantization": args.quantization, "residency": args.residency, "loras": tuple(loras)}
+    held = {"quantization": args.quantization, "residency": args.residency, "loras": tuple(loras), **_stage_strengths(args, declared)}
     if not any(given):
-        spec = replace(ModelSpec.embedded_tiny_for(pipeline, version=args.model_version or "2.0"), **held)
+        version = args.model_version or (DEFAULT_VERSION if DEFAULT_VERSION in declared.versions else declared.versions[0])
+        try:
+            declared.check_version(version)
+        except UnsupportedModelVersion as error:
+            raise refuse(f"--model-version: {error}") from None
+        spec = replace(ModelSpec.embedded_tiny_for(pipeline, version=version), **held)
         try:  # the bundle itself is made on the ranks; a user LoRA must exist here already
             spec.check_files_exist()
         except ModelFileError as error:
@@ -319,7 +341,11 @@ def build_spec(args) -> tuple[dict, bool]:
         if isinstance(value, list):  # a LoRA flag: PATH [STRENGTH]
             if len(value) > 2:
                 raise refuse(f"{file.flag} takes a path and an optional strength, got {' '.join(value)}")
-            files[file.spec_field], files[f"{file.spec_field}_strength"] = value[0], _strength(value, file.flag, DISTILLED_LORA_STRENGTH)
+            strength = f"{file.spec_field}_strength"
+            if len(value) == 2 and strength not in declared.lora_strengths:  # the official runner reads it nowhere either
+                flags = " and ".join(map(strength_flag, declared.stage_strengths))
+                raise refuse(f"{file.flag} {' '.join(value)}: --pipeline {declared.name} reads no strength there (its stages take {flags}); drop {value[1]}")
+            files[file.spec_field], files[strength] = value[0], _strength(value, file.flag, DISTILLED_LORA_STRENGTH)
         else:
             files[file.spec_field] = value
     spec = ModelSpec(**files, **held)
@@ -470,11 +496,12 @@ def run_generate(args) -> int:
     from mgpu_backend.tools.media import write_mp4
 
     spec, tiny = build_spec(args)
+    declared = recipe(args.pipeline)
     try:
         args.model_version = request_model_version(ModelSpec.from_wire(spec), args.model_version)
-    except RequestError as error:
-        raise refuse(f"--model-version: {error}") from None
-    declared = recipe(args.pipeline)
+        declared.check_version(args.model_version)
+    except (RequestError, UnsupportedModelVersion) as error:
+        raise refuse(f"--model-version: {error}" if isinstance(error, RequestError) else str(error)) from None
     check_ignored_flags(args, declared)
     defaults = dict(TINY_DEFAULTS) if tiny else real_defaults(args.model_version, args.pipeline)
     if declared.fixed_steps is not None:

@@ -26,7 +26,7 @@ import pytest
 from mgpu_backend.tools import comfy_queue
 from mgpu_backend.tools.processes import process_alive
 
-from .comfyui_harness import COMFYUI_DIR, GEMMA_FILE, START_TIMEOUT_SECONDS, TINY_WORKFLOW, ComfyUI, get_json, post_json, queue, saved_video
+from .comfyui_harness import COMFYUI_DIR, GEMMA_FILE, PACK_DIR, START_TIMEOUT_SECONDS, TINY_WORKFLOW, ComfyUI, get_json, post_json, queue, saved_video
 
 
 pytestmark = [
@@ -103,6 +103,23 @@ def test_tiny_workflow_writes_an_mp4_with_a_video_and_an_audio_stream(comfyui):
     assert frames == 9, f"{path}: {frames} frames, expected the 9 the workflow asks for"
     status = get_json(f"{comfyui.url}/mgpu/status")
     assert status["running"] and status["world_size"] == int(os.environ.get("MGPU_CPU_RANKS", "2")), status
+
+
+def test_the_hq_workflow_on_the_embedded_ltx_2_3_bundle_writes_an_mp4_with_audio(comfyui):
+    """The shipped LTX-2.3 HQ graph with its files swapped for the embedded tiny 2.3 bundle at a tiny size:
+    the loader's per-stage strengths, SP Sampler's own audio rescale and TDP Upscale under the recipe's stage-2 policy run."""
+    import av
+
+    embedded = "(embedded tiny LTX-2.3, random weights)"
+    files = [f"1.{name}={embedded}" for name in ("ckpt_name", "distilled_lora", "spatial_upsampler", "gemma")]
+    sizes = ["4.width=96", "4.height=64", "4.length=9", "4.steps=3"]
+    workflow = comfy_queue.apply_overrides(json.loads((PACK_DIR / "workflows" / "api" / "ltx23_t2v_hq.json").read_text()), files + sizes)
+    assert (workflow["1"]["inputs"]["pipeline"], workflow["4"]["inputs"]["rescale"], workflow["4"]["inputs"]["audio_rescale"]) == ("hq", 0.45, 1.0)
+    outcome = comfy_queue.queue_prompt(comfyui.url, workflow, say=lambda text: None, timeout=600)
+    path = saved_video(comfyui, outcome)
+    with av.open(str(path)) as container:
+        assert (container.streams.video[0].codec_context.width, container.streams.video[0].codec_context.height) == (192, 128)
+        assert len(container.streams.audio) == 1 and sum(1 for _ in container.decode(video=0)) == 9
 
 
 def test_interrupt_stops_a_long_run_and_the_same_fleet_serves_the_next(comfyui):
