@@ -96,10 +96,11 @@ class RandomModel:
     def transformer(self, lora_set: str = "none") -> X0Model:
         return self.model
 
-    def layer_count(self) -> int:
+    # The resident model's interface: ``lora_set`` names the fused LoRAs there; a random model has none.
+    def layer_count(self, lora_set: str = "none") -> int:
         return transformer_layer_count(self.model)
 
-    def attention_heads(self) -> tuple[int, int]:
+    def attention_heads(self, lora_set: str = "none") -> tuple[int, int]:
         block = self.model.velocity_model.transformer_blocks[0]
         return block.attn1.heads, block.audio_attn1.heads
 
