@@ -19,7 +19,6 @@ This module imports neither ComfyUI nor the fleet: both sides of the call use it
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import math
 import os
@@ -266,19 +265,12 @@ def pack_patches(patches: dict[str, list[tuple]]) -> tuple[list[dict], dict[str,
     """A ``ModelPatcher.patches`` dict (weight name -> [(strength_patch, patch, strength_model,
     offset, function)]) as (JSON entries, tensors by content digest). A patch function (a Python
     callable) or a patch of an unknown kind raises ``UnsupportedValue`` naming the weight."""
-    by_digest: dict[str, torch.Tensor] = {}
-    every: list[torch.Tensor] = []
-    for key in patches:  # digested together first, in parallel; the packing below finds them remembered
-        for _, patch, _, offset, _ in patches[key]:
-            for value in (patch, offset):
-                with contextlib.suppress(UnsupportedValue):
-                    _pack(value, key, lambda tensor, where: every.append(tensor), 0)
-    tensor_digests(every)
+    found: list[tuple[torch.Tensor, dict]] = []
 
     def by_content(tensor: torch.Tensor, where: str) -> dict:
-        digest = tensor_digest(tensor)
-        by_digest[digest] = tensor
-        return {DIGEST_KEY: digest}
+        reference: dict = {}  # its digest is filled in below, once every tensor's is known
+        found.append((tensor, reference))
+        return reference
 
     entries = []
     for key in sorted(patches):
@@ -292,6 +284,10 @@ def pack_patches(patches: dict[str, list[tuple]]) -> tuple[list[dict], dict[str,
                 "offset": _pack(offset, f"offset of {key}", by_content, 0),
                 "patch": _pack(patch, key, by_content, 0),
             })
+    by_digest: dict[str, torch.Tensor] = {}
+    for (tensor, reference), digest in zip(found, tensor_digests([tensor for tensor, _ in found]), strict=True):  # in parallel
+        reference[DIGEST_KEY] = digest
+        by_digest[digest] = tensor
     return entries, by_digest
 
 
