@@ -102,6 +102,15 @@ def reference_side(bundle, module_name: str, build: Callable[[types.ModuleType],
         yield types.SimpleNamespace(module=module, pipeline=build(module))
 
 
+def guided_call(params, prompt: str, negative_prompt: str) -> dict:
+    """The keywords of a guided official runner's call (two-stage, HQ) for the fleet's ``GenerationParams``."""
+    return dict(
+        prompt=prompt, negative_prompt=negative_prompt, seed=params.seed, height=params.height, width=params.width,
+        num_frames=params.num_frames, frame_rate=params.frame_rate, num_inference_steps=params.num_inference_steps,
+        video_guider_params=params.video_guider, audio_guider_params=params.audio_guider,
+    )
+
+
 def run_reference(side: types.SimpleNamespace, image_path: str | None, **call) -> dict:
     """One official run; returns the latents it passed between its steps, and its outputs.
 

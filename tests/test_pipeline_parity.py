@@ -85,11 +85,7 @@ def reference_side(bundle):
 
 def run_reference(reference_side, image_path: str | None) -> dict:
     """One official two-stage run; returns the latents it passed between its steps, and its outputs."""
-    return official_reference.run_reference(
-        reference_side, image_path, prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, seed=PARAMS.seed, height=PARAMS.height,
-        width=PARAMS.width, num_frames=PARAMS.num_frames, frame_rate=PARAMS.frame_rate, num_inference_steps=PARAMS.num_inference_steps,
-        video_guider_params=VIDEO_GUIDER, audio_guider_params=AUDIO_GUIDER,
-    )  # fmt: skip
+    return official_reference.run_reference(reference_side, image_path, **official_reference.guided_call(PARAMS, PROMPT, NEGATIVE_PROMPT))
 
 
 def run_ours(loader: ModelLoader, image: torch.Tensor | None) -> dict:

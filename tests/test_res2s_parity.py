@@ -82,11 +82,7 @@ def reference_side(bundle):
 
 
 def run_reference(reference_side, image_path: str | None) -> dict:
-    return official_reference.run_reference(
-        reference_side, image_path, prompt=PROMPT, negative_prompt=NEGATIVE_PROMPT, seed=PARAMS.seed, height=PARAMS.height,
-        width=PARAMS.width, num_frames=PARAMS.num_frames, frame_rate=PARAMS.frame_rate, num_inference_steps=PARAMS.num_inference_steps,
-        video_guider_params=PARAMS.video_guider, audio_guider_params=PARAMS.audio_guider,
-    )  # fmt: skip
+    return official_reference.run_reference(reference_side, image_path, **official_reference.guided_call(PARAMS, PROMPT, NEGATIVE_PROMPT))
 
 
 class OneTransformerPerLoraSet:
