@@ -190,22 +190,29 @@ class FleetLink:
 
     def apply_patches(self, patches: dict) -> None:
         """Make the fleet's weights those of ``patches`` (a ModelPatcher's patch dict)."""
+        start = time.perf_counter()
         try:
             entries, by_digest = wire.pack_patches(patches)
         except wire.UnsupportedValue as exc:
             raise UnsupportedModelPatch(f"a weight patch on the MODEL cannot be sent to the MGPU fleet: {exc}") from None
         set_digest = wire.patch_set_digest(entries) if entries else ""
+        digested = time.perf_counter()
         with self._lock:
             self.ensure_loaded()
             if set_digest == self.set_digest:
                 return
-            self._upload(by_digest)
+            sent_bytes = self._upload(by_digest)
+            uploaded = time.perf_counter()
             self._run("comfy.patch_model", {"model_key": self.model_key, "set_digest": set_digest}, {"entries": wire.entries_tensor(entries)})
             self.set_digest = set_digest
+        # The cold cost of a LoRA on the fleet, in its parts (docs/BENCHMARKS.md reads them from this line).
+        log.info("MGPU fleet weight patches: %d entries, %d tensors; digests %.2f s, sent %.2f GB in %.2f s, patched on the ranks in %.2f s",
+                 len(entries), len(by_digest), digested - start, sent_bytes / 1e9, uploaded - digested, time.perf_counter() - uploaded)
 
-    def _upload(self, by_digest: dict[str, torch.Tensor]) -> None:
+    def _upload(self, by_digest: dict[str, torch.Tensor]) -> int:
+        """Send the tensors the ranks do not hold yet, in batches; the bytes sent."""
         batch: dict[str, torch.Tensor] = {}
-        size = 0
+        size = sent = 0
         for digest, tensor in by_digest.items():
             if digest in self.sent_digests:
                 continue
@@ -213,9 +220,10 @@ class FleetLink:
             size += tensor.numel() * tensor.element_size()
             if size >= PATCH_UPLOAD_BYTES:
                 self._upload_batch(batch)
-                batch, size = {}, 0
+                batch, sent, size = {}, sent + size, 0
         if batch:
             self._upload_batch(batch)
+        return sent + size
 
     def _upload_batch(self, batch: dict[str, torch.Tensor]) -> None:
         index, blob = wire.pack_tensor_blob(batch)
