@@ -91,3 +91,42 @@ def test_replayed_blocks_equal_eager_blocks_bitwise_on_the_gpu():
         cases.assert_same(second, eager)
         outputs[case] = eager
     assert "_process_transformer_blocks" not in diffusion_model.__dict__
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_lora_on_a_gpu_rank_keeps_its_clean_weights_on_the_gpu_and_replays_them_patched_then_restored():
+    """The rank's patch path (``runtime.apply_patches``) on a GPU with room: the clean copies of the patched
+    weights stay on the GPU (not ~40 GB of host memory per rank at full size), the patched weights are ComfyUI's
+    own (``patch_weight_to_device``, in-process), a captured forward equals the eager one, and taking the
+    patches off restores the loaded weights bitwise."""
+    from mgpu_backend.comfy_model import runtime
+    from tests import comfy_model_cases as cases
+
+    device = torch.device("cuda", 0)
+    comfy = cases.import_comfy_or_skip(device=device)
+    path, reference = cases.load_tiny(comfy)
+    patcher = runtime.load_model(path, "checkpoint", "default", device)
+    loaded = runtime.LoadedModel("gpu-lora", patcher)
+    clean = {key: value.clone() for key, value in patcher.model.state_dict().items()}
+    lora = cases.random_lora(comfy, reference, seed=3)
+    patched_reference, _ = comfy.sd.load_lora_for_models(reference, None, lora, 0.5, 0)
+    runtime.apply_patches(loaded, dict(patched_reference.patches), device)
+    assert patcher.backup and {entry.weight.device for entry in patcher.backup.values()} == {device}
+    expected = {key: patched_reference.patch_weight_to_device(key, device_to=device, return_weight=True) for key in patched_reference.patches}
+    for key, weight in expected.items():
+        assert torch.equal(patcher.model.state_dict()[key], weight.to(clean[key].dtype)), key
+    call = on_cuda(cases.make_call(comfy, patcher, "plain", seed=5))
+    eager = cases.in_process(patcher, call, torch.get_num_threads())
+    wrapper = captured_blocks.capture_blocks(patcher.model.diffusion_model, None)
+    try:
+        replayed = [cases.in_process(patcher, call, torch.get_num_threads()) for _ in range(2)]
+        assert wrapper.replays == 2
+    finally:
+        wrapper.remove()
+    for output in replayed:
+        cases.assert_same(output, eager)
+    runtime.apply_patches(loaded, {}, device)
+    assert not patcher.backup
+    for key, value in patcher.model.state_dict().items():
+        assert torch.equal(value, clean[key]), key

@@ -186,3 +186,24 @@ def test_adapters_sharing_the_lora_files_key_set_pack_to_entries_the_size_of_the
 def test_malformed_patch_entries_are_refused_in_words(tensor, words):
     with pytest.raises(ValueError, match=words):
         wire.entries_from_tensor(tensor)
+
+
+def test_the_patched_weights_clean_copies_stay_on_a_gpu_with_room_else_on_the_host(monkeypatch):
+    """A full-size LoRA patches about 40 GB of the 22B's weights: their clean copies (ComfyUI's
+    ``ModelPatcher.backup``) stay on a GPU that keeps its headroom beside them, else on ComfyUI's host."""
+    import types
+
+    from mgpu_backend.comfy_model import runtime
+
+    gpu, host, gib = torch.device("cuda", 0), torch.device("cpu"), 1 << 30
+    weight = types.SimpleNamespace(numel=lambda: 20 * gib, element_size=lambda: 2, device=gpu)  # 40 GiB of bf16
+    state = {"blocks.0.attn.to_q.weight": weight, "blocks.0.ff.weight": types.SimpleNamespace(numel=lambda: 1, element_size=lambda: 2, device=host)}
+    free = {"bytes": 100 * gib}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (free["bytes"], 141 * gib))
+    assert runtime.backup_device(state, state, gpu, host, environ={}) == gpu  # 100 - 40 = 60 GiB left, above a tenth of 141
+    free["bytes"] = 50 * gib
+    assert runtime.backup_device(state, state, gpu, host, environ={}) == host  # 10 GiB left: under 14.1 GiB
+    free["bytes"] = 100 * gib
+    assert runtime.backup_device(state, state, gpu, host, environ={"MGPU_MEMORY_FRACTION": "0.25"}) == host  # a capped rank
+    assert runtime.backup_device(state, state, gpu, host, environ={"MGPU_SHARED_GPU_RANKS": "4"}) == host
+    assert runtime.backup_device(state, state, host, host, environ={}) == host  # CPU ranks: ComfyUI's own choice

@@ -214,15 +214,47 @@ def missing_digests(entries: Any, held: dict[str, torch.Tensor]) -> list[str]:
     return sorted(set(missing))
 
 
+BACKUP_HEADROOM_BYTES = 8 << 30
+"""What a GPU must keep free beside the patched weights' clean copies for them to stay on it (the
+forward's activations): at least this, or a tenth of the GPU."""
+
+
+def backup_device(state: dict[str, torch.Tensor], keys, device: torch.device, offload: torch.device, environ=None) -> torch.device:
+    """Where ComfyUI's patcher keeps the clean copy of each weight a LoRA patches (``ModelPatcher.backup``,
+    restored when the patches change): ``device`` when the GPU has room for them beside a headroom,
+    else ``offload`` (ComfyUI's own choice, the host). A full-size LoRA patches most of the 22B's blocks:
+    on the host that is about 40 GB per rank, copied out of the GPU at every new patch set; on an H200
+    it fits on the GPU, and the copy is a device copy. Ranks sharing a GPU or capped
+    (``MGPU_SHARED_GPU_RANKS``, ``MGPU_MEMORY_FRACTION``) keep ComfyUI's choice."""
+    from mgpu_backend.fleet.rank import MEMORY_FRACTION_ENV
+    from mgpu_backend.fleet.shared_gpu import SHARED_GPU_RANKS_ENV
+
+    environ = os.environ if environ is None else environ
+    if device.type != "cuda" or environ.get(MEMORY_FRACTION_ENV, "").strip() or environ.get(SHARED_GPU_RANKS_ENV, "").strip() not in ("", "1"):
+        return offload
+    needed = sum(state[key].numel() * state[key].element_size() for key in keys if key in state and state[key].device == device)
+    free, total = torch.cuda.mem_get_info(device)
+    return device if free - needed >= max(BACKUP_HEADROOM_BYTES, total // 10) else offload
+
+
 def apply_patches(loaded: LoadedModel, patches: dict[str, list[tuple]], device: torch.device) -> None:
     """Put ``patches`` on the model the way ComfyUI does: restore the unpatched weights, set the
     patcher's patches, load it onto ``device`` (``ModelPatcher.patch_weight_to_device`` computes each
-    patched weight with ``comfy.lora.calculate_weight``)."""
+    patched weight with ``comfy.lora.calculate_weight``), its clean copies where ``backup_device`` says."""
     patcher = loaded.patcher
-    unknown = sorted(set(patches) - set(patcher.model.state_dict()))
+    state = patcher.model.state_dict()
+    unknown = sorted(set(patches) - set(state))
     if unknown:
         raise ComfyInputError(f"{len(unknown)} patched weights are not in this model (first: {unknown[0]}); was the LoRA made for it?")
     patcher.unpatch_model(device_to=device, unpatch_weights=True)
     patcher.patches = patches
     patcher.patches_uuid = uuid.uuid4()
-    patcher.patch_model(device_to=device, load_weights=True)
+    offload = patcher.offload_device
+    patcher.offload_device = backup_device(state, patches, device, offload)
+    try:
+        patcher.patch_model(device_to=device, load_weights=True)
+    finally:
+        patcher.offload_device = offload  # only the backups of this patching follow the choice
+    if patcher.backup:
+        placed = {str(entry.weight.device) for entry in patcher.backup.values()}
+        log.info("%d clean weights of the patched layers kept on %s", len(patcher.backup), ", ".join(sorted(placed)))
