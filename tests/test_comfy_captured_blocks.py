@@ -74,7 +74,7 @@ def test_replayed_blocks_equal_eager_blocks_bitwise_on_the_gpu():
     import comfy.model_management
 
     _, patcher = cases.load_tiny(comfy)
-    calls = {case: on_cuda(cases.make_call(comfy, patcher, case, seed=5)) for case in ("plain", "keyframes")}  # on the CPU weights
+    calls = {case: on_cuda(cases.make_call(comfy, patcher, case, seed=5, device=torch.device("cuda", 0))) for case in ("plain", "keyframes")}
     comfy.model_management.load_models_gpu([patcher], force_full_load=True)
     diffusion_model = patcher.model.diffusion_model
     outputs = {}
@@ -116,7 +116,7 @@ def test_a_lora_on_a_gpu_rank_keeps_its_clean_weights_on_the_gpu_and_replays_the
     expected = {key: patched_reference.patch_weight_to_device(key, device_to=device, return_weight=True) for key in patched_reference.patches}
     for key, weight in expected.items():
         assert torch.equal(patcher.model.state_dict()[key], weight.to(clean[key].dtype)), key
-    call = on_cuda(cases.make_call(comfy, patcher, "plain", seed=5))
+    call = on_cuda(cases.make_call(comfy, patcher, "plain", seed=5, device=device))
     eager = cases.in_process(patcher, call, torch.get_num_threads())
     wrapper = captured_blocks.capture_blocks(patcher.model.diffusion_model, None)
     try:
