@@ -153,6 +153,12 @@ def embedded_entries() -> dict[str, str]:
     return importlib.import_module("comfyui_mgpu_pack.nodes.model_nodes").EMBEDDED_ENTRIES
 
 
+def recipe_strength() -> float:
+    """The loader's per-stage LoRA strength that means the recipe's own (``model_nodes.RECIPE_STRENGTH``)."""
+    load_pack()
+    return importlib.import_module("comfyui_mgpu_pack.nodes.model_nodes").RECIPE_STRENGTH
+
+
 def embedded_entry(version: str) -> str:
     (entry,) = [entry for entry, entry_version in embedded_entries().items() if entry_version == version]
     return entry
@@ -375,8 +381,8 @@ def recipe_text(defaults: PipelineDefaults, tiny: bool) -> str:
     stage2_steps = len(declared.stage2.sigmas) - 1
 
     def lora(stage: recipes.Stage, none: str = "") -> str:
-        pairs = recipes.LORA_SETS[stage.lora_set]
-        return none if not pairs else f" with the {' and '.join(recipes.FILE_WORDS[field] for field, _strength in pairs)}"
+        fused = [field for field, _strength, unset in recipes.LORA_SETS[stage.lora_set] if unset is not None]  # not those only a user chooses
+        return none if not fused else f" with the {' and '.join(recipes.FILE_WORDS[field] for field in fused)}"
 
     if not declared.guided:
         return (f"{opening}, {defaults.steps} unguided steps (one pass each; the sampler's steps and guidance widgets are ignored), "
@@ -430,7 +436,7 @@ def sampler_widgets(example: Example) -> dict:
         "width": recipe.stage1_width, "height": recipe.stage1_height, "length": recipe.num_frames, "frame_rate": recipe.frame_rate,
         "seed": recipe.seed, "steps": recipe.steps, "video_cfg": video.cfg_scale, "audio_cfg": audio.cfg_scale,
         "stg_scale": video.stg_scale, "stg_blocks": ",".join(map(str, video.stg_blocks)), "rescale": video.rescale_scale,
-        "modality_scale": video.modality_scale, "parallel": "(from loader)", "compile_blocks": False,
+        "modality_scale": video.modality_scale, "parallel": "(from loader)", "compile_blocks": False, "sampler": "(from recipe)",
         "audio_rescale": same_as_rescale if audio.rescale_scale == video.rescale_scale else audio.rescale_scale,
     }  # fmt: skip
     if example.tiny:
@@ -498,7 +504,7 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
     nodes = [
         Node(1, "MGPULoadCheckpoint", LAYOUT["loader"].pos, {**files, "distilled_lora_strength": DISTILLED_LORA_STRENGTH, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto",
                                                   "dtype": "bfloat16", "quantization": "none", "residency": "auto", "pipeline": example.pipeline,
-                                                  **{field: ModelSpec.__dataclass_fields__[field].default for field in recipes.strength_fields()}},
+                                                  **{field: recipe_strength() for field in recipes.strength_fields()}},
              size=LAYOUT["loader"].size, models=model_metadata(files)),
         Node(2, "MGPUTextEncode", LAYOUT["text"].pos, {"positive": IMAGE_PROMPT if example.image else default_positive, "negative": negative, "free_gemma": False},
              {"model": (1, 0)}, size=LAYOUT["text"].size),
@@ -506,7 +512,7 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
         Node(4, "MGPUSPSampler", LAYOUT["sampler"].pos, sampler, {"model": (1, 0), "positive": (2, 0), "negative": (2, 1), "frame_rate": (3, 0)}, size=LAYOUT["sampler"].size),
         Node(
             5, "MGPUTDPUpscale", LAYOUT["upscale"].pos,
-            {"seed": recipe.seed, "sigmas": sigmas, "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False, "stage2_parallel": "auto"},
+            {"seed": recipe.seed, "sigmas": sigmas, "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False, "stage2_parallel": "auto", "sampler": "(from recipe)"},
             {"model": (1, 0), "av_latent": (4, 0), "positive": (2, 0)}, size=LAYOUT["upscale"].size,
         ),
         Node(6, "MGPUDistributedVAEDecode", LAYOUT["decode"].pos, {"seed": recipe.seed, "spatial_tile_pixels": DECODE_SPATIAL_TILE_PIXELS,
