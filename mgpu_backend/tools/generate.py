@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, DISTILLED_SIGMAS, FILE_WORDS, RECIPES, STAGE2_POLICIES, STEPPERS, STRENGTH_WORDS, UnsupportedModelVersion, model_flags, recipe, strength_default_words, strength_flag, strength_fields
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PARALLEL_PLANS, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas, validate_stage1_sigmas
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, NO_GUIDANCE, OFFICIAL, PARALLEL_PLANS, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas, validate_stage1_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -119,6 +119,7 @@ def add_generate_parser(commands) -> None:
 
     # Unset guidance flags take the schema's official values of --model-version (shown: 2.0's).
     guidance = parser.add_argument_group("guidance (default: the official values of the model version)")
+    guidance.add_argument("--cfg-1", dest="unguided", action="store_true", help="CFG 1, as ComfyUI's LTX-2.3 templates run the dev checkpoint with the distilled LoRA: one conditional pass per step, no negative prompt, no STG or modality guidance (sequence parallel over all GPUs); not with the scale flags below (default: off)")
     for modality, modality_flag in (("video", "--a2v-guidance-scale"), ("audio", "--v2a-guidance-scale")):
         official = getattr(OFFICIAL, f"{modality}_guidance")
         guidance.add_argument(f"--{modality}-cfg-guidance-scale", type=float, help=f"default {official.cfg_scale}")
@@ -483,11 +484,21 @@ GUIDANCE_FLAGS = tuple(
 
 
 def check_ignored_flags(args, declared) -> None:
-    """Refuse the flags the recipe would ignore (``recipes.Recipe.ignores``): guidance, step count."""
+    """Refuse the flags the recipe would ignore (``recipes.Recipe.ignores``): guidance, step count.
+    ``--cfg-1`` sets every guidance scale to its neutral value (``schema.NO_GUIDANCE``) and so takes none of them."""
     guidance = declared.ignored("guidance")
     set_flags = ["--" + name.replace("_", "-") for name in GUIDANCE_FLAGS if getattr(args, name) is not None]
-    if guidance is not None and set_flags:
-        raise refuse(f"{', '.join(set_flags)} do(es) not apply to --pipeline {declared.name} ({guidance.why}); drop them")
+    if guidance is not None and (set_flags or args.unguided):
+        raise refuse(f"{', '.join(set_flags) or '--cfg-1'} do(es) not apply to --pipeline {declared.name} ({guidance.why}); drop them")
+    if args.unguided and set_flags:
+        raise refuse(f"--cfg-1 sets every guidance scale; drop {', '.join(set_flags)} (or --cfg-1)")
+    if args.unguided and (args.negative_prompt is not None or args.negative_prompt_file):
+        raise refuse("--cfg-1 runs no unconditional pass, so no negative prompt is read; drop --negative-prompt / --negative-prompt-file (or --cfg-1)")
+    if args.unguided:
+        for modality in ("video", "audio"):
+            for name in ("cfg_scale", "stg_scale", "rescale_scale", "modality_scale"):
+                flag = {"cfg_scale": "cfg_guidance_scale", "stg_scale": "stg_guidance_scale"}.get(name, name)
+                setattr(args, f"{modality}_{flag}", getattr(NO_GUIDANCE, name))
     steps = declared.ignored("steps")
     if args.stage1_sigmas is not None:
         try:
@@ -559,8 +570,8 @@ def run_generate(args) -> int:
         loaded = api.load(spec, **common)
         progress.close()
         print(f"model on the fleet ({loaded['bytes_read'] / 2**20:.1f} MiB read from disk since it was loaded)", file=sys.stderr)
-        # An unguided recipe (distilled) runs no unconditional pass: no negative prompt to encode.
-        prompts = [inputs["prompt"], inputs["negative"]] if declared.encodes_negative_prompt else [inputs["prompt"]]
+        # An unguided recipe (distilled) or --cfg-1 runs no unconditional pass: no negative prompt to encode.
+        prompts = [inputs["prompt"], inputs["negative"]] if declared.encodes_negative_prompt and not args.unguided else [inputs["prompt"]]
         positive, *negative = api.encode(spec, prompts, free_gemma=args.free_gemma, **common)
         video, audio = api.sample(
             spec, positive, negative[0] if negative else None, width=args.width // 2, height=args.height // 2,
