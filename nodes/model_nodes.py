@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.safetensors_header import ModelFileError
-from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES, STRENGTH_WORDS, recipe, strength_fields
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES, STRENGTH_WORDS, recipe, strength_default_words, strength_fields
 from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, ModelSpec, defaults_for, validate_dtype_with_loras
 
 from .fleet_admin import format_status, status_snapshot, stop_fleet, unload_models
@@ -118,9 +118,9 @@ def build_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: flo
     never mixed, and named symbolically: the fleet makes (or finds) its files, nothing is written in
     this process. A file the recipe refuses (the distilled recipe: the distilled LoRA, its checkpoint
     being the distilled model) must be (none). ``strengths``: the per-stage LoRA strengths
-    (``recipes.STRENGTH_WORDS``) given; the others keep the model spec's defaults."""
+    (``recipes.STRENGTH_WORDS``) given, ``RECIPE_STRENGTH`` for the recipe's own; the others stay unset."""
     return replace(ModelSpec.from_wire(_files_spec(ckpt_name, distilled_lora, distilled_lora_strength, spatial_upsampler, gemma,
-                                                   quantization, residency, pipeline)), **(strengths or {})).to_wire()  # fmt: skip
+                                                   quantization, residency, pipeline)), **chosen_strengths(strengths or {})).to_wire()  # fmt: skip
 
 
 def _files_spec(ckpt_name: str, distilled_lora: str, distilled_lora_strength: float, spatial_upsampler: str, gemma: str,
@@ -189,11 +189,24 @@ def describe_version(version: str, pipeline: str) -> str:
     return f"LTX-{version} checkpoint: official defaults {official.steps} steps, {stg}"
 
 
+RECIPE_STRENGTH = -1.0
+"""A per-stage LoRA strength input's value for the recipe's own (the model spec's unset strength)."""
+
+
 def strength_tooltip(field: str) -> str:
-    """A per-stage LoRA strength input's tooltip: the recipes that read it and its official default."""
+    """A per-stage LoRA strength input's tooltip: the recipes that read it and what each fuses by default."""
     readers = " and ".join(declared.name for declared in RECIPES.values() if field in declared.stage_strengths)
-    return (f"The {readers} pipeline only: {STRENGTH_WORDS[field]} (the official {ModelSpec.__dataclass_fields__[field].default}); "
-            "its distilled_lora_strength is not read.")  # fmt: skip
+    return (f"The {readers} pipelines only: {STRENGTH_WORDS[field]}. {RECIPE_STRENGTH:g}: the recipe's own "
+            f"({strength_default_words(field)}, as their official runners); 0: no distilled LoRA there. The hq pipeline "
+            "does not read distilled_lora_strength.")  # fmt: skip
+
+
+def chosen_strengths(strengths: dict[str, float]) -> dict[str, float | None]:
+    """The per-stage strength inputs as model spec fields: ``RECIPE_STRENGTH`` is the recipe's own (unset)."""
+    unknown = sorted(set(strengths) - set(strength_fields()))
+    if unknown:
+        raise ValueError(f"unknown input(s) {unknown}; Load Checkpoint MGPU's per-stage strengths are {list(strength_fields())}")
+    return {field: None if value is None or value == RECIPE_STRENGTH else float(value) for field, value in strengths.items()}
 
 
 def pipeline_tooltip() -> str:
@@ -230,7 +243,7 @@ class LoadCheckpointMGPU:
                 "pipeline": (list(PIPELINES), {"default": DEFAULT_RECIPE, "tooltip": pipeline_tooltip()}),
             },
             "optional": {
-                field: ("FLOAT", {"default": ModelSpec.__dataclass_fields__[field].default, "min": 0.0, "max": 2.0, "step": 0.05, "tooltip": strength_tooltip(field)})
+                field: ("FLOAT", {"default": RECIPE_STRENGTH, "min": RECIPE_STRENGTH, "max": 2.0, "step": 0.05, "tooltip": strength_tooltip(field)})
                 for field in strength_fields()
             },
             "hidden": {"unique_id": "UNIQUE_ID"},

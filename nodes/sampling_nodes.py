@@ -37,7 +37,7 @@ import torch
 
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.api import parse_tiles
-from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES, STAGE2_POLICIES, recipe
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES, STAGE2_POLICIES, STEPPERS, recipe
 from mgpu_backend.ltx.schema import (
     DEFAULTS,
     MAX_SIDE,
@@ -52,6 +52,7 @@ from mgpu_backend.ltx.schema import (
     pixel_geometry,
     stage2_default_sigmas,
     validate_generation,
+    validate_stage1_sigmas,
     validate_upscale_sigmas,
 )
 
@@ -71,6 +72,9 @@ from .model_nodes import CATEGORY, spec_model_version
 from .validation import generation_check, refusal
 
 FROM_LOADER = "(from loader)"
+FROM_RECIPE = "(from recipe)"
+RECIPE_STEPPERS = "; ".join(f"{declared.name}: {declared.stage1.stepper}" for declared in RECIPES.values())
+STEPPER_WORDS = " ".join(f"{name}: {words}." for name, words in STEPPERS.items())
 MAX_FRAMES = 1025  # the widget's range: about 40 s at 24 fps
 VIDEO = OFFICIAL.video_guidance
 AUDIO = OFFICIAL.audio_guidance
@@ -251,6 +255,8 @@ class SPSampler:
                 "audio_rescale": ("FLOAT", {"default": SAME_AS_RESCALE, "min": SAME_AS_RESCALE, "max": 1.0, "step": 0.05, "tooltip": f"The audio's own rescale, where it differs from the video's (the official values where they differ: {OWN_AUDIO_RESCALE}). {SAME_AS_RESCALE}: the same as rescale."}),
                 "image": ("IMAGE", {"tooltip": "Optional first frame for image-to-video; it is resized to cover width x height and centre-cropped."}),
                 "compile_blocks": ("BOOLEAN", {"default": False, "tooltip": "Compile the transformer blocks with torch.compile (GPU). The first run of each size waits tens of seconds for the compile; later runs on the same fleet get faster steps when each GPU holds a small share of the video (4 or more GPUs). Results differ from off by bf16 rounding only."}),
+                "sigmas": ("SIGMAS", {"tooltip": "Optional stage-1 schedule, e.g. from ManualSigmas (ComfyUI's LTX-2.3 templates: 1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0), from 1.0 down to 0.0. It replaces the recipe's schedule, and steps follow it (the steps widget is then not read)."}),
+                "sampler": ([FROM_RECIPE, *STEPPERS], {"default": FROM_RECIPE, "tooltip": f"How each step moves from one sigma to the next; {FROM_RECIPE} is the loader's recipe's ({RECIPE_STEPPERS}). {STEPPER_WORDS}"}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -263,10 +269,13 @@ class SPSampler:
         return refusal([*((name, value, generation_check(name)) for name, value in values.items()), ("stg_blocks", stg_blocks, parse_stg_blocks)])
 
     def sample(self, model, positive, negative, width, height, length, frame_rate, seed, steps, video_cfg, audio_cfg, stg_scale, stg_blocks, rescale, modality_scale, parallel,
-               image=None, compile_blocks=False, audio_rescale=SAME_AS_RESCALE, unique_id=None):  # fmt: skip
+               image=None, compile_blocks=False, audio_rescale=SAME_AS_RESCALE, sigmas=None, sampler=FROM_RECIPE, unique_id=None):  # fmt: skip
         handle = check_model_handle(model)
         pipeline = handle_pipeline(handle)
         declared = recipe(pipeline)
+        schedule = None if sigmas is None else validate_stage1_sigmas(sigmas)
+        if schedule is not None:
+            steps = len(schedule) - 1  # the schedule's steps, whatever the widget holds (noted below)
         validate_generation(height, width, length, two_stage=False, num_inference_steps=steps, frame_rate=frame_rate)
         blocks = parse_stg_blocks(stg_blocks)
         used = {"positive": positive, "negative": negative} if declared.encodes_negative_prompt else {"positive": positive}  # unguided: no negative pass
@@ -285,12 +294,16 @@ class SPSampler:
         if version_note is not None:
             node_note(unique_id, version_note)
         ignored = ignored_inputs(pipeline)
-        if declared.ignored("steps"):
+        if schedule is not None:
+            ignored = [name for name in ignored if name != "steps"]
+        if declared.ignored("steps") and schedule is None:
             steps = None
         if declared.ignored("guidance"):
             video_guidance, audio_guidance = None, None
         if ignored:
             node_note(unique_id, f"{declared.name} pipeline: {declared.stage1_words}; {', '.join(ignored)} are ignored")
+        if schedule is not None:
+            node_note(unique_id, f"the sigmas input sets {steps} steps ({', '.join(f'{sigma:g}' for sigma in schedule)}); the steps widget is not read")
         job = FleetJob(unique_id, "SP Sampler")
         video_latent, audio_latent = job.call(
             api.sample,
@@ -310,6 +323,8 @@ class SPSampler:
             compile_blocks=bool(compile_blocks),
             pipeline=pipeline,
             dtype=handle["dtype"],
+            sigmas=schedule,
+            sampler=None if sampler == FROM_RECIPE else sampler,
         )
         return (make_av_latent(video_latent, api.audio_latent_for_comfy(audio_latent, length, frame_rate), frame_rate, stages=1),)
 
@@ -346,6 +361,7 @@ class TDPUpscale:
             "optional": {
                 "image": ("IMAGE", {"tooltip": "The first-frame image of image-to-video, to keep the first frame anchored at full size."}),
                 "stage2_parallel": (list(STAGE2_PLANS), {"default": STAGE2_PLANS[0], "tooltip": f"tdp: tiles on different GPUs, the stage-1 audio passes through. sp: sequence parallel over all GPUs, faithful to the one-GPU pipeline including the re-denoised audio. auto: the loader's recipe's rule ({STAGE2_AUTO})."}),
+                "sampler": ([FROM_RECIPE, *STEPPERS], {"default": FROM_RECIPE, "tooltip": f"How each step moves from one sigma to the next; {FROM_RECIPE} is the loader's recipe's ({RECIPE_STEPPERS}). {STEPPER_WORDS}"}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -356,7 +372,8 @@ class TDPUpscale:
         under the input at fault (an input fed by a link is None here, checked when the node runs)."""
         return refusal([("sigmas", sigmas, lambda text: parse_sigmas(text, bool(force_from_noise))), ("tiles", tiles, parse_tiles)])
 
-    def upscale(self, model, av_latent, positive, seed, sigmas, tiles, overlap, frame_rate, force_from_noise, image=None, stage2_parallel="auto", unique_id=None):
+    def upscale(self, model, av_latent, positive, seed, sigmas, tiles, overlap, frame_rate, force_from_noise, image=None, stage2_parallel="auto",
+                sampler=FROM_RECIPE, unique_id=None):  # fmt: skip
         handle = check_model_handle(model)
         spec, pipeline = handle["spec"], handle_pipeline(handle)
         needed = [file for file in recipe(pipeline).files_for("upscale") if file.needed_from == "upscale"]
@@ -401,6 +418,7 @@ class TDPUpscale:
             parallel=stage2_parallel,
             fields=fields,
             dtype=handle["dtype"],
+            sampler=None if sampler == FROM_RECIPE else sampler,
         )
         node_note(unique_id, fields.get("plan", "stage 2"))  # the plan's reason already says what stage 2 does with the audio
         if fields.get("stage2_parallel") == "sp":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 
 from mgpu_backend.bundles.tiny import make_tiny_bundle
 
@@ -45,3 +46,19 @@ def test_serve_rejects_both_gpus_and_cpu_ranks():
     completed = cli("serve", "--gpus", "0", "--cpu-ranks", "2")
     assert completed.returncode == 2
     assert "not allowed with argument" in completed.stderr
+
+
+@pytest.mark.parametrize(("flags", "words"), [
+    (("--stage1-sigmas", "0.9,0.5,0"), "error: --stage1-sigmas: stage-1 sigmas must run from 1.0 (stage 1 starts from pure noise) down to 0.0 (a clean latent), got 0.9 ... 0"),
+    (("--stage1-sigmas", "1,0.5,0", "--num-inference-steps", "4"), "error: --num-inference-steps 4 contradicts --stage1-sigmas (2 steps); drop --num-inference-steps"),
+    (("--stage1-sigmas", "1,half,0"), "error: --stage1-sigmas takes numbers separated by commas, got '1,half,0'"),
+    (("--sampler", "dpm"), "argument --sampler: invalid choice: 'dpm'"),
+    (("--cfg-1", "--video-cfg-guidance-scale", "3"), "error: --cfg-1 sets every guidance scale; drop --video-cfg-guidance-scale (or --cfg-1)"),
+    (("--cfg-1", "--negative-prompt", "blurry"), "error: --cfg-1 runs no unconditional pass, so no negative prompt is read; drop --negative-prompt"),
+    (("--cfg-1", "--pipeline", "distilled"), "error: --cfg-1 do(es) not apply to --pipeline distilled (one unguided pass per step); drop them"),
+])  # fmt: skip
+def test_generate_refuses_a_bad_stage1_schedule_or_sampler_before_starting_anything(tmp_path, flags, words):
+    completed = cli("generate", "--prompt", "x", *flags, "--output", str(tmp_path / "o.mp4"), "--cpu-ranks", "1", env_extra={"MGPU_CACHE_DIR": str(tmp_path / "cache")})
+    assert completed.returncode != 0
+    assert words in completed.stderr, completed.stderr
+    assert not (tmp_path / "o.mp4").exists()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import math
+import re
 import sys
 import types
 from pathlib import Path
@@ -636,8 +637,15 @@ def test_loader_hq_choice_carries_the_per_stage_strengths_and_refuses_an_ltx_2_0
     from mgpu_backend.ltx.schema import EMBEDDED_TINY_2_3, ModelSpec
 
     optional = NODES["MGPULoadCheckpoint"].INPUT_TYPES()["optional"]
-    assert {name: value[1]["default"] for name, value in optional.items()} == {"distilled_lora_strength_stage_1": 0.25, "distilled_lora_strength_stage_2": 0.5}
-    assert optional["distilled_lora_strength_stage_1"][1]["tooltip"].startswith("The hq pipeline only: the distilled LoRA's strength in stage 1 (the official 0.25)")
+    # -1: the recipe's own strength (hq: 0.25 and 0.5, as its official runner; two-stage: no LoRA in stage 1).
+    assert {name: value[1]["default"] for name, value in optional.items()} == {"distilled_lora_strength_stage_1": -1.0, "distilled_lora_strength_stage_2": -1.0}
+    assert optional["distilled_lora_strength_stage_1"][1]["tooltip"].startswith(
+        "The two-stage and hq pipelines only: the distilled LoRA's strength in stage 1. -1: the recipe's own (two-stage: none unless set; hq: 0.25, "
+        "as their official runners); 0: no distilled LoRA there."
+    )
+    (default,) = node("MGPULoadCheckpoint").load(model_nodes.EMBEDDED_2_3, model_nodes.EMBEDDED_2_3, 1.0, model_nodes.EMBEDDED_2_3, model_nodes.EMBEDDED_2_3,
+                                                 "all", "sharded", "auto", "bfloat16", pipeline="hq", distilled_lora_strength_stage_1=-1.0, distilled_lora_strength_stage_2=-1.0)  # fmt: skip
+    assert (default["spec"]["distilled_lora_strength_stage_1"], default["spec"]["distilled_lora_strength_stage_2"]) == (None, None)
     fake_api["load"].result = {"seconds": 0.1}
     files = (model_nodes.EMBEDDED_2_3, model_nodes.EMBEDDED_2_3, 1.0, model_nodes.EMBEDDED_2_3, model_nodes.EMBEDDED_2_3)
     (handle,) = node("MGPULoadCheckpoint").load(*files, "all", "sharded", "auto", "bfloat16", pipeline="hq", unique_id="4",
@@ -648,7 +656,7 @@ def test_loader_hq_choice_carries_the_per_stage_strengths_and_refuses_an_ltx_2_0
     old = (model_nodes.EMBEDDED, model_nodes.EMBEDDED, 1.0, model_nodes.EMBEDDED, model_nodes.EMBEDDED)
     with pytest.raises(ValueError, match=r"the hq pipeline runs LTX-2.3 only \(ltx-pipelines has its parameters for no other version\), got an LTX-2.0 checkpoint"):
         node("MGPULoadCheckpoint").load(*old, "all", "sharded", "auto", "bfloat16", pipeline="hq")
-    assert len(fake_api["load"].calls) == 1
+    assert len(fake_api["load"].calls) == 2
 
 
 def test_sp_sampler_sends_the_audio_its_own_rescale_as_the_hq_recipe_has_it(fake_api):
@@ -777,3 +785,36 @@ def test_sampler_tooltips_name_each_versions_official_steps_and_stg_block():
     required = NODES["MGPUSPSampler"].INPUT_TYPES()["required"]
     assert "LTX-2.0: 40 steps, STG block 29, LTX-2.3: 30 steps, STG block 28" in required["steps"][1]["tooltip"]
     assert "LTX-2.0: 29, LTX-2.3: 28" in required["stg_blocks"][1]["tooltip"]
+
+
+def test_sp_sampler_takes_a_sigmas_input_as_the_stage1_schedule_and_the_steps_it_holds(fake_api, monkeypatch):
+    """ComfyUI's ManualSigmas (a SIGMAS tensor) replaces the recipe's schedule; the steps widget is not read, and the node says so."""
+    notes = []
+    monkeypatch.setattr(sampling_nodes, "node_note", lambda node_id, text: notes.append((node_id, text)))
+    fake_api["sample"].result = (torch.zeros(1, 128, 2, 2, 3), torch.zeros(1, 8, 7, 16))
+    template = torch.tensor([1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0])  # the LTX-2.3 templates' ManualSigmas
+    node("MGPUSPSampler").sample(tiny_handle(), mgpu_conditioning(1), mgpu_conditioning(2), **SAMPLER_INPUTS, sigmas=template, sampler="res2s", unique_id="5")
+    ((_args, kwargs),) = fake_api["sample"].calls
+    assert kwargs["sigmas"] == tuple(template.tolist()) and kwargs["steps"] == 8 and kwargs["sampler"] == "res2s"
+    assert notes == [("5", f"the sigmas input sets 8 steps ({', '.join(f'{sigma:g}' for sigma in template.tolist())}); the steps widget is not read")]
+    node("MGPUSPSampler").sample(tiny_handle(), mgpu_conditioning(1), mgpu_conditioning(2), **SAMPLER_INPUTS)
+    assert (fake_api["sample"].calls[1][1]["sigmas"], fake_api["sample"].calls[1][1]["sampler"]) == (None, None)  # the recipe's
+    for bad, words in ((torch.tensor([0.9, 0.5, 0.0]), "stage-1 sigmas must run from 1.0 (stage 1 starts from pure noise) down to 0.0"),
+                       (torch.tensor([1.0, 0.5, 0.6, 0.0]), "sigmas must decrease strictly")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(words)):
+            node("MGPUSPSampler").sample(tiny_handle(), mgpu_conditioning(1), mgpu_conditioning(2), **SAMPLER_INPUTS, sigmas=bad)
+    assert len(fake_api["sample"].calls) == 2, "a bad schedule is refused before the fleet is asked"
+
+
+def test_tdp_upscale_sends_the_sampler_chosen_and_none_for_the_recipes(fake_api, monkeypatch):
+    monkeypatch.setattr(sampling_nodes, "node_note", lambda node_id, text: None)
+    latent, _video, audio = av_latent(frame_rate=24.0)
+
+    def fleet_upscale(*args, fields=None, **kwargs):
+        fields.update(stage2_parallel="tdp", plan="stage-2 plan", audio="...")
+        return torch.randn(1, 128, 2, 4, 6), audio
+
+    fake_api["upscale"].result = fleet_upscale
+    node("MGPUTDPUpscale").upscale(tiny_handle(), latent, mgpu_conditioning(3), **UPSCALE_INPUTS, sampler="res2s")
+    node("MGPUTDPUpscale").upscale(tiny_handle(), latent, mgpu_conditioning(3), **UPSCALE_INPUTS)
+    assert [kwargs["sampler"] for _args, kwargs in fake_api["upscale"].calls] == ["res2s", None]

@@ -7,7 +7,7 @@ import argparse
 import ast
 import inspect
 import types
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -16,7 +16,7 @@ from mgpu_backend.bundles import tiny
 from mgpu_backend.fleet.jobs import JobInputError
 from mgpu_backend.ltx import recipes
 from mgpu_backend.ltx.jobs import check_recipe_files
-from mgpu_backend.ltx.recipes import DISTILLED, HQ, RECIPES, TWO_STAGE, recipe, stage_loras
+from mgpu_backend.ltx.recipes import DISTILLED, HQ, RECIPES, TWO_STAGE, recipe, stage_loras, strength_default_words, strength_defaults
 from mgpu_backend.ltx.schema import DEFAULTS, NO_GUIDANCE, ModelFileError, ModelSpec, RequestError, defaults_for, stage2_default_sigmas
 from mgpu_backend.parallel.guidance_parallel import plan_stage2
 from mgpu_backend.tools import generate
@@ -70,16 +70,28 @@ def test_lora_sets_fuse_the_user_loras_first_then_the_distilled_lora_at_its_stre
     spec = ModelSpec("c.safetensors", "g", distilled_lora="d.safetensors", distilled_lora_strength=0.6, loras=(("a.safetensors", 0.5), ("b.safetensors", 1.25)))
     assert stage_loras(spec, "none") == (("a.safetensors", 0.5), ("b.safetensors", 1.25))
     assert stage_loras(spec, "distilled") == (("a.safetensors", 0.5), ("b.safetensors", 1.25), ("d.safetensors", 0.6))
-    with pytest.raises(ModelFileError, match="the LoRA set 'distilled' needs the distilled LoRA, but the model spec names none; set distilled_lora"):
+    with pytest.raises(ModelFileError, match="the LoRA set 'distilled' needs the distilled LoRA \\(at distilled_lora_strength 1\\), but the model spec names none; set distilled_lora"):
         stage_loras(ModelSpec("c.safetensors", "g"), "distilled")
-    with pytest.raises(ValueError, match="lora_set must be one of 'none' or 'distilled' or 'distilled-stage-1' or 'distilled-stage-2', got 'stage2'"):
+    with pytest.raises(ValueError, match="lora_set must be one of 'none' or 'distilled' or 'distilled-stage-1' or 'distilled-stage-2' or 'distilled-stage-1-if-chosen', got 'stage2'"):
         stage_loras(spec, "stage2")
-    # The HQ sets: one file at each stage's own strength (hq_2_stage_arg_parser's 0.25 and 0.5 unless the spec says).
+    # The HQ sets: one file at each stage's own strength (hq_2_stage_arg_parser's 0.25 and 0.5 while the spec leaves them unset).
+    assert (spec.distilled_lora_strength_stage_1, spec.distilled_lora_strength_stage_2) == (None, None)
     assert stage_loras(spec, "distilled-stage-1")[-1] == ("d.safetensors", 0.25) and stage_loras(spec, "distilled-stage-2")[-1] == ("d.safetensors", 0.5)
     tuned = ModelSpec.from_wire({**spec.to_wire(), "distilled_lora_strength_stage_1": 0.3, "distilled_lora_strength_stage_2": 0.75})
     assert stage_loras(tuned, "distilled-stage-1")[-1] == ("d.safetensors", 0.3) and stage_loras(tuned, "distilled-stage-2")[-1] == ("d.safetensors", 0.75)
+    # The two-stage recipe's stage 1: no distilled LoRA unless the spec chooses its strength (ComfyUI's templates: 0.5).
+    assert stage_loras(spec, "distilled-stage-1-if-chosen") == stage_loras(spec, "none")
+    assert stage_loras(tuned, "distilled-stage-1-if-chosen")[-1] == ("d.safetensors", 0.3)
+    # A LoRA at strength 0 is no LoRA, and needs no file.
+    assert stage_loras(replace(spec, distilled_lora_strength_stage_2=0.0), "distilled-stage-2") == stage_loras(spec, "none")
+    assert stage_loras(ModelSpec("c.safetensors", "g", distilled_lora_strength_stage_1=0.0), "distilled-stage-1") == ()
+    with pytest.raises(ModelFileError, match="the LoRA set 'distilled-stage-1-if-chosen' needs the distilled LoRA \\(at distilled_lora_strength_stage_1 0.5\\), "
+                                             "but the model spec names none; set distilled_lora, or leave distilled_lora_strength_stage_1 unset"):
+        stage_loras(ModelSpec("c.safetensors", "g", distilled_lora_strength_stage_1=0.5), "distilled-stage-1-if-chosen")
     assert [(declared.stage1.lora_set, declared.stage2.lora_set) for declared in RECIPES.values()] == [
-        ("none", "distilled"), ("none", "none"), ("distilled-stage-1", "distilled-stage-2")]  # fmt: skip
+        ("distilled-stage-1-if-chosen", "distilled"), ("none", "none"), ("distilled-stage-1", "distilled-stage-2")]  # fmt: skip
+    assert strength_defaults("distilled_lora_strength_stage_1") == {"two-stage": None, "hq": 0.25}
+    assert strength_default_words("distilled_lora_strength_stage_1") == "two-stage: none unless set; hq: 0.25"
 
 
 def test_the_stage2_auto_plan_follows_each_recipes_policy():
@@ -145,7 +157,10 @@ def test_the_cli_takes_hq_stage_strengths_and_refuses_what_the_recipe_does_not_r
     bundle = tiny_bundle_of("2.3")
     assert _recipe_flags(HQ, bundle)[-2:] == ["--distilled-lora", bundle.distilled_lora_path]
     spec, _ = generate.build_spec(_parsed("--pipeline", "hq", *_recipe_flags(HQ, bundle), "--distilled-lora-strength-stage-1", "0.3"))
-    assert (spec["distilled_lora_strength_stage_1"], spec["distilled_lora_strength_stage_2"]) == (0.3, 0.5)
+    assert (spec["distilled_lora_strength_stage_1"], spec["distilled_lora_strength_stage_2"]) == (0.3, None)  # stage 2: the recipe's 0.5
+    # The two-stage recipe takes the stage-1 strength (the distilled LoRA in stage 1 as well, as ComfyUI's templates run it).
+    spec, _ = generate.build_spec(_parsed("--pipeline", "two-stage", *_recipe_flags(TWO_STAGE, bundle), "0.5", "--distilled-lora-strength-stage-1", "0.5"))
+    assert (spec["distilled_lora_strength"], spec["distilled_lora_strength_stage_1"], spec["distilled_lora_strength_stage_2"]) == (0.5, 0.5, None)
     refusals = {
         ("--pipeline", "two-stage", "--distilled-lora-strength-stage-2", "0.6"): (
             "--distilled-lora-strength-stage-2 does not apply to --pipeline two-stage (use --pipeline hq for it; --distilled-lora's "

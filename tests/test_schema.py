@@ -205,7 +205,7 @@ def test_embedded_tiny_spec_is_symbolic_and_resolves_to_the_bundle_files(tmp_pat
     assert spec.to_wire() == {"checkpoint_path": EMBEDDED_TINY, "gemma_root": EMBEDDED_TINY, "spatial_upsampler_path": None,
                               "distilled_lora": EMBEDDED_TINY, "distilled_lora_strength": 0.8, "loras": [],
                               "quantization": None, "residency": "auto",
-                              "distilled_lora_strength_stage_1": 0.25, "distilled_lora_strength_stage_2": 0.5}  # fmt: skip
+                              "distilled_lora_strength_stage_1": None, "distilled_lora_strength_stage_2": None}  # fmt: skip
     spec.check_files_exist()  # embedded names are resolved by the ranks, not checked here
     bundle = make_tiny_bundle(tmp_path)
     resolved = spec.resolve_embedded(bundle)
@@ -247,3 +247,23 @@ def test_explicit_empty_stg_blocks_perturb_no_block_with_or_without_a_layer_coun
     official = schema.OFFICIAL.video_guidance
     assert guider_params(none_perturbed, official).stg_blocks == [] == guider_params(none_perturbed, official, 48).stg_blocks
     assert guider_params(replace(none_perturbed, stg_blocks=None), official).stg_blocks == [29]
+
+
+def test_a_sample_requests_sigmas_set_its_steps_and_a_contradicting_steps_or_unknown_sampler_is_refused():
+    spec = SPEC.to_wire()
+    from mgpu_backend.ltx.schema import DISTILLED_SIGMAS
+
+    request = SampleRequest.from_wire({"spec": spec, "sigmas": list(DISTILLED_SIGMAS), "sampler": "res2s"})
+    assert (request.steps, request.sigmas, request.stage1_sigmas, request.sampler) == (8, DISTILLED_SIGMAS, DISTILLED_SIGMAS, "res2s")
+    assert SampleRequest.from_wire(request.to_wire()) == request  # through the wire and back
+    assert SampleRequest.from_wire({"spec": spec}).stage1_sigmas is None  # the two-stage recipe: LTX2Scheduler's
+    refusals = [
+        ({"sigmas": [1.0, 0.5, 0.0], "steps": 4}, "steps 4 contradicts the 3 sigmas given (2 steps); leave steps out with sigmas"),
+        ({"sigmas": [1.0, 0.5]}, "stage-1 sigmas must run from 1.0 (stage 1 starts from pure noise) down to 0.0 (a clean latent), got 1 ... 0.5"),
+        ({"sigmas": "1, 0"}, "sigmas must be a list of numbers"),
+        ({"sampler": "euler_ancestral"}, "sampler must be one of euler, res2s (or left out for the recipe's own), got 'euler_ancestral'"),
+    ]
+    for fields, words in refusals:
+        with pytest.raises(RequestError) as raised:
+            SampleRequest.from_wire({"spec": spec, **fields})
+        assert str(raised.value).startswith(words), str(raised.value)

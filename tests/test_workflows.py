@@ -220,8 +220,39 @@ def loader_inputs(name: str) -> dict:
 def test_every_version_and_pipeline_has_t2v_and_i2v_examples_and_each_version_a_tiny_one():
     covered = {(example.version, example.pipeline, example.image) for example in builder.EXAMPLES.values() if not example.tiny}
     assert covered == {(version, pipeline, image) for version, pipeline in OFFICIAL_FILES for image in (False, True)}
-    assert sorted(example.version for example in builder.EXAMPLES.values() if example.tiny) == ["2.0", "2.3"]
+    assert sorted(example.version for example in builder.EXAMPLES.values() if example.tiny and example.settings is None) == ["2.0", "2.3"]
     assert sorted(UI_FILES) == sorted(builder.ui_path(name) for name in builder.EXAMPLES)
+
+
+def test_the_comfyui_recipe_workflow_sets_what_comfyuis_own_ltx_2_3_i2v_template_sets():
+    """The settings are read off ComfyUI's template file (comfyui-workflow-templates' video_ltx2_3_i2v, kept in
+    workflows/comfy), node by node, and found in the pack's workflow and its tiny twin."""
+    template = read(WORKFLOWS / "comfy" / "ltx23_i2v_api.json")
+    by_class: dict[str, list[dict]] = {}
+    for node in template.values():
+        by_class.setdefault(node["class_type"], []).append(node["inputs"])
+    (lora,) = by_class["LoraLoaderModelOnly"]
+    cfgs = {guider["cfg"] for guider in by_class["CFGGuider"]}
+    schedules = {tuple(float(value) for value in sigmas["sigmas"].split(",")) for sigmas in by_class["ManualSigmas"]}
+    (stage1_sigmas,) = [schedule for schedule in schedules if schedule[0] == 1.0]
+    (stage2_sigmas,) = schedules - {stage1_sigmas}
+    strengths = sorted(inplace["strength"] for inplace in by_class["LTXVImgToVideoInplace"])
+    primitives = {node["value"] for node in by_class["PrimitiveInt"]}
+    assert (lora["strength_model"], cfgs, strengths) == (0.5, {1}, [0.7, 1])
+    assert {1280, 720, 25, 5} <= primitives  # width, height, fps, seconds
+    for name in ("ltx23_i2v_comfy_recipe", "ltx23_i2v_comfy_recipe_tiny"):
+        graph = read(WORKFLOWS / "api" / f"{name}.json")
+        nodes = {node["class_type"]: node["inputs"] for node in graph.values()}
+        loader, sampler, upscale = nodes["MGPULoadCheckpoint"], nodes["MGPUSPSampler"], nodes["MGPUTDPUpscale"]
+        assert (loader["pipeline"], loader["distilled_lora_strength"], loader["distilled_lora_strength_stage_1"]) == ("two-stage", 0.5, 0.5)
+        assert (sampler["video_cfg"], sampler["audio_cfg"], sampler["stg_scale"], sampler["modality_scale"]) == (1.0, 1.0, 0.0, 1.0)
+        assert graph[sampler["sigmas"][0]]["class_type"] == "ManualSigmas"
+        assert tuple(float(value) for value in graph[sampler["sigmas"][0]]["inputs"]["sigmas"].split(",")) == stage1_sigmas
+        assert sampler["frame_rate"] == [str(next(key for key, node in graph.items() if node["class_type"] == "PrimitiveFloat")), 0]
+        assert nodes["PrimitiveFloat"]["value"] == 25.0
+        assert tuple(float(value) for value in upscale["sigmas"].split(",")) == stage2_sigmas and upscale["stage2_parallel"] == "sp"
+    full = {node["class_type"]: node["inputs"] for node in read(WORKFLOWS / "api" / "ltx23_i2v_comfy_recipe.json").values()}["MGPUSPSampler"]
+    assert (full["width"], full["height"], full["length"]) == (640, 352, 121)  # ComfyUI's 1280x720 / 2 at 25 fps x 5 s, as ComfyUI rounds it
 
 
 @pytest.mark.parametrize("name", sorted(builder.EXAMPLES))
@@ -246,7 +277,7 @@ def test_loader_names_the_official_files_of_the_examples_version_with_their_down
         assert model["url"] == url, model
 
 
-@pytest.mark.parametrize("name", sorted(builder.EXAMPLES))
+@pytest.mark.parametrize("name", sorted(name for name, example in builder.EXAMPLES.items() if example.settings is None))
 def test_widget_values_are_the_official_defaults_of_the_examples_version_and_pipeline(name):
     from mgpu_backend.ltx.schema import (
         DEFAULTS,
@@ -310,10 +341,11 @@ def test_api_prompts_pass_the_nodes_own_input_checks_with_the_official_files_ins
 
 
 def test_tiny_prompts_are_small_enough_for_cpu_ranks():
-    for name in (name for name, example in builder.EXAMPLES.items() if example.tiny):
+    for name, example in ((name, example) for name, example in builder.EXAMPLES.items() if example.tiny):
         prompt = read(WORKFLOWS / "api" / f"{name}.json")
         (sampler,) = [node["inputs"] for node in prompt.values() if node["class_type"] == "MGPUSPSampler"]
-        assert sampler["width"] * sampler["height"] <= 128 * 192 and sampler["length"] <= 17 and sampler["steps"] <= 4, sampler
+        steps = 4 if example.settings is None else len(example.settings.stage1_sigmas) - 1  # a schedule of the settings keeps its steps
+        assert sampler["width"] * sampler["height"] <= 128 * 192 and sampler["length"] <= 17 and sampler["steps"] <= steps, sampler
 
 
 def test_shipped_files_are_what_make_workflows_writes():

@@ -73,6 +73,12 @@ NATIVE_NODES = {
         "widgets": [("fps", "FLOAT", (1.0, 120.0))],
         "outputs": [("VIDEO", "VIDEO")],
     },
+    "ManualSigmas": {
+        "display": "ManualSigmas",
+        "sockets": [],
+        "widgets": [("sigmas", "STRING", None)],
+        "outputs": [("SIGMAS", "SIGMAS")],
+    },
     "SaveVideo": {
         "display": "Save Video",
         "sockets": [("video", "VIDEO", False)],
@@ -151,6 +157,12 @@ def embedded_entries() -> dict[str, str]:
     """The loader's embedded tiny bundle entries and their model versions (``model_nodes.EMBEDDED_ENTRIES``)."""
     load_pack()
     return importlib.import_module("comfyui_mgpu_pack.nodes.model_nodes").EMBEDDED_ENTRIES
+
+
+def recipe_strength() -> float:
+    """The loader's per-stage LoRA strength that means the recipe's own (``model_nodes.RECIPE_STRENGTH``)."""
+    load_pack()
+    return importlib.import_module("comfyui_mgpu_pack.nodes.model_nodes").RECIPE_STRENGTH
 
 
 def embedded_entry(version: str) -> str:
@@ -375,8 +387,8 @@ def recipe_text(defaults: PipelineDefaults, tiny: bool) -> str:
     stage2_steps = len(declared.stage2.sigmas) - 1
 
     def lora(stage: recipes.Stage, none: str = "") -> str:
-        pairs = recipes.LORA_SETS[stage.lora_set]
-        return none if not pairs else f" with the {' and '.join(recipes.FILE_WORDS[field] for field, _strength in pairs)}"
+        fused = [field for field, _strength, unset in recipes.LORA_SETS[stage.lora_set] if unset is not None]  # not those only a user chooses
+        return none if not fused else f" with the {' and '.join(recipes.FILE_WORDS[field] for field in fused)}"
 
     if not declared.guided:
         return (f"{opening}, {defaults.steps} unguided steps (one pass each; the sampler's steps and guidance widgets are ignored), "
@@ -394,13 +406,47 @@ def recipe_text(defaults: PipelineDefaults, tiny: bool) -> str:
 
 
 @dataclass(frozen=True)
+class Settings:
+    """What a workflow sets over its recipe's defaults in the pack's nodes: the loader's, SP Sampler's
+    and TDP Upscale's widget values, and a stage-1 schedule fed to SP Sampler's ``sigmas`` input by a
+    ManualSigmas node. ``words``: the settings in a sentence, for the graph's note."""
+
+    loader: dict
+    sampler: dict
+    upscale: dict
+    stage1_sigmas: tuple[float, ...]
+    words: str
+
+
+# ComfyUI v0.20.1's LTX-2.3 image-to-video template (workflows/comfy/ltx23_i2v_api.json, as
+# comfyui-workflow-templates ships it; tests/test_workflows.py checks these values against it): the
+# dev checkpoint with the distilled LoRA at 0.5 (one LoraLoaderModelOnly for both samplers), CFGGuider
+# at cfg 1, stage 1 at half of 1280x720 (ComfyUI rounds 360 to 352) over 8 manual sigmas with the image
+# at strength 0.7, stage 2 over 0.85, 0.725, 0.4219, 0.0 (audio included: sequence parallel), 25 fps,
+# 5 s (126 frames asked: 16 latent frames, 121 decoded).
+COMFY_TEMPLATE_SETTINGS = Settings(
+    loader={"distilled_lora_strength": 0.5, "distilled_lora_strength_stage_1": 0.5},
+    sampler={"width": 640, "height": 352, "length": 121, "frame_rate": 25.0, "seed": 42, "steps": 8, "video_cfg": 1.0, "audio_cfg": 1.0,
+             "stg_scale": 0.0, "rescale": 0.0, "modality_scale": 1.0, "audio_rescale": -1.0},
+    upscale={"seed": 42, "sigmas": "0.85, 0.725, 0.4219, 0.0", "stage2_parallel": "sp"},
+    stage1_sigmas=(1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0),
+    words=("ComfyUI's LTX-2.3 image-to-video template's recipe on the pack's nodes: the dev checkpoint with the distilled LoRA at 0.5 "
+           "in both stages, CFG 1 (one conditional pass per step: sequence parallel over all GPUs), 8 manual sigmas into SP Sampler's "
+           "sigmas input, stage 2 over 0.85, 0.725, 0.4219, 0.0 with the audio, 25 fps. Unlike the template, both stages step with "
+           "Euler (the template: euler_ancestral_cfg_pp, then euler_cfg_pp) and the image goes through the official H.264 treatment (CRF 33)."),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class Example:
-    """One shipped workflow: the model version and pipeline whose defaults and files it carries."""
+    """One shipped workflow: the model version and pipeline whose defaults and files it carries, and
+    the settings it sets over them (None: the recipe's official defaults)."""
 
     version: str
     pipeline: str
     image: bool = False
     tiny: bool = False  # the embedded random-weight bundle at a size CPU ranks run in seconds
+    settings: Settings | None = None
 
     @property
     def recipe(self) -> PipelineDefaults:
@@ -430,11 +476,15 @@ def sampler_widgets(example: Example) -> dict:
         "width": recipe.stage1_width, "height": recipe.stage1_height, "length": recipe.num_frames, "frame_rate": recipe.frame_rate,
         "seed": recipe.seed, "steps": recipe.steps, "video_cfg": video.cfg_scale, "audio_cfg": audio.cfg_scale,
         "stg_scale": video.stg_scale, "stg_blocks": ",".join(map(str, video.stg_blocks)), "rescale": video.rescale_scale,
-        "modality_scale": video.modality_scale, "parallel": "(from loader)", "compile_blocks": False,
+        "modality_scale": video.modality_scale, "parallel": "(from loader)", "compile_blocks": False, "sampler": "(from recipe)",
         "audio_rescale": same_as_rescale if audio.rescale_scale == video.rescale_scale else audio.rescale_scale,
     }  # fmt: skip
+    if example.settings is not None:
+        widgets.update(example.settings.sampler)
     if example.tiny:
-        widgets.update({name: TINY_SIZE[name] for name in ("width", "height", "length", "steps")}, stg_blocks="")
+        widgets.update({name: TINY_SIZE[name] for name in ("width", "height", "length")}, stg_blocks="")
+        if example.settings is None:
+            widgets["steps"] = TINY_SIZE["steps"]
     return widgets
 
 
@@ -480,6 +530,7 @@ _FRAME_RATE = _LOADER.below(90, width=300)
 LAYOUT = {
     "loader": _LOADER, "text": _TEXT, "sampler": _SAMPLER, "upscale": _UPSCALE, "decode": _DECODE, "create": _CREATE,
     "save": _CREATE.below(560), "frame_rate": _FRAME_RATE, "image": _TEXT.below(420), "note": _FRAME_RATE.below(420, width=_LOADER.width),
+    "sigmas": _TEXT.below(420).below(100),
 }  # fmt: skip
 
 
@@ -489,7 +540,8 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
     sampler = sampler_widgets(example)
     width, height = sampler["width"], sampler["height"]
     listed = ", ".join(f"{MODEL_SOURCES[name][1]}/{name}" for name in files.values() if name in MODEL_SOURCES)
-    note = NOTE_TWO_STAGE.format(version=example.version, stage1=f"{width}x{height}", final=f"{2 * width}x{2 * height}", recipe=recipe_text(recipe, example.tiny),
+    described = recipe_text(recipe, example.tiny) if example.settings is None else example.settings.words
+    note = NOTE_TWO_STAGE.format(version=example.version, stage1=f"{width}x{height}", final=f"{2 * width}x{2 * height}", recipe=described,
                                  files=listed or "none (the embedded bundle)", embedded=embedded_entry(example.version))  # fmt: skip
     # A stage-2 schedule of TDP Upscale's own (two-stage) is written out; the recipe's official tail (distilled) left empty.
     declared = recipes.recipe(example.pipeline)
@@ -498,7 +550,7 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
     nodes = [
         Node(1, "MGPULoadCheckpoint", LAYOUT["loader"].pos, {**files, "distilled_lora_strength": DISTILLED_LORA_STRENGTH, "gpus": "all", "gemma_mode": "sharded", "parallel": "auto",
                                                   "dtype": "bfloat16", "quantization": "none", "residency": "auto", "pipeline": example.pipeline,
-                                                  **{field: ModelSpec.__dataclass_fields__[field].default for field in recipes.strength_fields()}},
+                                                  **{field: recipe_strength() for field in recipes.strength_fields()}},
              size=LAYOUT["loader"].size, models=model_metadata(files)),
         Node(2, "MGPUTextEncode", LAYOUT["text"].pos, {"positive": IMAGE_PROMPT if example.image else default_positive, "negative": negative, "free_gemma": False},
              {"model": (1, 0)}, size=LAYOUT["text"].size),
@@ -506,7 +558,7 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
         Node(4, "MGPUSPSampler", LAYOUT["sampler"].pos, sampler, {"model": (1, 0), "positive": (2, 0), "negative": (2, 1), "frame_rate": (3, 0)}, size=LAYOUT["sampler"].size),
         Node(
             5, "MGPUTDPUpscale", LAYOUT["upscale"].pos,
-            {"seed": recipe.seed, "sigmas": sigmas, "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False, "stage2_parallel": "auto"},
+            {"seed": recipe.seed, "sigmas": sigmas, "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False, "stage2_parallel": "auto", "sampler": "(from recipe)"},
             {"model": (1, 0), "av_latent": (4, 0), "positive": (2, 0)}, size=LAYOUT["upscale"].size,
         ),
         Node(6, "MGPUDistributedVAEDecode", LAYOUT["decode"].pos, {"seed": recipe.seed, "spatial_tile_pixels": DECODE_SPATIAL_TILE_PIXELS,
@@ -520,6 +572,13 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
         nodes.append(Node(10, "LoadImage", LAYOUT["image"].pos, {"image": "example.png", "upload": "image"}, size=LAYOUT["image"].size))
         nodes[3].links["image"] = (10, 0)
         nodes[4].links["image"] = (10, 0)
+    if example.settings is not None:
+        nodes[0].widgets.update(example.settings.loader)
+        nodes[2].widgets["value"] = example.settings.sampler["frame_rate"]
+        nodes[4].widgets.update(example.settings.upscale)
+        nodes.append(Node(11, "ManualSigmas", LAYOUT["sigmas"].pos, {"sigmas": ", ".join(map(str, example.settings.stage1_sigmas))},
+                          size=LAYOUT["sigmas"].size, title="Stage-1 sigmas"))  # fmt: skip
+        nodes[3].links["sigmas"] = (11, 0)
     return nodes
 
 
@@ -572,6 +631,9 @@ TEMPLATES = [
              "Try the whole LTX-2.3 two-stage graph with no download: the embedded tiny random-weight bundle (the output is noise)."),
     Template("ltx2_t2v_tiny", Example("2.0", "two-stage", tiny=True), "LTX-2.0 Tiny Test — no download",
              "Try the whole LTX-2.0 two-stage graph with no download: the embedded tiny random-weight bundle (the output is noise)."),
+    Template("ltx23_i2v_comfy_recipe_tiny", Example("2.3", "two-stage", image=True, tiny=True, settings=COMFY_TEMPLATE_SETTINGS),
+             "LTX-2.3 Image to Video (tiny ComfyUI recipe)",
+             "ComfyUI's LTX-2.3 template settings on the embedded tiny random-weight bundle, no download (the output is noise)."),
     Template("ltx23_t2v_two_stage", Example("2.3", "two-stage"), "LTX-2.3 Text to Video (two-stage)",
              "LTX-2.3 text to video on all GPUs, two-stage recipe (30 steps, STG block 28): 1536x1024, 121 frames with audio."),
     Template("ltx23_i2v_two_stage", Example("2.3", "two-stage", image=True), "LTX-2.3 Image to Video (two-stage)",
@@ -584,6 +646,8 @@ TEMPLATES = [
              "LTX-2.3 text to video on all GPUs, HQ recipe: 15 res_2s steps with the distilled LoRA in both stages; 1920x1088, 121 frames with audio."),
     Template("ltx23_i2v_hq", Example("2.3", "hq", image=True), "LTX-2.3 Image to Video (HQ)",
              "LTX-2.3 image to video on all GPUs, HQ recipe: the image is the first frame; 15 res_2s steps, 1920x1088, 121 frames with audio."),
+    Template("ltx23_i2v_comfy_recipe", Example("2.3", "two-stage", image=True, settings=COMFY_TEMPLATE_SETTINGS), "LTX-2.3 Image to Video (ComfyUI recipe)",
+             "LTX-2.3 image to video on all GPUs, ComfyUI's own template settings: distilled LoRA 0.5 in both stages, CFG 1, 8 + 3 steps, 1280x704."),
     Template("ltx2_t2v_two_stage", Example("2.0", "two-stage"), "LTX-2.0 Text to Video (two-stage)",
              "LTX-2.0 text to video on all GPUs, two-stage recipe: 768x512 sampled, 1536x1024 out, 121 frames with audio."),
     Template("ltx2_i2v_two_stage", Example("2.0", "two-stage", image=True), "LTX-2.0 Image to Video (two-stage)",
@@ -633,8 +697,10 @@ VERSION_COLOURS = {"2.0": (60, 120, 200), "2.3": (220, 130, 40)}
 
 def thumbnail_caption(example: Example) -> tuple[str, str]:
     task = "image to video" if example.image else "text to video"
-    detail = "embedded tiny bundle, no download" if example.tiny else f"{example.recipe.steps} + 3 steps on all GPUs"
-    return f"LTX-{example.version}  {example.pipeline}", f"{task} · {detail}"
+    steps = example.recipe.steps if example.settings is None else len(example.settings.stage1_sigmas) - 1
+    detail = "embedded tiny bundle, no download" if example.tiny else f"{steps} + 3 steps on all GPUs"
+    recipe = example.pipeline if example.settings is None else "ComfyUI recipe"
+    return f"LTX-{example.version}  {recipe}", f"{task} · {detail}"
 
 
 def render_thumbnail(ui_graph: dict, example: Example) -> bytes:

@@ -283,6 +283,8 @@ def sample(
     should_cancel: ShouldCancel = None,
     preview: Preview = None,
     preview_every: int | None = None,
+    sigmas: tuple[float, ...] | None = None,
+    sampler: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1: full-frame generation from noise at width x height (sequence/guidance parallel).
 
@@ -296,7 +298,9 @@ def sample(
     shards of high SP degrees). ``compile_blocks`` also compiles the transformer blocks with
     torch.compile for this job (GPU ranks; a compile of tens of seconds per new shape, then fused
     kernels: worth it on a warm fleet at SP degree 4+). ``preview`` gets a live preview every
-    ``preview_every`` steps (None: ``schema.PREVIEW_EVERY``; 0: none); previews never change the result."""
+    ``preview_every`` steps (None: ``schema.PREVIEW_EVERY``; 0: none); previews never change the result.
+    ``sigmas``: the stage-1 schedule, from 1.0 down to 0.0 (None: the recipe's; ``steps`` then follows
+    it); ``sampler``: one of ``recipes.STEPPERS`` (None: the recipe's)."""
     prompts = {"positive": _encoding(positive)}
     if negative is not None:
         prompts["negative"] = _encoding(negative)
@@ -307,6 +311,7 @@ def sample(
         "preview_every": preview_rate(preview, preview_every),
         **_given(width=width, height=height, num_frames=num_frames, frame_rate=frame_rate, seed=seed, steps=steps, cuda_graphs=cuda_graphs),
         **_given(video_guidance=video_guidance and video_guidance.to_wire(), audio_guidance=audio_guidance and audio_guidance.to_wire()),
+        **_given(sigmas=None if sigmas is None else [float(sigma) for sigma in sigmas], sampler=sampler),
     })  # fmt: skip
     tensors = {} if image is None else {"image": image}
     result = run_naming_prompts(request, tensors, prompts, progress, should_cancel, preview)
@@ -335,6 +340,7 @@ def upscale(
     fields: dict | None = None,
     preview: Preview = None,
     preview_every: int | None = None,
+    sampler: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 2: 2x spatial upsample, then the recipe's refinement (two-stage: the distilled LoRA;
     distilled: the distilled checkpoint as it is), tiled data parallel or sequence parallel.
@@ -344,14 +350,14 @@ def upscale(
     for the distilled recipe: ``schema.STAGE2_PLANS``). ``tiles`` is (height tiles, width tiles), TDP
     only; None picks a balanced split over the fleet. Arguments left as None take the schema's
     defaults (sigmas ``schema.stage2_default_sigmas(pipeline)``). ``fields``, when given, receives
-    the job's result fields (the plan, and what the audio is). ``preview`` and ``preview_every``
-    as in ``sample``.
+    the job's result fields (the plan, and what the audio is). ``preview``, ``preview_every`` and
+    ``sampler`` as in ``sample``.
     """
     prompts = {"positive": _encoding(positive)}
     request = UpscaleRequest.from_wire({
         "spec": spec, "dtype": dtype, "model_version": model_version, "pipeline": pipeline, "parallel": parallel,
         "force_from_noise": force_from_noise, "positive_digest": prompts["positive"].digest, "preview_every": preview_rate(preview, preview_every),
-        **_given(frame_rate=frame_rate, seed=seed, sigmas=sigmas and list(sigmas), tiles=tiles and list(tiles), overlap=overlap),
+        **_given(frame_rate=frame_rate, seed=seed, sigmas=sigmas and list(sigmas), tiles=tiles and list(tiles), overlap=overlap, sampler=sampler),
     })  # fmt: skip
     tensors = {"video_latent": video_latent, "audio_latent": audio_latent}
     if image is not None:

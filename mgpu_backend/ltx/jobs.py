@@ -65,7 +65,7 @@ from mgpu_backend.ltx.latents import StageGeometry, job_generator
 from mgpu_backend.ltx.loading import ModelLoader
 from mgpu_backend.ltx.parallelize import Stage1Options, parallelize_stage1, parallelize_stage2, stage1_cache
 from mgpu_backend.ltx.previews import stage_previews, step_reporter
-from mgpu_backend.ltx.recipes import RECIPES, recipe
+from mgpu_backend.ltx.recipes import RECIPES, recipe, stage_loras
 from mgpu_backend.ltx.schema import CONTEXT_MISSING, PROMPT_CACHE_ENTRIES, VIDEO_LATENT_CHANNELS, DecodeRequest, EncodeRequest, LoadRequest, ModelFileError, ModelSpec, SampleRequest, UnloadRequest, UpscaleRequest, model_version_contradiction, pixel_geometry, validate_stg_blocks
 from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, guider_params, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
 from mgpu_backend.ltx.residency import component_sizes, device_memory_bytes, plan_residency
@@ -282,7 +282,8 @@ def stage1_params(request: SampleRequest, layer_count: int) -> GenerationParams:
         seed=request.seed, num_inference_steps=request.steps,
         video_guider=guider_params(request.video_guidance, official.video_guidance, layer_count),
         audio_guider=guider_params(request.audio_guidance, official.audio_guidance, layer_count),
-        two_stage=False, stage1_sigmas=official.stage1_sigmas, shift_sigmas_by_tokens=stage1.shift_by_tokens, stepper=stage1.stepper,
+        two_stage=False, stage1_sigmas=request.stage1_sigmas, shift_sigmas_by_tokens=stage1.shift_by_tokens and request.sigmas is None,
+        stepper=request.sampler or stage1.stepper,
     )  # fmt: skip
 
 
@@ -302,6 +303,11 @@ def check_recipe_files(request, spec: ModelSpec) -> None:
                 f"the {declared.name} pipeline runs the {declared.checkpoint.words} as it is, with no {file.words}; leave "
                 f"{file.spec_field} out of the model spec (or use pipeline {' or '.join(map(repr, takers))}, which takes it)"
             )
+    stage = declared.stage1 if request.op == "sample" else declared.stage2
+    try:  # a LoRA the spec chooses for this stage (the two-stage recipe's stage 1) needs its file here
+        stage_loras(spec, stage.lora_set)
+    except ModelFileError as error:
+        raise JobInputError(f"the {declared.name} pipeline's stage {1 if stage is declared.stage1 else 2}: {error}") from None
 
 
 class PromptCache:
@@ -610,7 +616,7 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
         stage2 = recipe(request.pipeline).stage2
         params = GenerationParams(
             height=height * 2, width=width * 2, num_frames=frames, frame_rate=request.frame_rate, seed=request.seed, two_stage=True,
-            stepper=stage2.stepper,
+            stepper=request.sampler or stage2.stepper,
         )  # fmt: skip
         params.validate()
         image = _image(tensors)

@@ -44,39 +44,68 @@ HQ_LORA_STRENGTH_STAGE_1, HQ_LORA_STRENGTH_STAGE_2 = 0.25, 0.5
 
 LORA_SETS = {
     "none": (),
-    "distilled": (("distilled_lora", "distilled_lora_strength"),),
-    "distilled-stage-1": (("distilled_lora", "distilled_lora_strength_stage_1"),),
-    "distilled-stage-2": (("distilled_lora", "distilled_lora_strength_stage_2"),),
+    "distilled": (("distilled_lora", "distilled_lora_strength", DISTILLED_LORA_STRENGTH),),
+    "distilled-stage-1": (("distilled_lora", "distilled_lora_strength_stage_1", HQ_LORA_STRENGTH_STAGE_1),),
+    "distilled-stage-2": (("distilled_lora", "distilled_lora_strength_stage_2", HQ_LORA_STRENGTH_STAGE_2),),
+    "distilled-stage-1-if-chosen": (("distilled_lora", "distilled_lora_strength_stage_1", None),),
 }
 """What a stage fuses into the checkpoint's transformer besides the user LoRAs (which every set
-fuses first, in their order): ``(file field, strength field)`` pairs of the model spec. ``none``: the
-user LoRAs only; ``distilled``: they and the distilled LoRA at ``distilled_lora_strength`` (the
-two-stage recipe's stage 2); ``distilled-stage-1`` / ``-2``: the distilled LoRA at the HQ recipe's
-per-stage strength. Two sets of one file at two strengths are two sets: the weight tracker swaps
-between them as between any two."""
+fuses first, in their order): ``(file field, strength field, strength when the spec leaves it
+unset)`` triples of the model spec. ``none``: the user LoRAs only; ``distilled``: they and the
+distilled LoRA at ``distilled_lora_strength`` (the two-stage recipe's stage 2); ``distilled-stage-1``
+/ ``-2``: the distilled LoRA at the HQ recipe's per-stage strength (its official runner's 0.25 / 0.5
+unless set); ``distilled-stage-1-if-chosen``: the distilled LoRA in stage 1 only when the spec sets
+``distilled_lora_strength_stage_1`` (the two-stage recipe: its official runner fuses none there, but
+ComfyUI's LTX-2.3 templates run the dev checkpoint with the distilled LoRA in both stages). A LoRA at
+strength 0 is no LoRA: it is left out. Two sets of one file at two strengths are two sets: the weight
+tracker swaps between them as between any two (and not between two sets of equal pairs)."""
 
 STRENGTH_WORDS = {
     "distilled_lora_strength_stage_1": "the distilled LoRA's strength in stage 1",
     "distilled_lora_strength_stage_2": "the distilled LoRA's strength in stage 2",
 }
-"""The per-stage strength fields a recipe may read (``Recipe.stage_strengths``), in words."""
+"""The per-stage strength fields a recipe may read (``Recipe.stage_strengths``), in words. The model
+spec leaves them unset (None) by default: each recipe's LoRA set then decides (``LORA_SETS``)."""
 
-LORA_FILES = frozenset(field for pairs in LORA_SETS.values() for field, _strength in pairs)
+LORA_FILES = frozenset(field for triples in LORA_SETS.values() for field, _strength, _unset in triples)
 """The model spec fields that hold a LoRA a set fuses."""
 
 
 def stage_loras(spec, lora_set: str) -> tuple[tuple[str, float], ...]:
     """The ``(path, strength)`` pairs a stage with ``lora_set`` fuses from ``spec`` (a ``ModelSpec``),
-    in the order ltx-core fuses them: the user LoRAs, then the set's own."""
+    in the order ltx-core fuses them: the user LoRAs, then the set's own (left out at strength 0, or
+    unset where the set fuses its LoRA only when chosen)."""
     if lora_set not in LORA_SETS:
         raise ValueError(f"lora_set must be one of {' or '.join(map(repr, LORA_SETS))}, got {lora_set!r}")
     pairs = [(path, strength) for path, strength in spec.loras]
-    for field, strength in LORA_SETS[lora_set]:
+    for field, strength_field, unset in LORA_SETS[lora_set]:
+        strength = getattr(spec, strength_field)
+        strength = unset if strength is None else strength
+        if not strength:
+            continue
         path = getattr(spec, field)
         if path is None:
-            raise ModelFileError(f"the LoRA set {lora_set!r} needs the {FILE_WORDS[field]}, but the model spec names none; set {field}")
-        pairs.append((path, getattr(spec, strength)))
+            raise ModelFileError(f"the LoRA set {lora_set!r} needs the {FILE_WORDS[field]} (at {strength_field} {strength:g}), but the model spec names "
+                                 f"none; set {field}, or leave {strength_field} unset")  # fmt: skip
+        pairs.append((path, strength))
     return tuple(pairs)
+
+
+def strength_defaults(field: str) -> dict[str, float | None]:
+    """What each recipe reading the per-stage strength ``field`` fuses when the spec leaves it unset
+    (None: no LoRA), by recipe name."""
+    return {
+        declared.name: unset
+        for declared in RECIPES.values()
+        for stage in (declared.stage1, declared.stage2)
+        for _file, strength_field, unset in LORA_SETS[stage.lora_set]
+        if strength_field == field
+    }
+
+
+def strength_default_words(field: str) -> str:
+    """``strength_defaults`` in words: "two-stage: none unless set; hq: 0.25"."""
+    return "; ".join(f"{name}: {'none unless set' if unset is None else f'{unset:g}'}" for name, unset in strength_defaults(field).items())
 
 
 # --- The declarations ----------------------------------------------------------------------------------
@@ -188,7 +217,7 @@ class Recipe:
     @property
     def lora_strengths(self) -> tuple[str, ...]:
         """The model spec's strength fields its stages' LoRA sets read (a user LoRA's strength aside)."""
-        return tuple(dict.fromkeys(strength for stage in (self.stage1, self.stage2) for _file, strength in LORA_SETS[stage.lora_set]))
+        return tuple(dict.fromkeys(strength for stage in (self.stage1, self.stage2) for _file, strength, _unset in LORA_SETS[stage.lora_set]))
 
     @property
     def stage_strengths(self) -> tuple[str, ...]:
@@ -281,7 +310,7 @@ TWO_STAGE = Recipe(
     ),
     when="The best quality of the two: the default, for final renders and whenever the guidance scales matter.",
     files=(_DEV_CHECKPOINT, _GEMMA, _UPSAMPLER, _DISTILLED_LORA),
-    stage1=Stage(lora_set="none", sigmas=None),
+    stage1=Stage(lora_set="distilled-stage-1-if-chosen", sigmas=None),
     stage2=Stage(lora_set="distilled", sigmas=STAGE_2_SIGMAS),
     guidance="multimodal",
     stage2_policy="tdp",
@@ -383,6 +412,11 @@ def _stage1_parallelism(declared: Recipe) -> str:
     return "SP over all GPUs: one pass per step leaves nothing for guidance groups"
 
 
+def _unset_words(declared: Recipe, field: str) -> str:
+    unset = strength_defaults(field)[declared.name]
+    return "no LoRA there, as the official runner" if unset is None else f"{unset:g}, as the official runner"
+
+
 def recipes_markdown() -> str:
     """One section per recipe for docs/techniques.md, rendered from the declarations (and the schema's
     defaults per model version), between ``DOCS_BEGIN`` and ``DOCS_END``."""
@@ -421,7 +455,7 @@ def recipes_markdown() -> str:
             lines.append(f"- **Model versions:** {', '.join(f'LTX-{version}' for version in versions)} only (`{', '.join(params for _v, params in declared.official_params)}`: "
                          "the official layer has parameters for no other); a checkpoint of another version is refused.")  # fmt: skip
         if declared.stage_strengths:
-            lines.append(f"- **LoRA strengths:** {'; '.join(f'{STRENGTH_WORDS[field]}: `{field}` of the model spec (`{strength_flag(field)}`)' for field in declared.stage_strengths)}.")
+            lines.append(f"- **LoRA strengths:** {'; '.join(f'{STRENGTH_WORDS[field]}: `{field}` of the model spec (`{strength_flag(field)}`; unset: {_unset_words(declared, field)})' for field in declared.stage_strengths)}.")
         if declared.ignores:
             ignored = "; ".join(f"{ignored.input} ({ignored.why})" for ignored in declared.ignores)
             lines.append(f"- **Ignores:** {ignored}; the CLI and the API refuse them when set, SP Sampler notes them on the node.")

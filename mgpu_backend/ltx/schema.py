@@ -34,11 +34,10 @@ from mgpu_backend.ltx.recipes import (  # noqa: F401 - the recipes' schedules ar
     DEFAULT_RECIPE,
     DISTILLED_LORA_STRENGTH,
     DISTILLED_SIGMAS,
-    HQ_LORA_STRENGTH_STAGE_1,
-    HQ_LORA_STRENGTH_STAGE_2,
     RECIPE_NAMES,
     RECIPES,
     STAGE_2_SIGMAS,
+    STEPPERS,
     TDP_UPSCALE_SIGMAS,
     Recipe,
     UnknownRecipe,
@@ -160,6 +159,14 @@ def _choice(data: dict, name: str, default, choices: Sequence):
         value = default
     if isinstance(value, bool) or value not in choices:
         raise RequestError(f"{name} must be one of {', '.join(map(str, choices))}, got {value!r}")
+    return value
+
+
+def _sampler(data: dict) -> str | None:
+    """A request's ``sampler``: one of the steppers the recipes declare, or None for the recipe's own."""
+    value = data.get("sampler")
+    if value is not None and (not isinstance(value, str) or value not in STEPPERS):
+        raise RequestError(f"sampler must be one of {', '.join(STEPPERS)} (or left out for the recipe's own), got {value!r}")
     return value
 
 
@@ -303,6 +310,21 @@ def validate_sigmas(sigmas: Iterable[float]) -> None:
         raise RequestError(f"sigmas must decrease strictly, got {values}; e.g. {example}")
 
 
+def validate_stage1_sigmas(sigmas: Sequence[float]) -> tuple[float, ...]:
+    """A stage-1 schedule of the user's (ComfyUI's ManualSigmas, ``--stage1-sigmas``): valid, from pure
+    noise (1.0, where stage 1 starts) down to a clean latent (0.0), at most ``MAX_STEPS`` steps."""
+    values = tuple(float(v) for v in (sigmas.flatten().tolist() if hasattr(sigmas, "flatten") else sigmas))
+    validate_sigmas(values)
+    if values[0] != 1.0 or values[-1] != 0.0:
+        raise RequestError(
+            f"stage-1 sigmas must run from 1.0 (stage 1 starts from pure noise) down to 0.0 (a clean latent), got "
+            f"{values[0]:g} ... {values[-1]:g}; e.g. the distilled schedule {', '.join(map(str, DISTILLED_SIGMAS))}"
+        )
+    if len(values) - 1 > MAX_STEPS:
+        raise RequestError(f"stage-1 sigmas hold {len(values) - 1} steps, more than {MAX_STEPS}; use fewer")
+    return values
+
+
 def validate_upscale_sigmas(sigmas: Sequence[float], force_from_noise: bool) -> None:
     """A TDP Upscale schedule: valid, and not from pure noise (sigma 1.0) unless forced."""
     validate_sigmas(sigmas)
@@ -366,10 +388,11 @@ class ModelSpec:
     loras: tuple[tuple[str, float], ...] = ()
     quantization: str | None = None
     residency: str = "auto"
-    # The HQ recipe's strengths of the distilled LoRA in each stage (its LoRA sets read these, not
-    # distilled_lora_strength).
-    distilled_lora_strength_stage_1: float = HQ_LORA_STRENGTH_STAGE_1
-    distilled_lora_strength_stage_2: float = HQ_LORA_STRENGTH_STAGE_2
+    # The distilled LoRA's strength in each stage, for the recipes whose LoRA sets read them (the HQ
+    # recipe: both, not distilled_lora_strength; the two-stage recipe: stage 1). None: the recipe's
+    # own (recipes.LORA_SETS: HQ 0.25 / 0.5 as its official runner; two-stage: no LoRA in stage 1).
+    distilled_lora_strength_stage_1: float | None = None
+    distilled_lora_strength_stage_2: float | None = None
 
     @classmethod
     def embedded_tiny(cls, spatial_upsampler: bool = True, distilled_lora: bool = True, distilled_lora_strength: float = DISTILLED_LORA_STRENGTH,
@@ -483,7 +506,10 @@ class ModelSpec:
         strengths = {}
         for name in ("distilled_lora_strength", "distilled_lora_strength_stage_1", "distilled_lora_strength_stage_2"):
             strength = data.get(name, cls.__dataclass_fields__[name].default)
-            if isinstance(strength, bool) or not isinstance(strength, (int, float)):
+            if strength is None and cls.__dataclass_fields__[name].default is None:
+                strengths[name] = None  # the recipe's own
+                continue
+            if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not math.isfinite(strength):
                 raise ModelFileError(f"model spec field {name!r} must be a number, got {strength!r}")
             strengths[name] = float(strength)
         loras = data.get("loras", [])
@@ -849,15 +875,20 @@ class SampleRequest:
     positive_digest: str | None = None
     negative_digest: str | None = None
     preview_every: int = 0  # live previews every this many steps; 0: none
+    sigmas: tuple[float, ...] | None = None  # the user's stage-1 schedule (1.0 ... 0.0); None: the recipe's
+    sampler: str | None = None  # one of STEPPERS; None: the recipe's stage-1 stepper
 
     op = "sample"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_version", request_model_version(self.spec, self.model_version))
         official = defaults_for(self.model_version, self.pipeline)
+        if self.sigmas is not None:
+            object.__setattr__(self, "sigmas", validate_stage1_sigmas(self.sigmas))
         _fill_unset(self, {
             "width": official.stage1_width, "height": official.stage1_height, "num_frames": official.num_frames,
-            "frame_rate": official.frame_rate, "seed": official.seed, "steps": official.steps,
+            "frame_rate": official.frame_rate, "seed": official.seed,
+            "steps": official.steps if self.sigmas is None else len(self.sigmas) - 1,
         })  # fmt: skip
         object.__setattr__(self, "video_guidance", (self.video_guidance or Guidance()).over(official.video_guidance))
         object.__setattr__(self, "audio_guidance", (self.audio_guidance or Guidance()).over(official.audio_guidance))
@@ -868,15 +899,24 @@ class SampleRequest:
 
     def to_wire(self) -> dict:
         wire = {f.name: getattr(self, f.name) for f in fields(self)}
-        wire.update(spec=self.spec.to_wire(), video_guidance=self.video_guidance.to_wire(), audio_guidance=self.audio_guidance.to_wire())
+        wire.update(spec=self.spec.to_wire(), video_guidance=self.video_guidance.to_wire(), audio_guidance=self.audio_guidance.to_wire(),
+                    sigmas=None if self.sigmas is None else list(self.sigmas))  # fmt: skip
         return wire
+
+    @property
+    def stage1_sigmas(self) -> tuple[float, ...] | None:
+        """The schedule stage 1 runs: the user's, else the recipe's fixed one (None: LTX2Scheduler's over ``steps``)."""
+        return self.defaults.stage1_sigmas if self.sigmas is None else self.sigmas
 
     @classmethod
     def from_wire(cls, data: dict) -> SampleRequest:
         _no_unknown_fields(data, cls, cls.op)
         spec, version, pipeline, official = _recipe_of(data, cls.op)
-        steps = integer_field(data, "steps", official.steps, 1, MAX_STEPS)
-        if official.stage1_sigmas is not None and steps != official.steps:
+        sigmas = None if data.get("sigmas") is None else validate_stage1_sigmas(_floats(data["sigmas"], "sigmas"))
+        steps = integer_field(data, "steps", official.steps if sigmas is None else len(sigmas) - 1, 1, MAX_STEPS)
+        if sigmas is not None and steps != len(sigmas) - 1:
+            raise RequestError(f"steps {steps} contradicts the {len(sigmas)} sigmas given ({len(sigmas) - 1} steps); leave steps out with sigmas")
+        if sigmas is None and official.stage1_sigmas is not None and steps != official.steps:
             raise RequestError(
                 f"the {pipeline} pipeline runs its {official.steps} fixed sigmas {list(official.stage1_sigmas)}, so steps must "
                 f"be {official.steps}, got {steps}; leave steps out (or use the {_free_step_recipes()} pipeline for another step count)"
@@ -904,6 +944,8 @@ class SampleRequest:
             positive_digest=_digest(data, "positive_digest"),
             negative_digest=_digest(data, "negative_digest"),
             preview_every=integer_field(data, "preview_every", 0, 0, MAX_PREVIEW_EVERY),
+            sigmas=sigmas,
+            sampler=_sampler(data),
         )
 
 
@@ -930,6 +972,7 @@ class UpscaleRequest:
     force_from_noise: bool = False
     positive_digest: str | None = None
     preview_every: int = 0  # live previews every this many steps; 0: none
+    sampler: str | None = None  # one of STEPPERS; None: the recipe's stage-2 stepper
 
     op = "upscale"
 
@@ -973,6 +1016,7 @@ class UpscaleRequest:
             force_from_noise=force_from_noise,
             positive_digest=_digest(data, "positive_digest"),
             preview_every=integer_field(data, "preview_every", 0, 0, MAX_PREVIEW_EVERY),
+            sampler=_sampler(data),
         )
 
 

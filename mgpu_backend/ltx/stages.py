@@ -62,6 +62,7 @@ from mgpu_backend.ltx.latents import (
     state_to_comfy,
 )
 from mgpu_backend.ltx.passes import GuidancePass, PassRunner, SequentialPassRunner
+from mgpu_backend.ltx.recipes import STEPPERS
 from mgpu_backend.ltx.schema import (
     OFFICIAL,
     STAGE_2_SIGMAS,
@@ -141,7 +142,7 @@ class GenerationParams:
             frame_rate=self.frame_rate,
         )
         if self.stepper not in STEPPERS:
-            raise ValueError(f"stepper must be one of {STEPPERS}, got {self.stepper!r}")
+            raise ValueError(f"stepper must be one of {', '.join(STEPPERS)}, got {self.stepper!r}")
         if self.stage1_sigmas is not None:
             validate_sigmas(self.stage1_sigmas)
             if len(self.stage1_sigmas) - 1 != self.num_inference_steps:
@@ -215,9 +216,6 @@ def keep_clean_tokens(denoised: torch.Tensor, state: LatentState) -> torch.Tenso
 DenoiseFn = Callable[[LatentState, LatentState, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
 """``denoise(video_state, audio_state, sigmas, step)``: both modalities' predictions at ``sigmas[step]``."""
 
-STEPPERS = ("euler", "res2s")
-"""``euler``: ltx-core's Euler step, one denoise per step. ``res2s``: the second-order res_2s sampler of
-the official HQ recipe (``mgpu_backend.ltx.res2s``), two denoises per step."""
 
 
 def report_step(on_step: OnStep | None, step: int, total: int, denoised_video: torch.Tensor, video_state: LatentState, video_tools) -> None:

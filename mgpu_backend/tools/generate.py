@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, FILE_WORDS, RECIPES, STAGE2_POLICIES, STRENGTH_WORDS, UnsupportedModelVersion, model_flags, recipe, strength_flag, strength_fields
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PARALLEL_PLANS, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, DISTILLED_SIGMAS, FILE_WORDS, RECIPES, STAGE2_POLICIES, STEPPERS, STRENGTH_WORDS, UnsupportedModelVersion, model_flags, recipe, strength_default_words, strength_flag, strength_fields
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, NO_GUIDANCE, OFFICIAL, PARALLEL_PLANS, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas, validate_stage1_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -72,11 +72,11 @@ def add_generate_parser(commands) -> None:
     model.add_argument("--checkpoint-path", help="LTX-2 dev checkpoint (.safetensors) of the two-stage pipeline (default: none, the tiny bundle)")
     model.add_argument("--distilled-checkpoint-path", help="LTX-2 distilled checkpoint (.safetensors) of the distilled pipeline (default: none, the tiny bundle)")
     model.add_argument("--gemma-root", help="Gemma-3 text encoder: a Hugging Face folder or ComfyUI's single file (gemma_3_12B_it.safetensors) (default: none, the tiny bundle)")
-    model.add_argument("--distilled-lora", nargs="+", metavar=("PATH", "STRENGTH"), help="distilled LoRA for stage 2 (the hq pipeline: both stages, at its --distilled-lora-strength-stage-1/2, no STRENGTH here) and an optional strength (strength default 1.0; default: none, the tiny bundle)")
+    model.add_argument("--distilled-lora", nargs="+", metavar=("PATH", "STRENGTH"), help="distilled LoRA for stage 2 (two-stage: in stage 1 too with --distilled-lora-strength-stage-1; the hq pipeline: both stages, at its --distilled-lora-strength-stage-1/2, no STRENGTH here) and an optional strength (strength default 1.0; default: none, the tiny bundle)")
     model.add_argument("--spatial-upsampler-path", help="spatial 2x latent upsampler (.safetensors) (default: none, the tiny bundle)")
     for field in strength_fields():
         readers = " and ".join(declared.name for declared in RECIPES.values() if field in declared.stage_strengths)
-        model.add_argument(strength_flag(field), type=float, help=f"--pipeline {readers} only: {STRENGTH_WORDS[field]} (default {ModelSpec.__dataclass_fields__[field].default}, as the official runner)")
+        model.add_argument(strength_flag(field), type=float, help=f"--pipeline {readers} only: {STRENGTH_WORDS[field]} (default: the recipe's own, as its official runner: {strength_default_words(field)}; 0: none)")
     model.add_argument("--lora", nargs="+", action="append", metavar=("PATH", "STRENGTH"), help="a user LoRA, optional strength (default 1.0; repeatable; with the tiny bundle too). Default: none")
     # bfloat16 only: stage 2 fuses the distilled LoRA, and ltx-core fuses LoRAs into bfloat16 or fp8 weights only.
     model.add_argument("--dtype", choices=("bfloat16",), default="bfloat16", help="compute dtype (default bfloat16, as the official pipeline; the two-stage job fuses the distilled LoRA, which needs bfloat16)")
@@ -101,6 +101,9 @@ def add_generate_parser(commands) -> None:
     job.add_argument("--frame-rate", type=float, default=OFFICIAL.frame_rate, help=f"frames per second, {MIN_FRAME_RATE:g} to {MAX_FRAME_RATE:g} (default {OFFICIAL.frame_rate:g})")
     job.add_argument("--num-inference-steps", type=int, help=f"stage-1 steps (default {real['num_inference_steps']} for 2.0, {real_defaults('2.3')['num_inference_steps']} for 2.3; tiny bundle {tiny['num_inference_steps']})")
     job.add_argument("--image", metavar="PATH", help="image-to-video: condition the first frame on this image (default: none, text-to-video)")
+    job.add_argument("--stage1-sigmas", help=f"stage-1 sigmas from 1.0 down to 0.0, comma separated, e.g. ComfyUI's LTX-2.3 templates' {_listed(DISTILLED_SIGMAS)}; the step count follows them (default: the recipe's schedule)")
+    per_recipe_steppers = "; ".join(f"{declared.name}: {declared.stage1.stepper}" for declared in RECIPES.values())
+    job.add_argument("--sampler", choices=tuple(STEPPERS), help=f"how both stages step from one sigma to the next (default: the recipe's, {per_recipe_steppers})")
     per_recipe_sigmas = "; ".join(f"{declared.name}: {_listed(declared.upscale_sigmas)}" for declared in RECIPES.values())
     job.add_argument("--stage2-sigmas", help=f"stage-2 sigmas (default: the recipe's, {per_recipe_sigmas})")
     per_recipe_auto = "; ".join(f"{declared.name}: {STAGE2_POLICIES[declared.stage2_policy]}" for declared in RECIPES.values())
@@ -116,6 +119,7 @@ def add_generate_parser(commands) -> None:
 
     # Unset guidance flags take the schema's official values of --model-version (shown: 2.0's).
     guidance = parser.add_argument_group("guidance (default: the official values of the model version)")
+    guidance.add_argument("--cfg-1", dest="unguided", action="store_true", help="CFG 1, as ComfyUI's LTX-2.3 templates run the dev checkpoint with the distilled LoRA: one conditional pass per step, no negative prompt, no STG or modality guidance (sequence parallel over all GPUs); not with the scale flags below (default: off)")
     for modality, modality_flag in (("video", "--a2v-guidance-scale"), ("audio", "--v2a-guidance-scale")):
         official = getattr(OFFICIAL, f"{modality}_guidance")
         guidance.add_argument(f"--{modality}-cfg-guidance-scale", type=float, help=f"default {official.cfg_scale}")
@@ -480,13 +484,31 @@ GUIDANCE_FLAGS = tuple(
 
 
 def check_ignored_flags(args, declared) -> None:
-    """Refuse the flags the recipe would ignore (``recipes.Recipe.ignores``): guidance, step count."""
+    """Refuse the flags the recipe would ignore (``recipes.Recipe.ignores``): guidance, step count.
+    ``--cfg-1`` sets every guidance scale to its neutral value (``schema.NO_GUIDANCE``) and so takes none of them."""
     guidance = declared.ignored("guidance")
     set_flags = ["--" + name.replace("_", "-") for name in GUIDANCE_FLAGS if getattr(args, name) is not None]
-    if guidance is not None and set_flags:
-        raise refuse(f"{', '.join(set_flags)} do(es) not apply to --pipeline {declared.name} ({guidance.why}); drop them")
+    if guidance is not None and (set_flags or args.unguided):
+        raise refuse(f"{', '.join(set_flags) or '--cfg-1'} do(es) not apply to --pipeline {declared.name} ({guidance.why}); drop them")
+    if args.unguided and set_flags:
+        raise refuse(f"--cfg-1 sets every guidance scale; drop {', '.join(set_flags)} (or --cfg-1)")
+    if args.unguided and (args.negative_prompt is not None or args.negative_prompt_file):
+        raise refuse("--cfg-1 runs no unconditional pass, so no negative prompt is read; drop --negative-prompt / --negative-prompt-file (or --cfg-1)")
+    if args.unguided:
+        for modality in ("video", "audio"):
+            for name in ("cfg_scale", "stg_scale", "rescale_scale", "modality_scale"):
+                flag = {"cfg_scale": "cfg_guidance_scale", "stg_scale": "stg_guidance_scale"}.get(name, name)
+                setattr(args, f"{modality}_{flag}", getattr(NO_GUIDANCE, name))
     steps = declared.ignored("steps")
-    if steps is not None and args.num_inference_steps is not None and args.num_inference_steps != declared.fixed_steps:
+    if args.stage1_sigmas is not None:
+        try:
+            sigmas = validate_stage1_sigmas(_parse_floats(args.stage1_sigmas, "--stage1-sigmas"))
+        except RequestError as error:
+            raise refuse(f"--stage1-sigmas: {error}") from None
+        if args.num_inference_steps is not None and args.num_inference_steps != len(sigmas) - 1:
+            raise refuse(f"--num-inference-steps {args.num_inference_steps} contradicts --stage1-sigmas ({len(sigmas) - 1} steps); drop --num-inference-steps")
+        args.stage1_sigmas, args.num_inference_steps = sigmas, len(sigmas) - 1
+    elif steps is not None and args.num_inference_steps is not None and args.num_inference_steps != declared.fixed_steps:
         raise refuse(f"--pipeline {declared.name} runs {steps.why}; drop --num-inference-steps (got {args.num_inference_steps})")
 
 
@@ -548,22 +570,22 @@ def run_generate(args) -> int:
         loaded = api.load(spec, **common)
         progress.close()
         print(f"model on the fleet ({loaded['bytes_read'] / 2**20:.1f} MiB read from disk since it was loaded)", file=sys.stderr)
-        # An unguided recipe (distilled) runs no unconditional pass: no negative prompt to encode.
-        prompts = [inputs["prompt"], inputs["negative"]] if declared.encodes_negative_prompt else [inputs["prompt"]]
+        # An unguided recipe (distilled) or --cfg-1 runs no unconditional pass: no negative prompt to encode.
+        prompts = [inputs["prompt"], inputs["negative"]] if declared.encodes_negative_prompt and not args.unguided else [inputs["prompt"]]
         positive, *negative = api.encode(spec, prompts, free_gemma=args.free_gemma, **common)
         video, audio = api.sample(
             spec, positive, negative[0] if negative else None, width=args.width // 2, height=args.height // 2,
             num_frames=args.num_frames, frame_rate=args.frame_rate, seed=args.seed, steps=args.num_inference_steps,
             video_guidance=video_guidance if declared.guided else None, audio_guidance=audio_guidance if declared.guided else None,
             image=image, parallel=args.parallel, cuda_graphs=args.cuda_graphs, compile_blocks=args.compile_blocks,
-            model_version=args.model_version, pipeline=args.pipeline, **common, **denoising,
+            model_version=args.model_version, pipeline=args.pipeline, sigmas=args.stage1_sigmas, sampler=args.sampler, **common, **denoising,
         )  # fmt: skip
         stage1_video, stage1_audio = video, audio
         stage2_fields: dict = {}
         video, audio = api.upscale(
             spec, video, audio, positive, frame_rate=args.frame_rate, seed=args.seed, sigmas=inputs["sigmas"], tiles=inputs["tiles"],
             image=image, model_version=args.model_version, pipeline=args.pipeline, parallel=args.stage2_parallel,
-            fields=stage2_fields, **common, **denoising,
+            fields=stage2_fields, sampler=args.sampler, **common, **denoising,
         )  # fmt: skip
         progress.close()
         # The plan's reason already says what the stage-2 audio is (denoised or the stage-1 audio).

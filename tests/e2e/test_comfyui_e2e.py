@@ -122,6 +122,25 @@ def test_the_hq_workflow_on_the_embedded_ltx_2_3_bundle_writes_an_mp4_with_audio
         assert len(container.streams.audio) == 1 and sum(1 for _ in container.decode(video=0)) == 9
 
 
+def test_the_comfyui_recipe_workflow_runs_manual_sigmas_into_sp_sampler_and_writes_an_mp4_with_audio(comfyui):
+    """The tiny twin of the workflow with ComfyUI's LTX-2.3 template settings, as shipped: ManualSigmas feeds SP Sampler's
+    sigmas, the loader chooses the distilled LoRA for stage 1 too, CFG 1, stage 2 sequence parallel; an image in input/."""
+    import av
+    import numpy as np
+    from PIL import Image
+
+    (comfyui.base / "input").mkdir(exist_ok=True)
+    Image.fromarray(np.linspace(0, 255, 48 * 64 * 3).astype(np.uint8).reshape(48, 64, 3)).save(comfyui.base / "input" / "example.png")
+    workflow = json.loads((PACK_DIR / "workflows" / "api" / "ltx23_i2v_comfy_recipe_tiny.json").read_text())
+    sampler = next(node["inputs"] for node in workflow.values() if node["class_type"] == "MGPUSPSampler")
+    assert workflow[sampler["sigmas"][0]]["class_type"] == "ManualSigmas" and sampler["video_cfg"] == 1.0
+    outcome = comfy_queue.queue_prompt(comfyui.url, workflow, say=lambda text: None, timeout=600)
+    path = saved_video(comfyui, outcome)
+    with av.open(str(path)) as container:
+        assert (container.streams.video[0].codec_context.width, container.streams.video[0].codec_context.height) == (192, 128)
+        assert len(container.streams.audio) == 1 and sum(1 for _ in container.decode(video=0)) == 9
+
+
 def test_interrupt_stops_a_long_run_and_the_same_fleet_serves_the_next(comfyui):
     before = get_json(f"{comfyui.url}/mgpu/status")
     failure: list[BaseException] = []
