@@ -315,6 +315,31 @@ def validate_upscale_sigmas(sigmas: Sequence[float], force_from_noise: bool) -> 
         )
 
 
+IMAGE_STRENGTH = 1.0  # a conditioning image kept clean (the official --image default strength)
+IMAGE_INPUTS = {  # each image strength field: the input of its image, and where that image conditions
+    "image_strength": ("image", "first frame"),
+    "last_image_strength": ("last_image", "last frame"),
+}
+
+
+def validate_image_strengths(image_strength: float, last_image_strength: float) -> None:
+    """Each image strength is a number in [0, 1] (1.0: the image kept clean; 0.0: denoised like the rest)."""
+    for name, value in (("image_strength", image_strength), ("last_image_strength", last_image_strength)):
+        number_field({name: value}, name, IMAGE_STRENGTH, 0.0, 1.0)
+
+
+def check_image_strengths(image_strength: float, last_image_strength: float, has_image: bool, has_last_image: bool) -> None:
+    """Refuse a strength set for an image that is not there (it would be ignored), in words."""
+    validate_image_strengths(image_strength, last_image_strength)
+    for name, strength, given in (("image_strength", image_strength, has_image), ("last_image_strength", last_image_strength, has_last_image)):
+        image, where = IMAGE_INPUTS[name]
+        if strength != IMAGE_STRENGTH and not given:
+            raise RequestError(
+                f"{name} is {strength} but no {image} was given: it is the strength of the {where} image; "
+                f"give the {image} too, or leave {name} at {IMAGE_STRENGTH}"
+            )
+
+
 def validate_stg_blocks(guidance, layer_count: int | None, modality: str) -> None:
     """STG perturbs transformer blocks by index; an index past the model would silently do nothing.
 
@@ -822,6 +847,11 @@ def _fill_unset(request, defaults: dict) -> None:
             object.__setattr__(request, name, default)
 
 
+def _image_strengths(data: dict) -> dict:
+    """A stage request's image strengths, each a number in [0, 1] (whether its image came is the job's to check)."""
+    return {name: number_field(data, name, IMAGE_STRENGTH, 0.0, 1.0) for name in IMAGE_INPUTS}
+
+
 @dataclass(frozen=True)
 class SampleRequest:
     """Stage 1: full-frame generation from noise at ``width`` x ``height`` (sequence/guidance parallel).
@@ -849,6 +879,8 @@ class SampleRequest:
     positive_digest: str | None = None
     negative_digest: str | None = None
     preview_every: int = 0  # live previews every this many steps; 0: none
+    image_strength: float = IMAGE_STRENGTH  # the first-frame image's (the "image" tensor's), in [0, 1]
+    last_image_strength: float = IMAGE_STRENGTH  # the last-frame image's (the "last_image" tensor's), in [0, 1]
 
     op = "sample"
 
@@ -904,6 +936,7 @@ class SampleRequest:
             positive_digest=_digest(data, "positive_digest"),
             negative_digest=_digest(data, "negative_digest"),
             preview_every=integer_field(data, "preview_every", 0, 0, MAX_PREVIEW_EVERY),
+            **_image_strengths(data),
         )
 
 
@@ -930,6 +963,8 @@ class UpscaleRequest:
     force_from_noise: bool = False
     positive_digest: str | None = None
     preview_every: int = 0  # live previews every this many steps; 0: none
+    image_strength: float = IMAGE_STRENGTH  # the first-frame image's (the "image" tensor's), in [0, 1]
+    last_image_strength: float = IMAGE_STRENGTH  # the last-frame image's (the "last_image" tensor's), in [0, 1]
 
     op = "upscale"
 
@@ -973,6 +1008,7 @@ class UpscaleRequest:
             force_from_noise=force_from_noise,
             positive_digest=_digest(data, "positive_digest"),
             preview_every=integer_field(data, "preview_every", 0, 0, MAX_PREVIEW_EVERY),
+            **_image_strengths(data),
         )
 
 
