@@ -40,6 +40,7 @@ from mgpu_backend.ltx.api import parse_tiles
 from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES, STAGE2_POLICIES, recipe
 from mgpu_backend.ltx.schema import (
     DEFAULTS,
+    IMAGE_STRENGTH,
     MAX_SIDE,
     MODEL_VERSIONS,
     OFFICIAL,
@@ -49,6 +50,7 @@ from mgpu_backend.ltx.schema import (
     TDP_OVERLAP,
     TDP_UPSCALE_SIGMAS,
     VIDEO_SPATIAL_COMPRESSION,
+    check_image_strengths,
     pixel_geometry,
     stage2_default_sigmas,
     validate_generation,
@@ -213,6 +215,22 @@ def check_noise_mask(latent: dict, input_name: str, node: str) -> None:
     )
 
 
+IMAGE_INPUTS = {
+    "image_strength": ("FLOAT", {"default": IMAGE_STRENGTH, "min": 0.0, "max": 1.0, "step": 0.05, "tooltip": "How strongly the image holds the first frame: 1.0 keeps it as given, lower lets the video drift from it (ComfyUI's LTX-2.3 image-to-video template uses 0.7 in stage 1). Needs the image input."}),
+    "last_image": ("IMAGE", {"tooltip": "Optional last frame (first/last-frame video): it guides the video's last frame, appended as a guiding latent as the official pipelines do; resized like image. Give it to TDP Upscale too, which then runs sequence parallel (tiles cannot hold it)."}),
+    "last_image_strength": ("FLOAT", {"default": IMAGE_STRENGTH, "min": 0.0, "max": 1.0, "step": 0.05, "tooltip": "How strongly the last image holds the last frame: 1.0 keeps it as given. Needs the last_image input."}),
+}
+"""The optional image-strength and last-frame inputs of SP Sampler and TDP Upscale (the same images and
+strengths go to both, as the official pipelines condition both stages on them)."""
+
+
+def image_strengths(image: torch.Tensor | None, image_strength: float, last_image: torch.Tensor | None, last_image_strength: float) -> dict:
+    """The image-strength and last-frame keywords of ``api.sample`` / ``api.upscale``; a strength set
+    without its image is refused before anything is queued."""
+    check_image_strengths(image_strength, last_image_strength, image is not None, last_image is not None)
+    return {"image_strength": image_strength, "last_image": first_frame(last_image, "last_image"), "last_image_strength": last_image_strength}
+
+
 class SPSampler:
     """Stage 1: generate video and audio from noise with full multimodal guidance."""
 
@@ -251,6 +269,7 @@ class SPSampler:
                 "audio_rescale": ("FLOAT", {"default": SAME_AS_RESCALE, "min": SAME_AS_RESCALE, "max": 1.0, "step": 0.05, "tooltip": f"The audio's own rescale, where it differs from the video's (the official values where they differ: {OWN_AUDIO_RESCALE}). {SAME_AS_RESCALE}: the same as rescale."}),
                 "image": ("IMAGE", {"tooltip": "Optional first frame for image-to-video; it is resized to cover width x height and centre-cropped."}),
                 "compile_blocks": ("BOOLEAN", {"default": False, "tooltip": "Compile the transformer blocks with torch.compile (GPU). The first run of each size waits tens of seconds for the compile; later runs on the same fleet get faster steps when each GPU holds a small share of the video (4 or more GPUs). Results differ from off by bf16 rounding only."}),
+                **IMAGE_INPUTS,
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -263,7 +282,8 @@ class SPSampler:
         return refusal([*((name, value, generation_check(name)) for name, value in values.items()), ("stg_blocks", stg_blocks, parse_stg_blocks)])
 
     def sample(self, model, positive, negative, width, height, length, frame_rate, seed, steps, video_cfg, audio_cfg, stg_scale, stg_blocks, rescale, modality_scale, parallel,
-               image=None, compile_blocks=False, audio_rescale=SAME_AS_RESCALE, unique_id=None):  # fmt: skip
+               image=None, compile_blocks=False, audio_rescale=SAME_AS_RESCALE, unique_id=None,
+               image_strength=IMAGE_STRENGTH, last_image=None, last_image_strength=IMAGE_STRENGTH):  # fmt: skip
         handle = check_model_handle(model)
         pipeline = handle_pipeline(handle)
         declared = recipe(pipeline)
@@ -310,6 +330,7 @@ class SPSampler:
             compile_blocks=bool(compile_blocks),
             pipeline=pipeline,
             dtype=handle["dtype"],
+            **image_strengths(image, image_strength, last_image, last_image_strength),
         )
         return (make_av_latent(video_latent, api.audio_latent_for_comfy(audio_latent, length, frame_rate), frame_rate, stages=1),)
 
@@ -346,6 +367,7 @@ class TDPUpscale:
             "optional": {
                 "image": ("IMAGE", {"tooltip": "The first-frame image of image-to-video, to keep the first frame anchored at full size."}),
                 "stage2_parallel": (list(STAGE2_PLANS), {"default": STAGE2_PLANS[0], "tooltip": f"tdp: tiles on different GPUs, the stage-1 audio passes through. sp: sequence parallel over all GPUs, faithful to the one-GPU pipeline including the re-denoised audio. auto: the loader's recipe's rule ({STAGE2_AUTO})."}),
+                **IMAGE_INPUTS,
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -356,7 +378,8 @@ class TDPUpscale:
         under the input at fault (an input fed by a link is None here, checked when the node runs)."""
         return refusal([("sigmas", sigmas, lambda text: parse_sigmas(text, bool(force_from_noise))), ("tiles", tiles, parse_tiles)])
 
-    def upscale(self, model, av_latent, positive, seed, sigmas, tiles, overlap, frame_rate, force_from_noise, image=None, stage2_parallel="auto", unique_id=None):
+    def upscale(self, model, av_latent, positive, seed, sigmas, tiles, overlap, frame_rate, force_from_noise, image=None, stage2_parallel="auto", unique_id=None,
+                image_strength=IMAGE_STRENGTH, last_image=None, last_image_strength=IMAGE_STRENGTH):  # fmt: skip
         handle = check_model_handle(model)
         spec, pipeline = handle["spec"], handle_pipeline(handle)
         needed = [file for file in recipe(pipeline).files_for("upscale") if file.needed_from == "upscale"]
@@ -401,6 +424,7 @@ class TDPUpscale:
             parallel=stage2_parallel,
             fields=fields,
             dtype=handle["dtype"],
+            **image_strengths(image, image_strength, last_image, last_image_strength),
         )
         node_note(unique_id, fields.get("plan", "stage 2"))  # the plan's reason already says what stage 2 does with the audio
         if fields.get("stage2_parallel") == "sp":

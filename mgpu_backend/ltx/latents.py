@@ -25,6 +25,7 @@ from ltx_core.conditioning import ConditioningItem, VideoConditionByKeyframeInde
 from ltx_core.tools import AudioLatentTools, LatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, LatentState, VideoLatentShape, VideoPixelShape
 
+from mgpu_backend.ltx.recipes import guides
 from mgpu_backend.ltx.schema import VIDEO_LATENT_CHANNELS
 
 # The official pipeline compresses a conditioning image with H.264 at this CRF before encoding it,
@@ -199,17 +200,6 @@ class ConditioningImage:
     image: torch.Tensor
     frame_idx: int
     strength: float
-
-
-def guides(conditioning: str, frame_idx: int) -> bool:
-    """Whether an image at ``frame_idx`` is appended as a guiding latent under ``conditioning`` (a key of
-    ``recipes.CONDITIONINGS``), rather than replacing the first latent frame."""
-    return conditioning == "keyframes" or frame_idx != 0
-
-
-def appended_frames(conditioning: str, frame_indices) -> int:
-    """How many guiding latents (one latent frame of tokens each) images at ``frame_indices`` append."""
-    return sum(guides(conditioning, frame_idx) for frame_idx in frame_indices)
 
 
 def image_conditionings(

@@ -171,6 +171,18 @@ sequence (``VideoConditionByKeyframeIndex``), positions offset to its frame. An 
 is one latent frame of tokens more per image in both stages, noised with the rest."""
 
 
+
+def guides(conditioning: str, frame_idx: int) -> bool:
+    """Whether an image at pixel frame ``frame_idx`` is appended as a guiding latent under ``conditioning``
+    (a key of ``CONDITIONINGS``), rather than replacing the first latent frame."""
+    return conditioning == "keyframes" or frame_idx != 0
+
+
+def appended_frames(conditioning: str, frame_indices) -> int:
+    """How many guiding latents (one latent frame of tokens each) images at ``frame_indices`` append."""
+    return sum(guides(conditioning, frame_idx) for frame_idx in frame_indices)
+
+
 @dataclass(frozen=True)
 class Recipe:
     """One recipe: everything the pack knows about a pipeline, and the only place it is written."""

@@ -322,17 +322,22 @@ IMAGE_INPUTS = {  # each image strength field: the input of its image, and where
 }
 
 
-def validate_image_strengths(image_strength: float, last_image_strength: float) -> None:
-    """Each image strength is a number in [0, 1] (1.0: the image kept clean; 0.0: denoised like the rest)."""
+def validate_image_strengths(image_strength: float, last_image_strength: float, spelled: dict | None = None) -> None:
+    """Each image strength is a number in [0, 1] (1.0: the image kept clean; 0.0: denoised like the rest);
+    ``spelled`` as in ``check_image_strengths``."""
     for name, value in (("image_strength", image_strength), ("last_image_strength", last_image_strength)):
+        name = (spelled or {}).get(name, name)
         number_field({name: value}, name, IMAGE_STRENGTH, 0.0, 1.0)
 
 
-def check_image_strengths(image_strength: float, last_image_strength: float, has_image: bool, has_last_image: bool) -> None:
-    """Refuse a strength set for an image that is not there (it would be ignored), in words."""
-    validate_image_strengths(image_strength, last_image_strength)
+def check_image_strengths(image_strength: float, last_image_strength: float, has_image: bool, has_last_image: bool, spelled: dict | None = None) -> None:
+    """Refuse a strength set for an image that is not there (it would be ignored), in words; ``spelled``
+    names the inputs as the caller's user knows them (the CLI's flags), by field name."""
+    validate_image_strengths(image_strength, last_image_strength, spelled)
+    spelled = spelled or {}
     for name, strength, given in (("image_strength", image_strength, has_image), ("last_image_strength", last_image_strength, has_last_image)):
         image, where = IMAGE_INPUTS[name]
+        name, image = spelled.get(name, name), spelled.get(image, image)
         if strength != IMAGE_STRENGTH and not given:
             raise RequestError(
                 f"{name} is {strength} but no {image} was given: it is the strength of the {where} image; "

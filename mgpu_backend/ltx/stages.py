@@ -55,7 +55,6 @@ from mgpu_backend.ltx.latents import (
     DEFAULT_IMAGE_CRF,
     ConditioningImage,
     StageGeometry,
-    appended_frames,
     check_conditioning_image,
     check_latent_shape,
     image_conditionings,
@@ -64,7 +63,7 @@ from mgpu_backend.ltx.latents import (
     state_to_comfy,
 )
 from mgpu_backend.ltx.passes import GuidancePass, PassRunner, SequentialPassRunner
-from mgpu_backend.ltx.recipes import CONDITIONINGS
+from mgpu_backend.ltx.recipes import CONDITIONINGS, appended_frames
 from mgpu_backend.ltx.schema import (
     OFFICIAL,
     STAGE_2_SIGMAS,

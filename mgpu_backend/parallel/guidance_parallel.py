@@ -270,7 +270,7 @@ def plan_stage2(
             degrees = ", ".join(map(str, valid_sp_degrees(attention_heads, audio_attention_heads)))
             raise ValueError(
                 f"stage 2 must run sequence parallel with {appended}, but {world_size} ranks is no usable SP degree for "
-                f"{attention_heads} attention heads; run a fleet of {degrees} ranks, or leave the last image out"
+                f"{attention_heads} attention heads; run a fleet of {degrees} ranks"
             )
     if mode == "sp":
         check_sp_degree(world_size, attention_heads, audio_attention_heads)
