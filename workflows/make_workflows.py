@@ -42,6 +42,7 @@ from mgpu_backend.ltx.schema import (
     DECODE_TEMPORAL_TILE_FRAMES,
     DEFAULTS,
     DISTILLED_LORA_STRENGTH,
+    IMAGE_STRENGTH,
     MODEL_VERSIONS,
     TDP_OVERLAP,
     ModelSpec,
@@ -420,6 +421,10 @@ class Example:
 TINY_SIZE = {"width": 96, "height": 64, "length": 9, "steps": 3, "overlap": 1}
 
 
+IMAGE_STRENGTH_WIDGETS = {"image_strength": IMAGE_STRENGTH, "last_image_strength": IMAGE_STRENGTH}
+"""SP Sampler's and TDP Upscale's image strengths: the images kept as given."""
+
+
 def sampler_widgets(example: Example) -> dict:
     """SP Sampler's widget values: the recipe's official defaults (the tiny examples smaller)."""
     recipe = example.recipe
@@ -434,6 +439,7 @@ def sampler_widgets(example: Example) -> dict:
         "stg_scale": video.stg_scale, "stg_blocks": ",".join(map(str, video.stg_blocks)), "rescale": video.rescale_scale,
         "modality_scale": video.modality_scale, "parallel": "(from loader)", "compile_blocks": False,
         "audio_rescale": same_as_rescale if audio.rescale_scale == video.rescale_scale else audio.rescale_scale,
+        **IMAGE_STRENGTH_WIDGETS,
     }  # fmt: skip
     if example.tiny:
         widgets.update({name: TINY_SIZE[name] for name in ("width", "height", "length", "steps")}, stg_blocks="")
@@ -508,7 +514,8 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
         Node(4, "MGPUSPSampler", LAYOUT["sampler"].pos, sampler, {"model": (1, 0), "positive": (2, 0), "negative": (2, 1), "frame_rate": (3, 0)}, size=LAYOUT["sampler"].size),
         Node(
             5, "MGPUTDPUpscale", LAYOUT["upscale"].pos,
-            {"seed": recipe.seed, "sigmas": sigmas, "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False, "stage2_parallel": "auto"},
+            {"seed": recipe.seed, "sigmas": sigmas, "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False, "stage2_parallel": "auto",
+             **IMAGE_STRENGTH_WIDGETS},
             {"model": (1, 0), "av_latent": (4, 0), "positive": (2, 0)}, size=LAYOUT["upscale"].size,
         ),
         Node(6, "MGPUDistributedVAEDecode", LAYOUT["decode"].pos, {"seed": recipe.seed, "spatial_tile_pixels": DECODE_SPATIAL_TILE_PIXELS,
