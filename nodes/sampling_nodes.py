@@ -332,7 +332,8 @@ class SPSampler:
             dtype=handle["dtype"],
             **image_strengths(image, image_strength, last_image, last_image_strength),
         )
-        return (make_av_latent(video_latent, api.audio_latent_for_comfy(audio_latent, length, frame_rate), frame_rate, stages=1),)
+        guiding = declared.guiding_frames(length, image is not None, last_image is not None)
+        return (make_av_latent(video_latent, api.audio_latent_for_comfy(audio_latent, length, frame_rate), frame_rate, stages=1, guiding_frames=guiding),)
 
 
 class TDPUpscale:
@@ -427,9 +428,10 @@ class TDPUpscale:
             **image_strengths(image, image_strength, last_image, last_image_strength),
         )
         node_note(unique_id, fields.get("plan", "stage 2"))  # the plan's reason already says what stage 2 does with the audio
+        frames = pixel_geometry(*refined_video.shape[2:])[2]
+        guiding = recipe(pipeline).guiding_frames(frames, image is not None, last_image is not None)
         if fields.get("stage2_parallel") == "sp":
-            frames = pixel_geometry(*refined_video.shape[2:])[2]
-            return (make_av_latent(refined_video, api.audio_latent_for_comfy(refined_audio, frames, rate), rate, stages=2),)  # denoised over the whole latent: faithful
+            return (make_av_latent(refined_video, api.audio_latent_for_comfy(refined_audio, frames, rate), rate, stages=2, guiding_frames=guiding),)  # denoised over the whole latent: faithful
         # TDP must not change the audio (its audio is context only). Reusing the input tensor makes
         # that exact, whatever precision the round trip through the fleet used.
-        return (make_av_latent(refined_video, audio_latent, rate, stages=2),)
+        return (make_av_latent(refined_video, audio_latent, rate, stages=2, guiding_frames=guiding),)

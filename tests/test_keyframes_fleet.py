@@ -5,7 +5,8 @@ sockets, gloo CPU ranks) on the tiny LTX-2.0 bundle, against the official ltx-pi
   the video as guiding latents in both stages, the audio re-denoised in stage 2, as
   ``KeyframeInterpolationPipeline``: the fleet's sample and upscale jobs at one rank, and at two ranks
   (sequence parallel, guidance parallel), equal it bitwise (stage-1 and stage-2 video and audio latents,
-  bf16).
+  bf16), and so do the decoded frames, whose decoder noise follows both stages' longer draws
+  (``guiding_frames`` of the decode job).
 - The ``two-stage`` recipe with a first image at strength 0.7 (it replaces the first latent frame) and a
   last image (a guiding latent), as ``TI2VidTwoStagesPipeline`` given the same images: stage 1 bitwise,
   and stage 2 at one rank (untiled, the audio denoised, since tiles cannot hold a guiding latent) too.
@@ -34,7 +35,7 @@ from mgpu_backend.ltx.schema import STAGE_2_SIGMAS
 
 from . import official_reference
 from .fleet_harness import run_job
-from .official_reference import assert_bitwise, first_frame_image
+from .official_reference import assert_bitwise, first_frame_image, reference_uint8_frames
 from .test_hq_fleet import context_tensors
 from .test_pipeline_parity import NEGATIVE_PROMPT, PARAMS, PROMPT
 
@@ -146,6 +147,16 @@ def test_keyframes_fleet_at_one_rank_matches_keyframe_interpolation_pipeline_bit
     for name, tensor in ours.items():
         assert_bitwise(tensor, keyframes_reference[name], f"fleet keyframes at one rank: {name}")
     assert (ours["stage2_audio"] - ours["stage1_audio"]).abs().max().item() > 0.05, "stage 2 must re-denoise the audio, as the official runner"
+
+
+def test_keyframes_decode_draws_its_noise_after_both_stages_guiding_latents(fleet_of, spec, keyframes_one_rank, keyframes_reference):
+    decoded = {
+        guiding: run_job(fleet_of(1), "decode", {"spec": spec, "seed": PARAMS.seed, "guiding_frames": guiding}, keyframes_one_rank["upscaled"].tensors)
+        for guiding in (2, 0)
+    }
+    assert_bitwise(reference_uint8_frames(decoded[2].tensors["frames"]), keyframes_reference["frames"], "decoded frames (uint8)")
+    # The tiny LTX-2.0 decoder adds seeded noise: a decoder that forgot the guiding latents' draws decodes other frames.
+    assert (decoded[0].tensors["frames"] - decoded[2].tensors["frames"]).abs().max().item() > 1e-3
 
 
 @pytest.mark.slow

@@ -787,17 +787,22 @@ def test_sp_sampler_and_tdp_upscale_send_the_image_strength_and_the_last_frame_i
             assert optional[strength][0] == "FLOAT" and {key: optional[strength][1][key] for key in ("default", "min", "max")} == {"default": 1.0, "min": 0.0, "max": 1.0}
     fake_api["sample"].result = (torch.zeros(1, 128, 2, 2, 3), torch.zeros(1, 8, 9, 16))
     first, last = torch.rand(1, 64, 96, 3), torch.rand(2, 40, 72, 4)
-    node("MGPUSPSampler").sample(tiny_handle(), mgpu_conditioning(1), mgpu_conditioning(2), **SAMPLER_INPUTS, image=first, image_strength=0.7,
-                                 last_image=last, last_image_strength=0.85)  # fmt: skip
+    (sampled,) = node("MGPUSPSampler").sample(tiny_handle(), mgpu_conditioning(1), mgpu_conditioning(2), **SAMPLER_INPUTS, image=first, image_strength=0.7,
+                                              last_image=last, last_image_strength=0.85)  # fmt: skip
     kwargs = fake_api["sample"].calls[0][1]
+    assert sampled["mgpu_guiding_frames"] == 1, "two-stage appends the last image only: the first replaces the first latent frame"
     assert (kwargs["image_strength"], kwargs["last_image_strength"]) == (0.7, 0.85)
     assert kwargs["last_image"].shape == (40, 72, 3) and torch.equal(kwargs["last_image"], last[0, :, :, :3])
     latent, _video, audio = av_latent(frame_rate=24.0)
     fake_api["upscale"].result = (torch.randn(1, 128, 2, 4, 6), audio)
-    node("MGPUTDPUpscale").upscale(tiny_handle(), latent, mgpu_conditioning(3), **UPSCALE_INPUTS, last_image=last)
+    (upscaled,) = node("MGPUTDPUpscale").upscale(tiny_handle(), latent, mgpu_conditioning(3), **UPSCALE_INPUTS, last_image=last)
     kwargs = fake_api["upscale"].calls[0][1]
     assert kwargs["image"] is None and (kwargs["image_strength"], kwargs["last_image_strength"]) == (1.0, 1.0)
     assert torch.equal(kwargs["last_image"], last[0, :, :, :3])
+    assert upscaled["mgpu_guiding_frames"] == 1
+    fake_api["decode"].result = (torch.rand(9, 64, 96, 3), None, None)
+    node("MGPUDistributedVAEDecode").decode(tiny_handle(), upscaled, 3, 256, 32)
+    assert fake_api["decode"].calls[0][1]["guiding_frames"] == 1, "the decoder noise must follow the guiding latents' draws too"
 
 
 def test_sp_sampler_refuses_a_strength_without_its_image_before_calling_the_fleet(fake_api):

@@ -174,6 +174,7 @@ def test_every_request_round_trips_through_json(request_):
         (SampleRequest, {"image_strength": 1.5}, "image_strength must be a number from 0.0 to 1.0, got 1.5; leave it out for the default 1.0"),
         (UpscaleRequest, {"last_image_strength": -0.1}, "last_image_strength must be a number from 0.0 to 1.0, got -0.1; leave it out for the default 1.0"),
         (UpscaleRequest, {"image_strength": "0.7"}, "image_strength must be a number from 0.0 to 1.0, got '0.7'"),
+        (DecodeRequest, {"guiding_frames": 3}, "guiding_frames must be an integer from 0 to 2, got 3; leave it out for the default 0"),
     ],
 )
 def test_bad_requests_say_what_is_wrong_and_what_to_do(cls, change, message):

@@ -393,16 +393,18 @@ def decode(
     dtype: str = "bfloat16",
     progress: Progress = None,
     should_cancel: ShouldCancel = None,
+    guiding_frames: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, int | None]:
     """Distributed VAE decode: IMAGE frames [F,H,W,3] in 0..1 (via shared memory) and the audio
     waveform [B,C,T] with its sample rate (None, None without an audio latent).
 
     ``seed``, ``frame_rate`` and ``after_stages`` (how many stages drew noise from the job's
-    generator before the decoder) reproduce the official pipeline's decoder noise exactly.
+    generator before the decoder) reproduce the official pipeline's decoder noise exactly, with
+    ``guiding_frames`` the image latents each of those stages appended (``recipes.Recipe.guiding_frames``).
     Arguments left as None take the schema's defaults.
     """
     request = DecodeRequest.from_wire({
-        "spec": spec, "dtype": dtype, "after_stages": after_stages,
+        "spec": spec, "dtype": dtype, "after_stages": after_stages, "guiding_frames": guiding_frames,
         **_given(seed=seed, frame_rate=frame_rate, spatial_tile_pixels=spatial_tile_pixels, temporal_tile_frames=temporal_tile_frames),
     })  # fmt: skip
     tensors = {"video_latent": video_latent}

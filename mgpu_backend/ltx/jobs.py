@@ -700,7 +700,7 @@ def decode(ctx: JobContext, args: dict, tensors: dict):
         tiling = decode_tiling(request)
         height, width, frames = pixel_geometry(*video_latent.shape[2:])
         stages_before = noise_history(request.after_stages, height, width, frames, request.frame_rate)
-    generator = job_generator(request.seed, ctx.device, resident.dtype, stages_before=stages_before)
+    generator = job_generator(request.seed, ctx.device, resident.dtype, stages_before=stages_before, guiding_frames=request.guiding_frames)
     decoder = resident.video_decoder()
     out = ctx.shared_output("frames", decoded_images_shape(decoder, video_latent.shape)) if ctx.rank == 0 else None
     with torch.inference_mode():

@@ -183,6 +183,11 @@ def appended_frames(conditioning: str, frame_indices) -> int:
     return sum(guides(conditioning, frame_idx) for frame_idx in frame_indices)
 
 
+def image_frames(num_frames: int, has_image: bool, has_last_image: bool) -> list[int]:
+    """The pixel frames of the conditioning images given: the first image at 0, the last image at the last frame."""
+    return [frame_idx for frame_idx, given in ((0, has_image), (num_frames - 1, has_last_image)) if given]
+
+
 @dataclass(frozen=True)
 class Recipe:
     """One recipe: everything the pack knows about a pipeline, and the only place it is written."""
@@ -258,6 +263,10 @@ class Recipe:
     def fixed_steps(self) -> int | None:
         """Stage 1's step count when its sigmas are fixed (None: the model version's official count)."""
         return None if self.stage1.sigmas is None else len(self.stage1.sigmas) - 1
+
+    def guiding_frames(self, num_frames: int, has_image: bool, has_last_image: bool) -> int:
+        """How many guiding latents its conditioning appends to each stage's video for the images given."""
+        return appended_frames(self.conditioning, image_frames(num_frames, has_image, has_last_image))
 
     def ignored(self, input_name: str) -> Ignored | None:
         return next((ignored for ignored in self.ignores if ignored.input == input_name), None)

@@ -1021,8 +1021,9 @@ class UpscaleRequest:
 class DecodeRequest:
     """Distributed VAE decode of the video and the audio.
 
-    ``seed``, ``frame_rate`` and ``after_stages`` (how many stages drew noise from the job's generator
-    before the decoder) reproduce the official pipeline's decoder noise."""
+    ``seed``, ``frame_rate``, ``after_stages`` (how many stages drew noise from the job's generator
+    before the decoder) and ``guiding_frames`` (the image latents each stage appended to its video,
+    ``recipes.Recipe.guiding_frames``) reproduce the official pipeline's decoder noise."""
 
     spec: ModelSpec
     dtype: str = "bfloat16"
@@ -1031,6 +1032,7 @@ class DecodeRequest:
     after_stages: int = 2
     spatial_tile_pixels: int = DECODE_SPATIAL_TILE_PIXELS
     temporal_tile_frames: int = DECODE_TEMPORAL_TILE_FRAMES
+    guiding_frames: int = 0  # the guiding latents each of those stages appended (their draws included them)
 
     op = "decode"
 
@@ -1055,6 +1057,7 @@ class DecodeRequest:
             after_stages=after_stages,
             spatial_tile_pixels=spatial,
             temporal_tile_frames=temporal,
+            guiding_frames=integer_field(data, "guiding_frames", 0, 0, len(IMAGE_INPUTS)),
         )
 
 

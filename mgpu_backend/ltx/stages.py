@@ -63,7 +63,7 @@ from mgpu_backend.ltx.latents import (
     state_to_comfy,
 )
 from mgpu_backend.ltx.passes import GuidancePass, PassRunner, SequentialPassRunner
-from mgpu_backend.ltx.recipes import CONDITIONINGS, appended_frames
+from mgpu_backend.ltx.recipes import CONDITIONINGS, appended_frames, image_frames
 from mgpu_backend.ltx.schema import (
     OFFICIAL,
     STAGE_2_SIGMAS,
@@ -163,8 +163,9 @@ class GenerationParams:
 
     def conditioning_images(self, image: torch.Tensor | None, last_image: torch.Tensor | None) -> list[ConditioningImage]:
         """The first image at frame 0 and the last image at the last frame, each at its strength (those given)."""
-        placed = ((image, 0, self.image_strength), (last_image, self.num_frames - 1, self.last_image_strength))
-        return [ConditioningImage(tensor, frame_idx, strength) for tensor, frame_idx, strength in placed if tensor is not None]
+        given = [(tensor, strength) for tensor, strength in ((image, self.image_strength), (last_image, self.last_image_strength)) if tensor is not None]
+        frames = image_frames(self.num_frames, image is not None, last_image is not None)
+        return [ConditioningImage(tensor, frame_idx, strength) for (tensor, strength), frame_idx in zip(given, frames, strict=True)]
 
     def guiding_frames(self, image: torch.Tensor | None, last_image: torch.Tensor | None) -> int:
         """How many guiding latents the images append to each stage's video (``latents.appended_frames``)."""

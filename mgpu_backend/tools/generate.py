@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, FILE_WORDS, RECIPES, STAGE2_POLICIES, STRENGTH_WORDS, UnsupportedModelVersion, appended_frames, model_flags, recipe, strength_flag, strength_fields
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, FILE_WORDS, RECIPES, STAGE2_POLICIES, STRENGTH_WORDS, UnsupportedModelVersion, model_flags, recipe, strength_flag, strength_fields
 from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, IMAGE_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, OFFICIAL, PARALLEL_PLANS, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, check_image_strengths, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
@@ -405,8 +405,7 @@ def check_inputs(args, spec: dict) -> dict:
         check_image_strengths(args.image_strength, args.last_image_strength, bool(args.image), bool(args.last_image), IMAGE_FLAGS)
     except RequestError as error:
         raise refuse(str(error)) from None
-    frames = [frame_idx for frame_idx, path in ((0, args.image), (args.num_frames - 1, args.last_image)) if path]
-    guiding = appended_frames(recipe(args.pipeline).conditioning, frames)
+    guiding = recipe(args.pipeline).guiding_frames(args.num_frames, bool(args.image), bool(args.last_image))
     if guiding and (args.stage2_parallel == "tdp" or tiles is not None):
         chosen = "--stage2-parallel tdp" if args.stage2_parallel == "tdp" else f"--tiles {args.tiles}"
         raise refuse(
@@ -415,7 +414,7 @@ def check_inputs(args, spec: dict) -> dict:
         )
     image = _load_image(args.image) if args.image else None
     last_image = _load_image(args.last_image, "--last-image", "last") if args.last_image else None
-    return {"prompt": prompt, "negative": negative, "tiles": tiles, "sigmas": sigmas, "image": image, "last_image": last_image}
+    return {"prompt": prompt, "negative": negative, "tiles": tiles, "sigmas": sigmas, "image": image, "last_image": last_image, "guiding_frames": guiding}
 
 
 IMAGE_FLAGS = {"image_strength": "--image-strength", "image": "--image", "last_image_strength": "--last-image-strength", "last_image": "--last-image"}
@@ -589,7 +588,8 @@ def run_generate(args) -> int:
         progress.close()
         # The plan's reason already says what the stage-2 audio is (denoised or the stage-1 audio).
         print(stage2_fields.get("plan", "stage 2 done"), file=sys.stderr)
-        frames, waveform, sample_rate = api.decode(spec, video, audio, seed=args.seed, frame_rate=args.frame_rate, **common)
+        frames, waveform, sample_rate = api.decode(spec, video, audio, seed=args.seed, frame_rate=args.frame_rate, **common,
+                                                   guiding_frames=inputs["guiding_frames"])
         progress.close()
     except FleetCancelled:
         progress.close()
