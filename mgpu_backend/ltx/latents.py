@@ -4,8 +4,9 @@ Between stages (and between ComfyUI nodes) latents travel in ComfyUI's LTX-2 lay
 video ``[B, 128, F', H/32, W/32]`` and audio ``[B, 8, T, 16]``. Inside a stage they are token
 sequences (``LatentState``) made by ltx-core's patchifiers through ``VideoLatentTools`` /
 ``AudioLatentTools``. This module converts between the two, prepares the image conditionings (the
-first frame replaced, or guiding latents appended, as ``recipes.CONDITIONINGS`` says), and reproduces the order in which the reference pipeline draws its noise from one
-seeded generator, so that a stage run on its own draws the same numbers as the whole pipeline.
+first frame replaced, or guiding latents appended, as ``recipes.CONDITIONINGS`` says), and
+reproduces the order in which the reference pipeline draws its noise from one seeded generator, so
+that a stage run on its own draws the same numbers as the whole pipeline.
 
 It never loads models and never talks to other ranks.
 """
@@ -119,7 +120,7 @@ def job_generator(
     draws: drawing and dropping tensors of the same shapes, dtype and order is the one way that is
     exact on every device, since how far a draw advances a generator is a detail of each backend.
     A first frame replaced adds no tokens; each of the ``guiding_frames`` guiding latents every
-    earlier stage appended (``appended_frames``) adds one latent frame of that stage's size to its
+    earlier stage appended (``recipes.appended_frames``) adds one latent frame of that stage's size to its
     video draw, which noised the whole sequence in one tensor.
     """
     generator = torch.Generator(device=device).manual_seed(seed)

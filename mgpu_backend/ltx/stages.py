@@ -26,6 +26,11 @@ The functions, shared by both recipes:
   is the stage-1 audio unchanged (``denoise_audio=False``, TDP's choice) or the re-denoised audio
   of the official pipelines (``denoise_audio=True``: untiled or sequence parallel).
 
+Images condition both stages as the recipe's runner does (``GenerationParams.conditioning``, a key of
+``recipes.CONDITIONINGS``): the first image at frame 0 (``image_strength``) replaces the first latent
+frame or is appended as a guiding latent, the last image at the last frame (``last_image_strength``)
+is always appended; an appended latent is one latent frame of tokens more, noised with the video.
+
 Latents go in and out in ComfyUI's LTX-2 layout, float32 (see ``latents.py``). Every function here
 is a plain function of tensors: no sockets and no collectives of its own (parallelism lives in the
 runner, the wrapper, or inside the transformer). It never imports ltx_pipelines.
@@ -168,7 +173,7 @@ class GenerationParams:
         return [ConditioningImage(tensor, frame_idx, strength) for (tensor, strength), frame_idx in zip(given, frames, strict=True)]
 
     def guiding_frames(self, image: torch.Tensor | None, last_image: torch.Tensor | None) -> int:
-        """How many guiding latents the images append to each stage's video (``latents.appended_frames``)."""
+        """How many guiding latents the images append to each stage's video (``recipes.appended_frames``)."""
         return appended_frames(self.conditioning, [placed.frame_idx for placed in self.conditioning_images(image, last_image)])
 
     def stage1_sigma_schedule(self, device: torch.device) -> torch.Tensor:
