@@ -108,8 +108,20 @@ def keyframes_reference(keyframes_reference_of) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_stage_reference(bundle, images) -> dict:
-    return reference_run(bundle, "ti2vid_two_stages", "TI2VidTwoStagesPipeline", images, TWO_STAGE_STRENGTHS, 1)
+def two_stage_reference_of(bundle, images):
+    made = {}
+
+    def reference_of(world_size: int) -> dict:
+        if world_size not in made:
+            made[world_size] = reference_run(bundle, "ti2vid_two_stages", "TI2VidTwoStagesPipeline", images, TWO_STAGE_STRENGTHS, world_size)
+        return made[world_size]
+
+    return reference_of
+
+
+@pytest.fixture(scope="module")
+def two_stage_reference(two_stage_reference_of) -> dict:
+    return two_stage_reference_of(1)
 
 
 def run_fleet(fleet, spec: dict, pipeline: str, reference: dict, images: dict, strengths: tuple[float, float], plan: str = "auto",
@@ -178,6 +190,16 @@ def test_two_stage_with_first_image_at_0_7_and_a_last_image_matches_ti2vid_two_s
     assert "1 image latent appended to the video" in upscaled.fields["plan"]
     for name, tensor in latents(run).items():
         assert_bitwise(tensor, two_stage_reference[name], f"fleet two-stage with first and last images: {name}")
+
+
+@pytest.mark.slow
+def test_two_stage_with_a_last_image_at_four_ranks_sp_pads_the_uneven_stage_1_tokens_and_matches_the_official_runner(fleet_of, spec, two_stage_reference_of, images):
+    """Stage 1 holds 12 video tokens and the last image's 6: 18 tokens over 4 ranks, padded to 20 and cut off again."""
+    expected = two_stage_reference_of(4)
+    run = run_fleet(fleet_of(4), spec, "two-stage", expected, images, TWO_STAGE_STRENGTHS, "sp", upscale={"sigmas": list(STAGE_2_SIGMAS)})
+    assert (run["stage1"].fields["sp_degree"], run["upscaled"].fields["stage2_parallel"], run["upscaled"].fields["sp_degree"]) == (4, "sp", 4)
+    for name, tensor in latents(run).items():
+        assert_bitwise(tensor, expected[name], f"fleet two-stage with first and last images at four ranks: {name}")
 
 
 def test_tiled_stage_2_with_a_last_image_is_refused_in_words(fleet_of, spec, images):
