@@ -11,7 +11,7 @@ from mgpu_backend.ltx import api
 from mgpu_backend.ltx.schema import DECODE_SPATIAL_TILE_PIXELS, DECODE_TEMPORAL_TILE_FRAMES, OFFICIAL, SEED_MAX
 
 from .fleet_job import FleetJob
-from .layouts import FRAME_RATE_KEY, MODEL_TYPE, STAGES_KEY, check_model_handle, make_audio, split_latent
+from .layouts import FRAME_RATE_KEY, GUIDING_FRAMES_KEY, MODEL_TYPE, STAGES_KEY, check_model_handle, make_audio, split_latent
 from .model_nodes import CATEGORY
 
 
@@ -57,6 +57,7 @@ class DistributedVAEDecode:
             audio_latent,
             seed=seed,
             **history,
+            guiding_frames=int(av_latent.get(GUIDING_FRAMES_KEY, 0)),
             spatial_tile_pixels=spatial_tile_pixels,
             temporal_tile_frames=temporal_tile_frames,
             dtype=handle["dtype"],

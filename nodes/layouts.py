@@ -38,6 +38,9 @@ DIGESTED_CONTEXT_KEY = "mgpu_digested_context"
 (ConditioningAverage, ...) but copied the options along leaves a digest that no longer fits it."""
 EARLIER_DIGESTED_CONTEXT_KEY = "mgpu_digested_video_context"  # the same, in earlier versions of the pack
 FRAME_RATE_KEY = "frame_rate"
+GUIDING_FRAMES_KEY = "mgpu_guiding_frames"
+"""The image latents (a last image's, or every image's under the keyframes recipe) each of its stages
+appended to the video: their noise draws were longer by as much, which the decoder's noise follows."""
 STAGES_KEY = "mgpu_stages"
 """Our AV LATENT records the frame rate it was sampled at and how many denoising stages made it
 (1 after SP Sampler, 2 after TDP Upscale): TDP Upscale needs the rate, and the decoder draws its
@@ -151,9 +154,11 @@ def _nested(tensors):
     return NestedTensor(tensors)
 
 
-def make_av_latent(video_latent: torch.Tensor, audio_latent: torch.Tensor, frame_rate: float | None, stages: int | None = None) -> dict:
+def make_av_latent(video_latent: torch.Tensor, audio_latent: torch.Tensor, frame_rate: float | None, stages: int | None = None,
+                   guiding_frames: int = 0) -> dict:  # fmt: skip
     """The LATENT of LTXVConcatAVLatent: ``samples`` = nested (video, audio), the audio LATENT's
-    ``sample_rate``/``type``, plus the frame rate and stage count when known."""
+    ``sample_rate``/``type``, plus the frame rate and stage count when known, and the guiding latents
+    its stages appended (``GUIDING_FRAMES_KEY``) when there were any."""
     latent = {
         "samples": _nested((video_latent.float(), audio_latent.float())),
         "sample_rate": AUDIO_LATENT_SAMPLE_RATE,
@@ -163,6 +168,8 @@ def make_av_latent(video_latent: torch.Tensor, audio_latent: torch.Tensor, frame
         latent[FRAME_RATE_KEY] = float(frame_rate)
     if stages is not None:
         latent[STAGES_KEY] = int(stages)
+    if guiding_frames:
+        latent[GUIDING_FRAMES_KEY] = int(guiding_frames)
     return latent
 
 

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from mgpu_backend.ltx import api
 from mgpu_backend.ltx.safetensors_header import ModelFileError
-from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES, STRENGTH_WORDS, recipe, strength_default_words, strength_fields
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES, STRENGTH_WORDS, recipe, strength_default_words, strength_fields, strength_readers
 from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, GEMMA_MODES, PARALLEL_PLANS, PIPELINES, QUANTIZATIONS, RESIDENCY_POLICIES, ModelSpec, defaults_for, validate_dtype_with_loras
 
 from .fleet_admin import format_status, status_snapshot, stop_fleet, unload_models
@@ -195,8 +195,7 @@ RECIPE_STRENGTH = -1.0
 
 def strength_tooltip(field: str) -> str:
     """A per-stage LoRA strength input's tooltip: the recipes that read it and what each fuses by default."""
-    readers = " and ".join(declared.name for declared in RECIPES.values() if field in declared.stage_strengths)
-    return (f"The {readers} pipelines only: {STRENGTH_WORDS[field]}. {RECIPE_STRENGTH:g}: the recipe's own "
+    return (f"The {strength_readers(field)} pipelines only: {STRENGTH_WORDS[field]}. {RECIPE_STRENGTH:g}: the recipe's own "
             f"({strength_default_words(field)}, as their official runners); 0: no distilled LoRA there. The hq pipeline "
             "does not read distilled_lora_strength.")  # fmt: skip
 

@@ -40,6 +40,7 @@ from mgpu_backend.ltx.api import parse_tiles
 from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, RECIPES, STAGE2_POLICIES, STEPPERS, recipe
 from mgpu_backend.ltx.schema import (
     DEFAULTS,
+    IMAGE_STRENGTH,
     MAX_SIDE,
     MODEL_VERSIONS,
     OFFICIAL,
@@ -49,6 +50,7 @@ from mgpu_backend.ltx.schema import (
     TDP_OVERLAP,
     TDP_UPSCALE_SIGMAS,
     VIDEO_SPATIAL_COMPRESSION,
+    check_image_strengths,
     pixel_geometry,
     stage2_default_sigmas,
     validate_generation,
@@ -217,6 +219,22 @@ def check_noise_mask(latent: dict, input_name: str, node: str) -> None:
     )
 
 
+IMAGE_INPUTS = {
+    "image_strength": ("FLOAT", {"default": IMAGE_STRENGTH, "min": 0.0, "max": 1.0, "step": 0.05, "tooltip": "How strongly the image holds the first frame: 1.0 keeps it as given, lower lets the video drift from it (ComfyUI's LTX-2.3 image-to-video template uses 0.7 in stage 1). Needs the image input."}),
+    "last_image": ("IMAGE", {"tooltip": "Optional last frame (first/last-frame video): it guides the video's last frame, appended as a guiding latent as the official pipelines do; resized like image. Give it to TDP Upscale too, which then runs sequence parallel (tiles cannot hold it)."}),
+    "last_image_strength": ("FLOAT", {"default": IMAGE_STRENGTH, "min": 0.0, "max": 1.0, "step": 0.05, "tooltip": "How strongly the last image holds the last frame: 1.0 keeps it as given. Needs the last_image input."}),
+}
+"""The optional image-strength and last-frame inputs of SP Sampler and TDP Upscale (the same images and
+strengths go to both, as the official pipelines condition both stages on them)."""
+
+
+def image_strengths(image: torch.Tensor | None, image_strength: float, last_image: torch.Tensor | None, last_image_strength: float) -> dict:
+    """The image-strength and last-frame keywords of ``api.sample`` / ``api.upscale``; a strength set
+    without its image is refused before anything is queued."""
+    check_image_strengths(image_strength, last_image_strength, image is not None, last_image is not None)
+    return {"image_strength": image_strength, "last_image": first_frame(last_image, "last_image"), "last_image_strength": last_image_strength}
+
+
 class SPSampler:
     """Stage 1: generate video and audio from noise with full multimodal guidance."""
 
@@ -257,6 +275,7 @@ class SPSampler:
                 "compile_blocks": ("BOOLEAN", {"default": False, "tooltip": "Compile the transformer blocks with torch.compile (GPU). The first run of each size waits tens of seconds for the compile; later runs on the same fleet get faster steps when each GPU holds a small share of the video (4 or more GPUs). Results differ from off by bf16 rounding only."}),
                 "sigmas": ("SIGMAS", {"tooltip": "Optional stage-1 schedule, e.g. from ManualSigmas (ComfyUI's LTX-2.3 templates: 1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0), from 1.0 down to 0.0. It replaces the recipe's schedule, and steps follow it (the steps widget is then not read)."}),
                 "sampler": ([FROM_RECIPE, *STEPPERS], {"default": FROM_RECIPE, "tooltip": f"How each step moves from one sigma to the next; {FROM_RECIPE} is the loader's recipe's ({RECIPE_STEPPERS}). {STEPPER_WORDS}"}),
+                **IMAGE_INPUTS,
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -269,7 +288,8 @@ class SPSampler:
         return refusal([*((name, value, generation_check(name)) for name, value in values.items()), ("stg_blocks", stg_blocks, parse_stg_blocks)])
 
     def sample(self, model, positive, negative, width, height, length, frame_rate, seed, steps, video_cfg, audio_cfg, stg_scale, stg_blocks, rescale, modality_scale, parallel,
-               image=None, compile_blocks=False, audio_rescale=SAME_AS_RESCALE, sigmas=None, sampler=FROM_RECIPE, unique_id=None):  # fmt: skip
+               image=None, compile_blocks=False, audio_rescale=SAME_AS_RESCALE, sigmas=None, sampler=FROM_RECIPE, unique_id=None,
+               image_strength=IMAGE_STRENGTH, last_image=None, last_image_strength=IMAGE_STRENGTH):  # fmt: skip
         handle = check_model_handle(model)
         pipeline = handle_pipeline(handle)
         declared = recipe(pipeline)
@@ -325,8 +345,10 @@ class SPSampler:
             dtype=handle["dtype"],
             sigmas=schedule,
             sampler=None if sampler == FROM_RECIPE else sampler,
+            **image_strengths(image, image_strength, last_image, last_image_strength),
         )
-        return (make_av_latent(video_latent, api.audio_latent_for_comfy(audio_latent, length, frame_rate), frame_rate, stages=1),)
+        guiding = declared.guiding_frames(length, image is not None, last_image is not None)
+        return (make_av_latent(video_latent, api.audio_latent_for_comfy(audio_latent, length, frame_rate), frame_rate, stages=1, guiding_frames=guiding),)
 
 
 class TDPUpscale:
@@ -362,6 +384,7 @@ class TDPUpscale:
                 "image": ("IMAGE", {"tooltip": "The first-frame image of image-to-video, to keep the first frame anchored at full size."}),
                 "stage2_parallel": (list(STAGE2_PLANS), {"default": STAGE2_PLANS[0], "tooltip": f"tdp: tiles on different GPUs, the stage-1 audio passes through. sp: sequence parallel over all GPUs, faithful to the one-GPU pipeline including the re-denoised audio. auto: the loader's recipe's rule ({STAGE2_AUTO})."}),
                 "sampler": ([FROM_RECIPE, *STEPPERS], {"default": FROM_RECIPE, "tooltip": f"How each step moves from one sigma to the next; {FROM_RECIPE} is the loader's recipe's ({RECIPE_STEPPERS}). {STEPPER_WORDS}"}),
+                **IMAGE_INPUTS,
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -373,7 +396,7 @@ class TDPUpscale:
         return refusal([("sigmas", sigmas, lambda text: parse_sigmas(text, bool(force_from_noise))), ("tiles", tiles, parse_tiles)])
 
     def upscale(self, model, av_latent, positive, seed, sigmas, tiles, overlap, frame_rate, force_from_noise, image=None, stage2_parallel="auto",
-                sampler=FROM_RECIPE, unique_id=None):  # fmt: skip
+                sampler=FROM_RECIPE, unique_id=None, image_strength=IMAGE_STRENGTH, last_image=None, last_image_strength=IMAGE_STRENGTH):  # fmt: skip
         handle = check_model_handle(model)
         spec, pipeline = handle["spec"], handle_pipeline(handle)
         needed = [file for file in recipe(pipeline).files_for("upscale") if file.needed_from == "upscale"]
@@ -419,11 +442,13 @@ class TDPUpscale:
             fields=fields,
             dtype=handle["dtype"],
             sampler=None if sampler == FROM_RECIPE else sampler,
+            **image_strengths(image, image_strength, last_image, last_image_strength),
         )
         node_note(unique_id, fields.get("plan", "stage 2"))  # the plan's reason already says what stage 2 does with the audio
+        frames = pixel_geometry(*refined_video.shape[2:])[2]
+        guiding = recipe(pipeline).guiding_frames(frames, image is not None, last_image is not None)
         if fields.get("stage2_parallel") == "sp":
-            frames = pixel_geometry(*refined_video.shape[2:])[2]
-            return (make_av_latent(refined_video, api.audio_latent_for_comfy(refined_audio, frames, rate), rate, stages=2),)  # denoised over the whole latent: faithful
+            return (make_av_latent(refined_video, api.audio_latent_for_comfy(refined_audio, frames, rate), rate, stages=2, guiding_frames=guiding),)  # denoised over the whole latent: faithful
         # TDP must not change the audio (its audio is context only). Reusing the input tensor makes
         # that exact, whatever precision the round trip through the fleet used.
-        return (make_av_latent(refined_video, audio_latent, rate, stages=2),)
+        return (make_av_latent(refined_video, audio_latent, rate, stages=2, guiding_frames=guiding),)

@@ -111,8 +111,11 @@ def guided_call(params, prompt: str, negative_prompt: str) -> dict:
     )
 
 
-def run_reference(side: types.SimpleNamespace, image_path: str | None, **call) -> dict:
+def run_reference(side: types.SimpleNamespace, image_path: str | None, conditioning_images: tuple = (), **call) -> dict:
     """One official run; returns the latents it passed between its steps, and its outputs.
+
+    ``image_path``: a first-frame image at strength 1.0; ``conditioning_images``: ``(path, frame_idx,
+    strength)`` of each image instead, as the runners' ``--image PATH FRAME_IDX STRENGTH``.
 
     ``contexts``: the prompts' encodings; ``sigmas``: each denoising's schedule; ``stage1_video`` /
     ``stage1_audio`` / ``stage2_video`` / ``stage2_audio``: what each denoising returned;
@@ -141,6 +144,7 @@ def run_reference(side: types.SimpleNamespace, image_path: str | None, **call) -
         patch.setattr(module, "denoise_audio_video", capturing_denoise)
         patch.setattr(module, "upsample_video", capturing_upsample)
         images = [] if image_path is None else [module.ImageConditioningInput(image_path, 0, 1.0)]
+        images += [module.ImageConditioningInput(path, frame_idx, strength) for path, frame_idx, strength in conditioning_images]
         with torch.inference_mode():
             video_chunks, audio = side.pipeline(images=images, tiling_config=TilingConfig.default(), **call)
             captured["frames"] = torch.cat(list(video_chunks))  # decoding happens while iterating

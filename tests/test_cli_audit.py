@@ -92,6 +92,16 @@ REFUSALS = [
     (["--lora", "style.safetensors", "0.5", "x"], "error: --lora takes a path and an optional strength, got style.safetensors 0.5 x; repeat --lora for each LoRA"),
     (["--lora", "style.safetensors", "strong"], "error: --lora style.safetensors strong: the strength after the path must be a number, got 'strong'; e.g. --lora style.safetensors 1.0"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "error: --prompt-file /nonexistent/prompt.txt does not exist; name a UTF-8 text file holding the prompt"),
+    (["--image-strength", "1.5"], "error: --image-strength must be a number from 0.0 to 1.0, got 1.5; leave it out for the default 1.0"),
+    (["--last-image-strength", "0.5"], "error: --last-image-strength is 0.5 but no --last-image was given: it is the strength of the last frame image; "
+                                       "give the --last-image too, or leave --last-image-strength at 1.0"),
+    (["--last-image", "/nonexistent/last.png"], "error: --last-image /nonexistent/last.png does not exist (or is not a file); name a PNG or JPEG file for the last frame"),
+    (["--last-image", "/nonexistent/last.png", "--stage2-parallel", "tdp"],
+     "error: --stage2-parallel tdp cannot run with the 1 image latent that the two-stage pipeline appends to the video for its images: no tile can "
+     "hold them; use --stage2-parallel auto or sp, and leave --tiles at auto"),
+    (["--image", "/nonexistent/first.png", "--pipeline", "keyframes", "--tiles", "1x2"],
+     "error: --tiles 1x2 cannot run with the 1 image latent that the keyframes pipeline appends to the video for its images: no tile can "
+     "hold them; use --stage2-parallel auto or sp, and leave --tiles at auto"),
 ]  # fmt: skip
 
 

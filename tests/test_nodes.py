@@ -618,7 +618,7 @@ def test_loader_pipeline_choice_builds_the_distilled_spec_and_the_handle_carries
     from mgpu_backend.ltx.schema import EMBEDDED_TINY, EMBEDDED_TINY_DISTILLED, ModelSpec
 
     required = NODES["MGPULoadCheckpoint"].INPUT_TYPES()["required"]
-    assert required["pipeline"][0] == ["two-stage", "distilled", "hq"] and required["pipeline"][1]["default"] == "two-stage"
+    assert required["pipeline"][0] == ["two-stage", "distilled", "hq", "keyframes"] and required["pipeline"][1]["default"] == "two-stage"
     fake_api["load"].result = {"seconds": 0.1}
     (handle,) = node("MGPULoadCheckpoint").load(
         model_nodes.EMBEDDED, model_nodes.NO_FILE, 1.0, model_nodes.EMBEDDED, model_nodes.EMBEDDED,
@@ -640,8 +640,8 @@ def test_loader_hq_choice_carries_the_per_stage_strengths_and_refuses_an_ltx_2_0
     # -1: the recipe's own strength (hq: 0.25 and 0.5, as its official runner; two-stage: no LoRA in stage 1).
     assert {name: value[1]["default"] for name, value in optional.items()} == {"distilled_lora_strength_stage_1": -1.0, "distilled_lora_strength_stage_2": -1.0}
     assert optional["distilled_lora_strength_stage_1"][1]["tooltip"].startswith(
-        "The two-stage and hq pipelines only: the distilled LoRA's strength in stage 1. -1: the recipe's own (two-stage: none unless set; hq: 0.25, "
-        "as their official runners); 0: no distilled LoRA there."
+        "The two-stage, hq and keyframes pipelines only: the distilled LoRA's strength in stage 1. -1: the recipe's own (two-stage: none unless set; "
+        "hq: 0.25; keyframes: none unless set, as their official runners); 0: no distilled LoRA there."
     )
     (default,) = node("MGPULoadCheckpoint").load(model_nodes.EMBEDDED_2_3, model_nodes.EMBEDDED_2_3, 1.0, model_nodes.EMBEDDED_2_3, model_nodes.EMBEDDED_2_3,
                                                  "all", "sharded", "auto", "bfloat16", pipeline="hq", distilled_lora_strength_stage_1=-1.0, distilled_lora_strength_stage_2=-1.0)  # fmt: skip
@@ -818,3 +818,40 @@ def test_tdp_upscale_sends_the_sampler_chosen_and_none_for_the_recipes(fake_api,
     node("MGPUTDPUpscale").upscale(tiny_handle(), latent, mgpu_conditioning(3), **UPSCALE_INPUTS, sampler="res2s")
     node("MGPUTDPUpscale").upscale(tiny_handle(), latent, mgpu_conditioning(3), **UPSCALE_INPUTS)
     assert [kwargs["sampler"] for _args, kwargs in fake_api["upscale"].calls] == ["res2s", None]
+def test_sp_sampler_and_tdp_upscale_send_the_image_strength_and_the_last_frame_image(fake_api):
+    for name in ("MGPUSPSampler", "MGPUTDPUpscale"):
+        optional = NODES[name].INPUT_TYPES()["optional"]
+        assert optional["last_image"][0] == "IMAGE"
+        for strength in ("image_strength", "last_image_strength"):
+            assert optional[strength][0] == "FLOAT" and {key: optional[strength][1][key] for key in ("default", "min", "max")} == {"default": 1.0, "min": 0.0, "max": 1.0}
+    fake_api["sample"].result = (torch.zeros(1, 128, 2, 2, 3), torch.zeros(1, 8, 9, 16))
+    first, last = torch.rand(1, 64, 96, 3), torch.rand(2, 40, 72, 4)
+    (sampled,) = node("MGPUSPSampler").sample(tiny_handle(), mgpu_conditioning(1), mgpu_conditioning(2), **SAMPLER_INPUTS, image=first, image_strength=0.7,
+                                              last_image=last, last_image_strength=0.85)  # fmt: skip
+    kwargs = fake_api["sample"].calls[0][1]
+    assert sampled["mgpu_guiding_frames"] == 1, "two-stage appends the last image only: the first replaces the first latent frame"
+    assert (kwargs["image_strength"], kwargs["last_image_strength"]) == (0.7, 0.85)
+    assert kwargs["last_image"].shape == (40, 72, 3) and torch.equal(kwargs["last_image"], last[0, :, :, :3])
+    latent, _video, audio = av_latent(frame_rate=24.0)
+    fake_api["upscale"].result = (torch.randn(1, 128, 2, 4, 6), audio)
+    (upscaled,) = node("MGPUTDPUpscale").upscale(tiny_handle(), latent, mgpu_conditioning(3), **UPSCALE_INPUTS, last_image=last)
+    kwargs = fake_api["upscale"].calls[0][1]
+    assert kwargs["image"] is None and (kwargs["image_strength"], kwargs["last_image_strength"]) == (1.0, 1.0)
+    assert torch.equal(kwargs["last_image"], last[0, :, :, :3])
+    assert upscaled["mgpu_guiding_frames"] == 1
+    fake_api["decode"].result = (torch.rand(9, 64, 96, 3), None, None)
+    node("MGPUDistributedVAEDecode").decode(tiny_handle(), upscaled, 3, 256, 32)
+    assert fake_api["decode"].calls[0][1]["guiding_frames"] == 1, "the decoder noise must follow the guiding latents' draws too"
+
+
+def test_sp_sampler_refuses_a_strength_without_its_image_before_calling_the_fleet(fake_api):
+    with pytest.raises(ValueError) as raised:
+        node("MGPUSPSampler").sample(tiny_handle(), mgpu_conditioning(1), mgpu_conditioning(2), **SAMPLER_INPUTS, last_image_strength=0.5)
+    assert str(raised.value) == (
+        "last_image_strength is 0.5 but no last_image was given: it is the strength of the last frame image; "
+        "give the last_image too, or leave last_image_strength at 1.0"
+    )
+    latent, _video, _audio = av_latent(frame_rate=24.0)
+    with pytest.raises(ValueError, match="image_strength is 0.7 but no image was given: it is the strength of the first frame image"):
+        node("MGPUTDPUpscale").upscale(tiny_handle(), latent, mgpu_conditioning(3), **UPSCALE_INPUTS, image_strength=0.7)
+    assert fake_api["sample"].calls == [] and fake_api["upscale"].calls == []

@@ -88,11 +88,13 @@ def official_call(declared: Recipe, version: str) -> dict:
     return call
 
 
-def run_official(declared: Recipe, bundle: tiny.TinyBundle, version: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The official runner's (video, audio) latents after each denoising: stage 1, then stage 2."""
+def run_official(declared: Recipe, bundle: tiny.TinyBundle, version: str, images: tuple = (), threads: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The official runner's (video, audio) latents after each denoising: stage 1, then stage 2; ``images``:
+    its ``ImageConditioningInput`` fields ``(path, frame_idx, strength)``; ``threads``: torch's thread count."""
     module_name, build = official_runner(declared, bundle)
     denoised = []
     for side in official_reference.reference_side(bundle, module_name, build):
+        torch.set_num_threads(threads)
         module = side.module
         original_denoise, original_encode = module.denoise_audio_video, module.encode_prompts
         pack_gemma = ModelLoader(ModelSpec(bundle.checkpoint_path, bundle.gemma_root), "cpu", torch.bfloat16).gemma() if official_reference.TRANSFORMERS_5 else None
@@ -110,7 +112,8 @@ def run_official(declared: Recipe, bundle: tiny.TinyBundle, version: str) -> lis
             patch.setattr(module, "denoise_audio_video", capturing_denoise)
             patch.setattr(module, "encode_prompts", encode_with_the_packs_gemma if pack_gemma is not None else original_encode)
             with torch.inference_mode():
-                video_chunks, _audio = side.pipeline(images=[], tiling_config=TilingConfig.default(), **official_call(declared, version))
+                conditioning = [module.ImageConditioningInput(*image) for image in images]
+                video_chunks, _audio = side.pipeline(images=conditioning, tiling_config=TilingConfig.default(), **official_call(declared, version))
                 torch.cat(list(video_chunks))  # the runner decodes while its chunks are read
     return denoised
 
@@ -137,3 +140,24 @@ def test_each_recipes_cli_on_real_files_matches_its_official_runner_bitwise(decl
     official_reference.assert_bitwise(dump["stage2_video"], stage2_video, f"{declared.name} LTX-{version} stage-2 video latent")
     official_reference.assert_bitwise(dump["stage2_audio"], stage2_audio, f"{declared.name} LTX-{version} stage-2 audio latent")
     assert not torch.equal(dump["stage2_audio"], dump["stage1_audio"])  # stage 2 denoised the audio, as the official runner
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pipeline", ["keyframes", "two-stage"])
+def test_the_cli_with_a_first_and_a_last_image_matches_the_official_runner_bitwise(pipeline, tiny_bundle_of, tmp_path):
+    """--image at --image-strength 0.7 and --last-image: the official runner's ``--image PATH 0 0.7`` and ``--image PATH 8 1.0``
+    (at the thread count of the CLI's one CPU rank: both resize the images with thread-dependent float rounding)."""
+    from mgpu_backend.fleet.rank import cpu_threads
+
+    from .test_keyframes_fleet import last_frame_image
+
+    declared, bundle = RECIPES[pipeline], tiny_bundle_of("2.0")
+    (first, _), (last, _) = official_reference.first_frame_image(tmp_path), last_frame_image(tmp_path)
+    completed = run_generate(tmp_path, "cli", *cli_flags(declared, bundle), "--image", first, "--image-strength", "0.7", "--last-image", last)
+    assert f"stage-2 plan (sp, {pipeline}): SP degree 1 on 1 rank" in completed.stderr
+    dump = load_file(str(tmp_path / "cli.safetensors"))
+    denoised = run_official(declared, bundle, "2.0", ((first, 0, 0.7), (last, TINY_DEFAULTS["num_frames"] - 1, 1.0)), threads=cpu_threads(1))
+    torch.set_num_threads(1)
+    for stage, (video, audio) in enumerate(denoised, start=1):
+        official_reference.assert_bitwise(dump[f"stage{stage}_video"], video, f"{pipeline} CLI with first and last images: stage-{stage} video latent")
+        official_reference.assert_bitwise(dump[f"stage{stage}_audio"], audio, f"{pipeline} CLI with first and last images: stage-{stage} audio latent")

@@ -16,7 +16,7 @@ from mgpu_backend.bundles import tiny
 from mgpu_backend.fleet.jobs import JobInputError
 from mgpu_backend.ltx import recipes
 from mgpu_backend.ltx.jobs import check_recipe_files
-from mgpu_backend.ltx.recipes import DISTILLED, HQ, RECIPES, TWO_STAGE, recipe, stage_loras, strength_default_words, strength_defaults
+from mgpu_backend.ltx.recipes import DISTILLED, HQ, KEYFRAMES, RECIPES, TWO_STAGE, recipe, stage_loras, strength_default_words, strength_defaults
 from mgpu_backend.ltx.schema import DEFAULTS, NO_GUIDANCE, ModelFileError, ModelSpec, RequestError, defaults_for, stage2_default_sigmas
 from mgpu_backend.parallel.guidance_parallel import plan_stage2
 from mgpu_backend.tools import generate
@@ -29,13 +29,13 @@ def test_an_unknown_recipe_is_refused_in_words_listing_the_known_ones():
     assert recipe("distilled") is DISTILLED and recipe("two-stage") is TWO_STAGE
     with pytest.raises(ValueError) as raised:
         recipe("lcm")
-    assert str(raised.value) == "pipeline must be one of two-stage, distilled, hq, got 'lcm'"
-    with pytest.raises(RequestError, match="pipeline must be one of two-stage, distilled, hq, got 'Distilled'"):
+    assert str(raised.value) == "pipeline must be one of two-stage, distilled, hq, keyframes, got 'lcm'"
+    with pytest.raises(RequestError, match="pipeline must be one of two-stage, distilled, hq, keyframes, got 'Distilled'"):
         defaults_for("2.0", "Distilled")
 
 
 def test_defaults_per_version_and_recipe_are_the_official_values():
-    assert list(DEFAULTS) == [("2.0", "two-stage"), ("2.0", "distilled"), ("2.3", "two-stage"), ("2.3", "distilled"), ("2.3", "hq")]
+    assert list(DEFAULTS) == [("2.0", "two-stage"), ("2.0", "distilled"), ("2.0", "keyframes"), ("2.3", "two-stage"), ("2.3", "distilled"), ("2.3", "hq"), ("2.3", "keyframes")]
     for version, steps, block in (("2.0", 40, 29), ("2.3", 30, 28)):
         guided, distilled = DEFAULTS[(version, "two-stage")], DEFAULTS[(version, "distilled")]
         assert (guided.steps, guided.stage1_sigmas, guided.video_guidance.stg_blocks) == (steps, None, (block,))
@@ -62,7 +62,7 @@ def test_hq_defaults_are_ltx_2_3_hq_params_and_ltx_2_0_is_refused_in_words():
         defaults_for("2.0", "hq")
     assert str(raised.value) == (
         "the hq pipeline runs LTX-2.3 only (ltx-pipelines has its parameters for no other version), got an LTX-2.0 checkpoint; "
-        "use an LTX-2.3 checkpoint, or pipeline 'two-stage' or 'distilled'"
+        "use an LTX-2.3 checkpoint, or pipeline 'two-stage' or 'distilled' or 'keyframes'"
     )
 
 
@@ -89,9 +89,10 @@ def test_lora_sets_fuse_the_user_loras_first_then_the_distilled_lora_at_its_stre
                                              "but the model spec names none; set distilled_lora, or leave distilled_lora_strength_stage_1 unset"):
         stage_loras(ModelSpec("c.safetensors", "g", distilled_lora_strength_stage_1=0.5), "distilled-stage-1-if-chosen")
     assert [(declared.stage1.lora_set, declared.stage2.lora_set) for declared in RECIPES.values()] == [
-        ("distilled-stage-1-if-chosen", "distilled"), ("none", "none"), ("distilled-stage-1", "distilled-stage-2")]  # fmt: skip
-    assert strength_defaults("distilled_lora_strength_stage_1") == {"two-stage": None, "hq": 0.25}
-    assert strength_default_words("distilled_lora_strength_stage_1") == "two-stage: none unless set; hq: 0.25"
+        ("distilled-stage-1-if-chosen", "distilled"), ("none", "none"), ("distilled-stage-1", "distilled-stage-2"),
+        ("distilled-stage-1-if-chosen", "distilled")]  # fmt: skip
+    assert strength_defaults("distilled_lora_strength_stage_1") == {"two-stage": None, "hq": 0.25, "keyframes": None}
+    assert strength_default_words("distilled_lora_strength_stage_1") == "two-stage: none unless set; hq: 0.25; keyframes: none unless set"
 
 
 def test_the_stage2_auto_plan_follows_each_recipes_policy():
@@ -102,7 +103,7 @@ def test_the_stage2_auto_plan_follows_each_recipes_policy():
     assert plan_stage2(2, 48, "distilled").technique == "tdp" and plan_stage2(2, 48, "hq").technique == "sp"
     assert "the hq recipe's stage 2 denoises the audio too, as its official runner" in plan_stage2(2, 48, "hq").reason
     assert plan_stage2(3, 48, "hq").technique == "tdp"  # 3 ranks is no SP degree of 32 heads
-    with pytest.raises(ValueError, match="pipeline must be one of two-stage, distilled, hq, got 'lcm'"):
+    with pytest.raises(ValueError, match="pipeline must be one of two-stage, distilled, hq, keyframes, got 'lcm'"):
         plan_stage2(8, 24576, "lcm")
 
 
@@ -124,7 +125,7 @@ def test_jobs_refuse_a_spec_missing_or_holding_a_file_against_the_recipe():
         check_recipe_files(_request("distilled", "sample"), full)
     assert str(raised.value) == (
         "the distilled pipeline runs the distilled checkpoint as it is, with no distilled LoRA; leave distilled_lora out of "
-        "the model spec (or use pipeline 'two-stage' or 'hq', which takes it)"
+        "the model spec (or use pipeline 'two-stage' or 'hq' or 'keyframes', which takes it)"
     )
     # HQ fuses the distilled LoRA in stage 1 too: the sample job already needs it.
     with pytest.raises(JobInputError) as raised:
@@ -149,7 +150,7 @@ def test_the_cli_builds_each_recipes_spec_from_its_files_given_as_flags(declared
     spec, is_tiny = generate.build_spec(_parsed("--pipeline", declared.name, *_recipe_flags(declared, bundle)))
     assert not is_tiny
     assert spec["checkpoint_path"] == getattr(bundle, declared.checkpoint.tiny_file)
-    assert spec["distilled_lora"] == (bundle.distilled_lora_path if declared in (TWO_STAGE, HQ) else None)
+    assert spec["distilled_lora"] == (bundle.distilled_lora_path if declared in (TWO_STAGE, HQ, KEYFRAMES) else None)
     assert (spec["gemma_root"], spec["spatial_upsampler_path"]) == (bundle.gemma_root, bundle.spatial_upsampler_path)
 
 
@@ -168,7 +169,7 @@ def test_the_cli_takes_hq_stage_strengths_and_refuses_what_the_recipe_does_not_r
         ),
         ("--pipeline", "hq", "--model-version", "2.0"): (
             "--model-version: the hq pipeline runs LTX-2.3 only (ltx-pipelines has its parameters for no other version), got an "
-            "LTX-2.0 checkpoint; use an LTX-2.3 checkpoint, or pipeline 'two-stage' or 'distilled'"
+            "LTX-2.0 checkpoint; use an LTX-2.3 checkpoint, or pipeline 'two-stage' or 'distilled' or 'keyframes'"
         ),
         ("--pipeline", "hq", *_recipe_flags(HQ, bundle), "0.7"): (  # the distilled LoRA's flag comes last: 0.7 is its STRENGTH
             f"--distilled-lora {bundle.distilled_lora_path} 0.7: --pipeline hq reads no strength there (its stages take "
@@ -289,7 +290,7 @@ def test_a_recipe_added_as_one_declaration_is_served_by_the_schema_cli_jobs_plan
     assert completed.returncode == 0, completed.stderr[-3000:]
     served = json.loads(completed.stdout.strip().splitlines()[-1])
     assert served == {
-        "pipelines": ["two-stage", "distilled", "hq", "distilled-tdp"],
+        "pipelines": ["two-stage", "distilled", "hq", "keyframes", "distilled-tdp"],
         "steps": 8,
         "unguided": True,
         "spec": ["embedded:tiny-2.3-distilled", None, True],
@@ -297,9 +298,43 @@ def test_a_recipe_added_as_one_declaration_is_served_by_the_schema_cli_jobs_plan
         "stage2": "tdp",
         "refusal": (
             "the distilled-tdp pipeline runs the distilled checkpoint as it is, with no distilled LoRA; leave distilled_lora out of "
-            "the model spec (or use pipeline 'two-stage' or 'hq', which takes it)"
+            "the model spec (or use pipeline 'two-stage' or 'hq' or 'keyframes', which takes it)"
         ),
-        "loader_choices": ["two-stage", "distilled", "hq", "distilled-tdp"],
+        "loader_choices": ["two-stage", "distilled", "hq", "keyframes", "distilled-tdp"],
         "ignored": ["steps", "video_cfg", "audio_cfg", "stg_scale", "stg_blocks", "rescale", "audio_rescale", "modality_scale", "negative"],
-        "docs_sections": 4,
+        "docs_sections": 5,
     }
+
+
+def test_each_recipes_conditioning_is_the_image_helper_its_official_runner_calls():
+    import importlib
+
+    helpers = {"first-frame": "combined_image_conditionings(", "keyframes": "image_conditionings_by_adding_guiding_latent("}
+    for declared in RECIPES.values():
+        module, runner = declared.official_runner.rsplit(".", 1)
+        source = inspect.getsource(getattr(importlib.import_module(module), runner))
+        called = {conditioning for conditioning, helper in helpers.items() if helper in source}
+        assert called == {declared.conditioning}, (declared.name, called)
+    assert [declared.conditioning for declared in RECIPES.values()] == ["first-frame", "first-frame", "first-frame", "keyframes"]
+    # Stage 1 fuses no LoRA unless the spec chooses a stage-1 strength (as two-stage: ComfyUI's first/last-frame graphs run the LoRA in both stages).
+    assert (KEYFRAMES.stage1.lora_set, KEYFRAMES.stage2.lora_set, KEYFRAMES.guidance, KEYFRAMES.stage2_policy, KEYFRAMES.versions) == ("distilled-stage-1-if-chosen", "distilled", "multimodal", "sp", ("2.0", "2.3"))
+    # A first image replaces the first latent frame under first-frame; every other image is a guiding latent (one latent frame each).
+    assert (recipes.appended_frames("first-frame", [0]), recipes.appended_frames("first-frame", [0, 120]), recipes.appended_frames("keyframes", [0, 120])) == (0, 1, 2)
+
+
+def test_a_guiding_latent_makes_stage_2_sequence_parallel_and_tiling_is_refused_in_words():
+    assert plan_stage2(8, 24576, "two-stage").technique == "tdp"
+    with_last = plan_stage2(8, 24576, "two-stage", guiding_latents=1)
+    assert (with_last.technique, with_last.sp_degree) == ("sp", 8) and "1 image latent appended to the video, which tiles cannot hold" in with_last.reason
+    assert (plan_stage2(1, 24576, "keyframes", guiding_latents=2).technique, plan_stage2(2, 48, "distilled", guiding_latents=1).technique) == ("sp", "sp")
+    assert plan_stage2(3, 48, "keyframes").technique == "tdp"  # no image: 3 ranks is no SP degree, tiles as before
+    for mode, tiles_given in (("tdp", False), ("auto", True)):
+        with pytest.raises(ValueError) as raised:
+            plan_stage2(4, 24576, "two-stage", mode, tiles_given=tiles_given, guiding_latents=1)
+        assert str(raised.value) == (
+            "stage 2 cannot run tiled data parallel with 1 image latent appended to the video (the last image's, or every image's under the "
+            "keyframes conditioning): no tile can hold them; leave the tiles out and use parallel 'auto' or 'sp'"
+        )
+    with pytest.raises(ValueError) as raised:
+        plan_stage2(3, 48, "keyframes", guiding_latents=2)
+    assert str(raised.value).endswith("but 3 ranks is no usable SP degree for 32 attention heads; run a fleet of 1, 2, 4, 8, 16, 32 ranks")

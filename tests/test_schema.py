@@ -171,6 +171,10 @@ def test_every_request_round_trips_through_json(request_):
         (EncodeRequest, {"prompts": ["x" * 20_001]}, "a prompt is longer than 20000 characters; shorten it"),
         (EncodeRequest, {"gemma_mode": "fast"}, "gemma_mode must be one of sharded, batch_parallel, got 'fast'"),
         (UnloadRequest, {"spec": {}}, "unknown unload field(s) ['spec']"),
+        (SampleRequest, {"image_strength": 1.5}, "image_strength must be a number from 0.0 to 1.0, got 1.5; leave it out for the default 1.0"),
+        (UpscaleRequest, {"last_image_strength": -0.1}, "last_image_strength must be a number from 0.0 to 1.0, got -0.1; leave it out for the default 1.0"),
+        (UpscaleRequest, {"image_strength": "0.7"}, "image_strength must be a number from 0.0 to 1.0, got '0.7'"),
+        (DecodeRequest, {"guiding_frames": 3}, "guiding_frames must be an integer from 0 to 2, got 3; leave it out for the default 0"),
     ],
 )
 def test_bad_requests_say_what_is_wrong_and_what_to_do(cls, change, message):
@@ -267,3 +271,17 @@ def test_a_sample_requests_sigmas_set_its_steps_and_a_contradicting_steps_or_unk
         with pytest.raises(RequestError) as raised:
             SampleRequest.from_wire({"spec": spec, **fields})
         assert str(raised.value).startswith(words), str(raised.value)
+def test_image_strengths_default_to_1_and_a_strength_without_its_image_is_refused_in_words():
+    for cls in (SampleRequest, UpscaleRequest):
+        request = cls.from_wire({"spec": SPEC.to_wire(), "image_strength": 0.7})
+        assert (request.image_strength, request.last_image_strength) == (0.7, 1.0)
+        assert type(request).from_wire(json.loads(json.dumps(request.to_wire()))) == request
+    schema.check_image_strengths(0.7, 0.25, True, True)
+    schema.check_image_strengths(1.0, 1.0, False, False)
+    with pytest.raises(RequestError) as raised:
+        schema.check_image_strengths(0.7, 1.0, False, True)
+    assert str(raised.value) == (
+        "image_strength is 0.7 but no image was given: it is the strength of the first frame image; give the image too, or leave image_strength at 1.0"
+    )
+    with pytest.raises(RequestError, match="^--last-image-strength is 0.5 but no --last-image was given"):
+        schema.check_image_strengths(1.0, 0.5, True, False, {"last_image_strength": "--last-image-strength", "last_image": "--last-image"})

@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from mgpu_backend.fleet.client import FleetError
+from mgpu_backend.fleet.rank import cpu_threads
 from mgpu_backend.ltx.schema import DISTILLED_SIGMAS, STAGE_2_SIGMAS, ModelSpec
 
 from . import official_reference
 from .fleet_harness import run_job
-from .official_reference import assert_bitwise
+from .official_reference import assert_bitwise, first_frame_image
 
 PROMPT = "A lighthouse keeper climbs the spiral stairs at dusk, wind howling outside."
 HEIGHT, WIDTH, FRAMES, FRAME_RATE, SEED = 128, 192, 9, 25.0, 21
@@ -42,8 +43,10 @@ def template_spec(bundle) -> dict:
                      distilled_lora_strength=LORA_STRENGTH, distilled_lora_strength_stage_1=LORA_STRENGTH).to_wire()  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def reference(bundle) -> dict:
+IMAGE_STRENGTH = 0.7  # the templates' LTXVImgToVideoInplace in stage 1 (DistilledPipeline holds one strength for both stages)
+
+
+def run_distilled_reference(bundle, conditioning_images: tuple = ()) -> dict:
     """``DistilledPipeline`` on the dev checkpoint with the distilled LoRA at 0.5 as its user LoRA."""
     from ltx_core.loader import LTXV_LORA_COMFY_RENAMING_MAP, LoraPathStrengthAndSDOps
 
@@ -52,11 +55,20 @@ def reference(bundle) -> dict:
         return module.DistilledPipeline(distilled_checkpoint_path=bundle.checkpoint_path, gemma_root=bundle.gemma_root,
                                         spatial_upsampler_path=bundle.spatial_upsampler_path, loras=[lora], device=torch.device("cpu"))  # fmt: skip
 
-    side = official_reference.reference_side(bundle, "distilled", build)
-    try:
-        yield official_reference.run_reference(next(side), None, prompt=PROMPT, seed=SEED, height=HEIGHT, width=WIDTH, num_frames=FRAMES, frame_rate=FRAME_RATE)
-    finally:
-        side.close()
+    for side in official_reference.reference_side(bundle, "distilled", build):
+        # At a one-rank fleet's thread count: the image's float32 resize rounds by it (tests/test_keyframes_fleet.py).
+        torch.set_num_threads(cpu_threads(1))
+        try:
+            return official_reference.run_reference(side, None, conditioning_images, prompt=PROMPT, seed=SEED, height=HEIGHT, width=WIDTH,
+                                                    num_frames=FRAMES, frame_rate=FRAME_RATE)  # fmt: skip
+        finally:
+            torch.set_num_threads(1)
+    raise AssertionError("the official side yielded no pipeline")
+
+
+@pytest.fixture(scope="module")
+def reference(bundle) -> dict:
+    return run_distilled_reference(bundle)
 
 
 def positive_tensors(reference: dict) -> dict:
@@ -64,14 +76,17 @@ def positive_tensors(reference: dict) -> dict:
     return {"positive_video_context": positive.video_encoding, "positive_audio_context": positive.audio_encoding}
 
 
-def run_template_recipe(fleet, spec: dict, reference: dict, **sample_overrides) -> dict:
-    """SP Sampler and TDP Upscale as the template-settings workflow sets them (stage 2 sequence parallel: audio denoised)."""
+def run_template_recipe(fleet, spec: dict, reference: dict, image: torch.Tensor | None = None) -> dict:
+    """SP Sampler and TDP Upscale as the template-settings workflow sets them (stage 2 sequence parallel: audio
+    denoised); ``image``: the first frame at ``IMAGE_STRENGTH`` in both stages."""
+    images = {} if image is None else {"image": image}
+    strength = {} if image is None else {"image_strength": IMAGE_STRENGTH}
     sample = {"spec": spec, "pipeline": "two-stage", "width": WIDTH // 2, "height": HEIGHT // 2, "num_frames": FRAMES, "frame_rate": FRAME_RATE,
-              "seed": SEED, "sigmas": list(DISTILLED_SIGMAS), "video_guidance": CFG_1, "audio_guidance": CFG_1, **sample_overrides}  # fmt: skip
+              "seed": SEED, "sigmas": list(DISTILLED_SIGMAS), "video_guidance": CFG_1, "audio_guidance": CFG_1, **strength}  # fmt: skip
     progress: list[dict] = []
-    stage1 = run_job(fleet, "sample", sample, positive_tensors(reference), on_progress=progress.append)
-    upscale = {"spec": spec, "pipeline": "two-stage", "frame_rate": FRAME_RATE, "seed": SEED, "sigmas": list(STAGE_2_SIGMAS), "parallel": "sp"}
-    upscaled = run_job(fleet, "upscale", upscale, {**stage1.tensors, **positive_tensors(reference)})
+    stage1 = run_job(fleet, "sample", sample, {**positive_tensors(reference), **images}, on_progress=progress.append)
+    upscale = {"spec": spec, "pipeline": "two-stage", "frame_rate": FRAME_RATE, "seed": SEED, "sigmas": list(STAGE_2_SIGMAS), "parallel": "sp", **strength}
+    upscaled = run_job(fleet, "upscale", upscale, {**stage1.tensors, **positive_tensors(reference), **images})
     return {"stage1": stage1, "upscaled": upscaled, "stage1_steps": max(event.get("total", 0) for event in progress if event.get("stage") == "stage1")}
 
 
@@ -95,6 +110,15 @@ def test_the_template_recipe_at_one_rank_is_the_official_distilled_runner_on_dev
         assert_bitwise(tensor, reference[name], f"the template recipe at one rank: {name}")
 
 
+def test_the_template_recipe_with_an_image_at_0_7_at_one_rank_is_the_official_distilled_runner_bitwise(fleet_of, template_spec, bundle, tmp_path):
+    """Image to video as the template: the first frame at strength 0.7 (CRF 33, the official treatment)."""
+    path, image = first_frame_image(tmp_path)
+    reference = run_distilled_reference(bundle, ((path, 0, IMAGE_STRENGTH),))
+    run = run_template_recipe(fleet_of(1), template_spec, reference, image=image)
+    for name, tensor in latents(run).items():
+        assert_bitwise(tensor, reference[name], f"the template recipe with an image at {IMAGE_STRENGTH}, one rank: {name}")
+
+
 def test_the_stage1_lora_strength_and_sigmas_each_change_stage1(fleet_of, template_spec, reference, one_rank):
     """Without the chosen stage-1 strength the dev checkpoint runs clean in stage 1; another schedule, another latent."""
     clean = run_job(fleet_of(1), "sample", {"spec": {**template_spec, "distilled_lora_strength_stage_1": None}, "pipeline": "two-stage", "width": WIDTH // 2,
@@ -111,6 +135,7 @@ def test_the_stage1_lora_strength_and_sigmas_each_change_stage1(fleet_of, templa
 
 
 def test_the_template_recipe_at_two_ranks_equals_one_rank_bitwise(fleet, template_spec, reference, one_rank):
+    """Text to video: no image, so no resize whose rounding follows the ranks' thread count."""
     run = run_template_recipe(fleet, template_spec, reference)
     assert (run["stage1"].fields["sp_degree"], run["upscaled"].fields["sp_degree"]) == (2, 2)
     expected = latents(one_rank)

@@ -42,6 +42,7 @@ from mgpu_backend.ltx.schema import (
     DECODE_TEMPORAL_TILE_FRAMES,
     DEFAULTS,
     DISTILLED_LORA_STRENGTH,
+    IMAGE_STRENGTH,
     MODEL_VERSIONS,
     TDP_OVERLAP,
     ModelSpec,
@@ -130,6 +131,8 @@ MODEL_FILES = {
     },
 }  # fmt: skip
 """The official files each model version's pipeline loads, per loader input."""
+# The keyframes recipe (KeyframeInterpolationPipeline) loads two-stage's files.
+MODEL_FILES.update({(version, "keyframes"): MODEL_FILES[(version, "two-stage")] for version in ("2.0", "2.3")})
 
 # Where ComfyUI's frontend downloads each official file from, and into which models folder: the
 # loader node's ``properties.models``, as in ComfyUI's own LTX-2 templates (comfyui-workflow-templates).
@@ -422,17 +425,17 @@ class Settings:
 # comfyui-workflow-templates ships it; tests/test_workflows.py checks these values against it): the
 # dev checkpoint with the distilled LoRA at 0.5 (one LoraLoaderModelOnly for both samplers), CFGGuider
 # at cfg 1, stage 1 at half of 1280x720 (ComfyUI rounds 360 to 352) over 8 manual sigmas with the image
-# at strength 0.7, stage 2 over 0.85, 0.725, 0.4219, 0.0 (audio included: sequence parallel), 25 fps,
+# at strength 0.7 (stage 2: 1.0), stage 2 over 0.85, 0.725, 0.4219, 0.0 (audio included: sequence parallel), 25 fps,
 # 5 s (126 frames asked: 16 latent frames, 121 decoded).
 COMFY_TEMPLATE_SETTINGS = Settings(
     loader={"distilled_lora_strength": 0.5, "distilled_lora_strength_stage_1": 0.5},
     sampler={"width": 640, "height": 352, "length": 121, "frame_rate": 25.0, "seed": 42, "steps": 8, "video_cfg": 1.0, "audio_cfg": 1.0,
-             "stg_scale": 0.0, "rescale": 0.0, "modality_scale": 1.0, "audio_rescale": -1.0},
+             "stg_scale": 0.0, "rescale": 0.0, "modality_scale": 1.0, "audio_rescale": -1.0, "image_strength": 0.7},
     upscale={"seed": 42, "sigmas": "0.85, 0.725, 0.4219, 0.0", "stage2_parallel": "sp"},
     stage1_sigmas=(1.0, 0.99375, 0.9875, 0.98125, 0.975, 0.909375, 0.725, 0.421875, 0.0),
     words=("ComfyUI's LTX-2.3 image-to-video template's recipe on the pack's nodes: the dev checkpoint with the distilled LoRA at 0.5 "
            "in both stages, CFG 1 (one conditional pass per step: sequence parallel over all GPUs), 8 manual sigmas into SP Sampler's "
-           "sigmas input, stage 2 over 0.85, 0.725, 0.4219, 0.0 with the audio, 25 fps. Unlike the template, both stages step with "
+           "sigmas input, the image at strength 0.7 in stage 1, stage 2 over 0.85, 0.725, 0.4219, 0.0 with the audio, 25 fps. Unlike the template, both stages step with "
            "Euler (the template: euler_ancestral_cfg_pp, then euler_cfg_pp) and the image goes through the official H.264 treatment (CRF 33)."),
 )  # fmt: skip
 
@@ -464,6 +467,10 @@ class Example:
 TINY_SIZE = {"width": 96, "height": 64, "length": 9, "steps": 3, "overlap": 1}
 
 
+IMAGE_STRENGTH_WIDGETS = {"image_strength": IMAGE_STRENGTH, "last_image_strength": IMAGE_STRENGTH}
+"""SP Sampler's and TDP Upscale's image strengths: the images kept as given."""
+
+
 def sampler_widgets(example: Example) -> dict:
     """SP Sampler's widget values: the recipe's official defaults (the tiny examples smaller)."""
     recipe = example.recipe
@@ -478,6 +485,7 @@ def sampler_widgets(example: Example) -> dict:
         "stg_scale": video.stg_scale, "stg_blocks": ",".join(map(str, video.stg_blocks)), "rescale": video.rescale_scale,
         "modality_scale": video.modality_scale, "parallel": "(from loader)", "compile_blocks": False, "sampler": "(from recipe)",
         "audio_rescale": same_as_rescale if audio.rescale_scale == video.rescale_scale else audio.rescale_scale,
+        **IMAGE_STRENGTH_WIDGETS,
     }  # fmt: skip
     if example.settings is not None:
         widgets.update(example.settings.sampler)
@@ -558,7 +566,8 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
         Node(4, "MGPUSPSampler", LAYOUT["sampler"].pos, sampler, {"model": (1, 0), "positive": (2, 0), "negative": (2, 1), "frame_rate": (3, 0)}, size=LAYOUT["sampler"].size),
         Node(
             5, "MGPUTDPUpscale", LAYOUT["upscale"].pos,
-            {"seed": recipe.seed, "sigmas": sigmas, "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False, "stage2_parallel": "auto", "sampler": "(from recipe)"},
+            {"seed": recipe.seed, "sigmas": sigmas, "tiles": "auto", "overlap": overlap, "frame_rate": 0.0, "force_from_noise": False, "stage2_parallel": "auto",
+             "sampler": "(from recipe)", **IMAGE_STRENGTH_WIDGETS},
             {"model": (1, 0), "av_latent": (4, 0), "positive": (2, 0)}, size=LAYOUT["upscale"].size,
         ),
         Node(6, "MGPUDistributedVAEDecode", LAYOUT["decode"].pos, {"seed": recipe.seed, "spatial_tile_pixels": DECODE_SPATIAL_TILE_PIXELS,
@@ -660,7 +669,8 @@ TEMPLATES = [
 TEMPLATE_BY_SLUG = {template.slug: template for template in TEMPLATES}
 EXAMPLES = {template.slug: template.example for template in TEMPLATES}
 assert len(TEMPLATE_BY_SLUG) == len(TEMPLATES) and len({template.title for template in TEMPLATES}) == len(TEMPLATES)
-assert {(example.version, example.pipeline) for example in EXAMPLES.values()} == set(DEFAULTS) and set(MODEL_FILES) == set(DEFAULTS)
+# Every example is of a declared version and pipeline; the keyframes recipe has no example graph yet.
+assert {(example.version, example.pipeline) for example in EXAMPLES.values()} <= set(DEFAULTS) and set(MODEL_FILES) == set(DEFAULTS)
 assert sorted({example.version for example in EXAMPLES.values()}) == sorted(MODEL_VERSIONS)
 WORKFLOWS = {name: (lambda name=name: two_stage_graph(EXAMPLES[name], f"video/{name}_mgpu")) for name in EXAMPLES}
 TEMPLATE_ORDER_FILE = PACK_DIR / "web" / "template_order.json"

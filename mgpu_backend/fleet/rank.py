@@ -437,6 +437,11 @@ def die_with_server(environ) -> None:
         os._exit(0)
 
 
+def cpu_threads(world_size: int) -> int:
+    """The torch threads of each CPU rank: the host's cores shared evenly over the ranks."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def main(rank: int, world_size: int, fd: int, device: str, store_path: str, owner_pid: int) -> None:
     die_with_server(os.environ)
     # Ctrl-C on a foreground server reaches the whole process group; the server alone decides how
@@ -449,7 +454,7 @@ def main(rank: int, world_size: int, fd: int, device: str, store_path: str, owne
         if (fraction := memory_fraction(os.environ)) is not None:
             torch.cuda.set_per_process_memory_fraction(fraction, torch_device)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.set_num_threads(cpu_threads(world_size))
     rank_process = Rank(rank, world_size, sock, torch_device, store_path, owner_pid)
     root = logging.getLogger()
     root.setLevel(logging.INFO)

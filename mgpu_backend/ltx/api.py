@@ -28,6 +28,7 @@ from mgpu_backend.fleet.client import FleetClient, FleetError, FleetUnavailable
 from mgpu_backend.ltx.recipes import DEFAULT_RECIPE
 from mgpu_backend.ltx.schema import (
     CONTEXT_MISSING,
+    IMAGE_STRENGTH,
     PREVIEW_EVERY,
     DecodeRequest,
     EncodeRequest,
@@ -35,6 +36,7 @@ from mgpu_backend.ltx.schema import (
     LoadRequest,
     SampleRequest,
     UpscaleRequest,
+    check_image_strengths,
     pixel_geometry,
 )
 
@@ -259,6 +261,12 @@ def encode(
     return [PromptEncoding(result.tensors[f"video_context_{i}"], result.tensors[f"audio_context_{i}"], digests[i]) for i in range(len(prompts))]
 
 
+def _image_tensors(request, image: torch.Tensor | None, last_image: torch.Tensor | None) -> dict:
+    """The conditioning images a stage job sends (``image``, ``last_image``), after refusing a strength set without its image."""
+    check_image_strengths(request.image_strength, request.last_image_strength, image is not None, last_image is not None)
+    return {name: tensor for name, tensor in (("image", image), ("last_image", last_image)) if tensor is not None}
+
+
 def sample(
     spec: dict,
     positive: Prompt,
@@ -285,6 +293,9 @@ def sample(
     preview_every: int | None = None,
     sigmas: tuple[float, ...] | None = None,
     sampler: str | None = None,
+    image_strength: float = IMAGE_STRENGTH,
+    last_image: torch.Tensor | None = None,
+    last_image_strength: float = IMAGE_STRENGTH,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1: full-frame generation from noise at width x height (sequence/guidance parallel).
 
@@ -300,7 +311,10 @@ def sample(
     kernels: worth it on a warm fleet at SP degree 4+). ``preview`` gets a live preview every
     ``preview_every`` steps (None: ``schema.PREVIEW_EVERY``; 0: none); previews never change the result.
     ``sigmas``: the stage-1 schedule, from 1.0 down to 0.0 (None: the recipe's; ``steps`` then follows
-    it); ``sampler``: one of ``recipes.STEPPERS`` (None: the recipe's)."""
+    it); ``sampler``: one of ``recipes.STEPPERS`` (None: the recipe's).
+    ``image`` ([H, W, 3] in 0..1) conditions the first frame at ``image_strength``, ``last_image`` the last
+    frame at ``last_image_strength``, as the recipe's conditioning says (``recipes.CONDITIONINGS``); a
+    strength other than 1.0 without its image is refused."""
     prompts = {"positive": _encoding(positive)}
     if negative is not None:
         prompts["negative"] = _encoding(negative)
@@ -312,8 +326,9 @@ def sample(
         **_given(width=width, height=height, num_frames=num_frames, frame_rate=frame_rate, seed=seed, steps=steps, cuda_graphs=cuda_graphs),
         **_given(video_guidance=video_guidance and video_guidance.to_wire(), audio_guidance=audio_guidance and audio_guidance.to_wire()),
         **_given(sigmas=None if sigmas is None else [float(sigma) for sigma in sigmas], sampler=sampler),
+        "image_strength": image_strength, "last_image_strength": last_image_strength,
     })  # fmt: skip
-    tensors = {} if image is None else {"image": image}
+    tensors = _image_tensors(request, image, last_image)
     result = run_naming_prompts(request, tensors, prompts, progress, should_cancel, preview)
     return result.tensors["video_latent"], result.tensors["audio_latent"]
 
@@ -341,6 +356,9 @@ def upscale(
     preview: Preview = None,
     preview_every: int | None = None,
     sampler: str | None = None,
+    image_strength: float = IMAGE_STRENGTH,
+    last_image: torch.Tensor | None = None,
+    last_image_strength: float = IMAGE_STRENGTH,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 2: 2x spatial upsample, then the recipe's refinement (two-stage: the distilled LoRA;
     distilled: the distilled checkpoint as it is), tiled data parallel or sequence parallel.
@@ -350,18 +368,18 @@ def upscale(
     for the distilled recipe: ``schema.STAGE2_PLANS``). ``tiles`` is (height tiles, width tiles), TDP
     only; None picks a balanced split over the fleet. Arguments left as None take the schema's
     defaults (sigmas ``schema.stage2_default_sigmas(pipeline)``). ``fields``, when given, receives
-    the job's result fields (the plan, and what the audio is). ``preview``, ``preview_every`` and
-    ``sampler`` as in ``sample``.
+    the job's result fields (the plan, and what the audio is). ``preview``, ``preview_every``,
+    ``sampler``, the images and their strengths as in ``sample`` (the same images stage 1 had: a
+    guiding latent makes stage 2 sequence parallel, since tiles cannot hold it).
     """
     prompts = {"positive": _encoding(positive)}
     request = UpscaleRequest.from_wire({
         "spec": spec, "dtype": dtype, "model_version": model_version, "pipeline": pipeline, "parallel": parallel,
         "force_from_noise": force_from_noise, "positive_digest": prompts["positive"].digest, "preview_every": preview_rate(preview, preview_every),
         **_given(frame_rate=frame_rate, seed=seed, sigmas=sigmas and list(sigmas), tiles=tiles and list(tiles), overlap=overlap, sampler=sampler),
+        "image_strength": image_strength, "last_image_strength": last_image_strength,
     })  # fmt: skip
-    tensors = {"video_latent": video_latent, "audio_latent": audio_latent}
-    if image is not None:
-        tensors["image"] = image
+    tensors = {"video_latent": video_latent, "audio_latent": audio_latent, **_image_tensors(request, image, last_image)}
     result = run_naming_prompts(request, tensors, prompts, progress, should_cancel, preview)
     if fields is not None:
         fields.update(result.fields)
@@ -381,16 +399,18 @@ def decode(
     dtype: str = "bfloat16",
     progress: Progress = None,
     should_cancel: ShouldCancel = None,
+    guiding_frames: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, int | None]:
     """Distributed VAE decode: IMAGE frames [F,H,W,3] in 0..1 (via shared memory) and the audio
     waveform [B,C,T] with its sample rate (None, None without an audio latent).
 
     ``seed``, ``frame_rate`` and ``after_stages`` (how many stages drew noise from the job's
-    generator before the decoder) reproduce the official pipeline's decoder noise exactly.
+    generator before the decoder) reproduce the official pipeline's decoder noise exactly, with
+    ``guiding_frames`` the image latents each of those stages appended (``recipes.Recipe.guiding_frames``).
     Arguments left as None take the schema's defaults.
     """
     request = DecodeRequest.from_wire({
-        "spec": spec, "dtype": dtype, "after_stages": after_stages,
+        "spec": spec, "dtype": dtype, "after_stages": after_stages, "guiding_frames": guiding_frames,
         **_given(seed=seed, frame_rate=frame_rate, spatial_tile_pixels=spatial_tile_pixels, temporal_tile_frames=temporal_tile_frames),
     })  # fmt: skip
     tensors = {"video_latent": video_latent}

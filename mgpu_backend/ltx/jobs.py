@@ -66,7 +66,7 @@ from mgpu_backend.ltx.loading import ModelLoader
 from mgpu_backend.ltx.parallelize import Stage1Options, parallelize_stage1, parallelize_stage2, stage1_cache
 from mgpu_backend.ltx.previews import stage_previews, step_reporter
 from mgpu_backend.ltx.recipes import RECIPES, recipe, stage_loras
-from mgpu_backend.ltx.schema import CONTEXT_MISSING, PROMPT_CACHE_ENTRIES, VIDEO_LATENT_CHANNELS, DecodeRequest, EncodeRequest, LoadRequest, ModelFileError, ModelSpec, SampleRequest, UnloadRequest, UpscaleRequest, model_version_contradiction, pixel_geometry, validate_stg_blocks
+from mgpu_backend.ltx.schema import CONTEXT_MISSING, PROMPT_CACHE_ENTRIES, VIDEO_LATENT_CHANNELS, DecodeRequest, EncodeRequest, LoadRequest, ModelFileError, ModelSpec, SampleRequest, UnloadRequest, UpscaleRequest, check_image_strengths, model_version_contradiction, pixel_geometry, validate_stg_blocks
 from mgpu_backend.ltx.stages import GenerationParams, check_generation_fits, guider_params, refine_stage2, sample_stage1, transformer_layer_count, upsample_video
 from mgpu_backend.ltx.residency import component_sizes, device_memory_bytes, plan_residency
 from mgpu_backend.ltx.text import TextContext, connector_widths, contexts_from_comfy
@@ -283,8 +283,13 @@ def stage1_params(request: SampleRequest, layer_count: int) -> GenerationParams:
         video_guider=guider_params(request.video_guidance, official.video_guidance, layer_count),
         audio_guider=guider_params(request.audio_guidance, official.audio_guidance, layer_count),
         two_stage=False, stage1_sigmas=request.stage1_sigmas, shift_sigmas_by_tokens=stage1.shift_by_tokens and request.sigmas is None,
-        stepper=request.sampler or stage1.stepper,
+        stepper=request.sampler or stage1.stepper, **image_params(request),
     )  # fmt: skip
+
+
+def image_params(request) -> dict:
+    """The ``GenerationParams`` fields of a stage request's images: their strengths and the recipe's conditioning."""
+    return dict(image_strength=request.image_strength, last_image_strength=request.last_image_strength, conditioning=recipe(request.pipeline).conditioning)
 
 
 def check_recipe_files(request, spec: ModelSpec) -> None:
@@ -392,15 +397,23 @@ def _moved(context: TextContext, resident: ResidentModel) -> TextContext:
     return TextContext(context.video_context.to(**to), context.audio_context.to(**to))
 
 
-def _image(tensors: dict) -> torch.Tensor | None:
-    image = tensors.get("image")
+def _image(tensors: dict, name: str = "image") -> torch.Tensor | None:
+    image = tensors.get(name)
     if image is None:
         return None
     if image.ndim == 4 and image.shape[0] >= 1:
-        image = image[0]  # a ComfyUI IMAGE batch: the first frame conditions the video
+        image = image[0]  # a ComfyUI IMAGE batch: its first frame conditions the video
     if image.ndim != 3 or image.shape[-1] != 3 or not image.is_floating_point():
-        raise JobInputError(f"image must be float [height, width, 3] in 0..1, got {image.dtype} {tuple(image.shape)}")
+        raise JobInputError(f"{name} must be float [height, width, 3] in 0..1, got {image.dtype} {tuple(image.shape)}")
     return image.float()
+
+
+def _images(tensors: dict, request) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The first-frame and last-frame images a stage job got (``image``, ``last_image``); a strength set
+    for an image that did not come is refused."""
+    image, last_image = _image(tensors), _image(tensors, "last_image")
+    check_image_strengths(request.image_strength, request.last_image_strength, image is not None, last_image is not None)
+    return image, last_image
 
 
 def _video_latent(tensors: dict, what: str) -> torch.Tensor:
@@ -527,7 +540,7 @@ def sample(ctx: JobContext, args: dict, tensors: dict):
         params.validate()
         validate_stg_blocks(params.video_guider, layers, "video")
         validate_stg_blocks(params.audio_guider, layers, "audio")
-        image = _image(tensors)
+        image, last_image = _images(tensors, request)
         dims = TransformerDims.from_checkpoint(resident.spec.checkpoint_path)
         cuda_graphs = cuda_graphs_wanted(request.cuda_graphs, ctx.device)
         compile_blocks = compile_blocks_wanted(request.compile_blocks, ctx.device)
@@ -537,12 +550,13 @@ def sample(ctx: JobContext, args: dict, tensors: dict):
         positive, *rest = prompt_contexts(ctx, tensors, wanted, resident)
         negative = rest[0] if rest else None  # no unconditional pass (the distilled recipe): no negative prompt
     return run_stage1(ctx, resident, params, positive, negative, image, request.parallel, dims, cuda_graphs, request.batch_passes, compile_blocks,
-                      request.preview_every, lora_set)  # fmt: skip
+                      request.preview_every, lora_set, last_image=last_image)  # fmt: skip
 
 
 def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: TextContext, negative: TextContext | None,
                image: torch.Tensor | None, mode: str, dims: TransformerDims, cuda_graphs: bool = True,
-               batch_passes: str | bool = "auto", compile_blocks: bool = False, preview_every: int = 0, lora_set: str = "none"):  # fmt: skip
+               batch_passes: str | bool = "auto", compile_blocks: bool = False, preview_every: int = 0, lora_set: str = "none",
+               last_image: torch.Tensor | None = None):  # fmt: skip
     """Plan, memory check and the stage-1 loop under ``parallelize_stage1``, with the recipe's stage-1
     ``lora_set`` fused: shared by ``sample`` and the benchmark job."""
     passes = active_passes(params.video_guider, params.audio_guider)
@@ -557,7 +571,7 @@ def run_stage1(ctx: JobContext, resident, params: GenerationParams, positive: Te
     with parallelize_stage1(transformer, plan, ctx.comm, ctx.device, options, stage1_cache(ctx.state), ctx.log) as stage:
         video, audio = sample_stage1(
             resident, params, _moved(positive, resident), negative and _moved(negative, resident), image, pass_runner=stage.runner,
-            on_step=on_step, lora_set=lora_set,
+            on_step=on_step, lora_set=lora_set, last_image=last_image,
         )
     return stage.fields(), {"video_latent": video.cpu(), "audio_latent": audio.cpu()}
 
@@ -616,15 +630,16 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
         stage2 = recipe(request.pipeline).stage2
         params = GenerationParams(
             height=height * 2, width=width * 2, num_frames=frames, frame_rate=request.frame_rate, seed=request.seed, two_stage=True,
-            stepper=request.sampler or stage2.stepper,
+            stepper=request.sampler or stage2.stepper, **image_params(request),
         )  # fmt: skip
         params.validate()
-        image = _image(tensors)
+        image, last_image = _images(tensors, request)
         stage2_grid = (video_latent.shape[2], video_latent.shape[3] * 2, video_latent.shape[4] * 2)
         dims = TransformerDims.from_checkpoint(resident.spec.checkpoint_path)
         # Heads from the checkpoint's header: asking the transformer would swap its LoRA set back and forth.
         plan = plan_stage2(ctx.world_size, math.prod(stage2_grid), request.pipeline, request.parallel, tiles_given=request.tiles is not None,
-                           attention_heads=dims.video_heads, audio_attention_heads=dims.audio_heads)  # fmt: skip
+                           attention_heads=dims.video_heads, audio_attention_heads=dims.audio_heads,
+                           guiding_latents=params.guiding_frames(image, last_image))  # fmt: skip
         ctx.log(plan.reason)
         tiling = upscale_tiling(ctx, request, stage2_grid) if plan.technique == "tdp" else None
         check_generation_fits(params, ctx.device, dims, resident.dtype, sp_degree=plan.sp_degree, weights_resident=True)
@@ -639,7 +654,7 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
         video, audio = refine_stage2(
             resident, params, upsampled, audio_latent.float(), _moved(positive, resident), image,
             sigmas=sigmas, transformer_wrapper=wrapper, on_step=on_step,
-            lora_set=lora_set, denoise_audio=plan.denoises_audio,
+            lora_set=lora_set, denoise_audio=plan.denoises_audio, last_image=last_image,
         )  # fmt: skip
     fields = {
         "tiling": "untiled" if tiling is None else tiling.describe(),
@@ -690,7 +705,7 @@ def decode(ctx: JobContext, args: dict, tensors: dict):
         tiling = decode_tiling(request)
         height, width, frames = pixel_geometry(*video_latent.shape[2:])
         stages_before = noise_history(request.after_stages, height, width, frames, request.frame_rate)
-    generator = job_generator(request.seed, ctx.device, resident.dtype, stages_before=stages_before)
+    generator = job_generator(request.seed, ctx.device, resident.dtype, stages_before=stages_before, guiding_frames=request.guiding_frames)
     decoder = resident.video_decoder()
     out = ctx.shared_output("frames", decoded_images_shape(decoder, video_latent.shape)) if ctx.rank == 0 else None
     with torch.inference_mode():

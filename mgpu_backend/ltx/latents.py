@@ -3,9 +3,10 @@
 Between stages (and between ComfyUI nodes) latents travel in ComfyUI's LTX-2 layout, float32:
 video ``[B, 128, F', H/32, W/32]`` and audio ``[B, 8, T, 16]``. Inside a stage they are token
 sequences (``LatentState``) made by ltx-core's patchifiers through ``VideoLatentTools`` /
-``AudioLatentTools``. This module converts between the two, prepares the first-frame image
-conditioning, and reproduces the order in which the reference pipeline draws its noise from one
-seeded generator, so that a stage run on its own draws the same numbers as the whole pipeline.
+``AudioLatentTools``. This module converts between the two, prepares the image conditionings (the
+first frame replaced, or guiding latents appended, as ``recipes.CONDITIONINGS`` says), and
+reproduces the order in which the reference pipeline draws its noise from one seeded generator, so
+that a stage run on its own draws the same numbers as the whole pipeline.
 
 It never loads models and never talks to other ranks.
 """
@@ -21,10 +22,11 @@ import numpy as np
 import torch
 from ltx_core.components.noisers import GaussianNoiser
 from ltx_core.components.patchifiers import AudioPatchifier, VideoLatentPatchifier
-from ltx_core.conditioning import ConditioningItem, VideoConditionByLatentIndex
+from ltx_core.conditioning import ConditioningItem, VideoConditionByKeyframeIndex, VideoConditionByLatentIndex
 from ltx_core.tools import AudioLatentTools, LatentTools, VideoLatentTools
 from ltx_core.types import AudioLatentShape, LatentState, VideoLatentShape, VideoPixelShape
 
+from mgpu_backend.ltx.recipes import guides
 from mgpu_backend.ltx.schema import VIDEO_LATENT_CHANNELS
 
 # The official pipeline compresses a conditioning image with H.264 at this CRF before encoding it,
@@ -108,7 +110,7 @@ def state_to_comfy(state: LatentState, tools: LatentTools) -> torch.Tensor:
 
 
 def job_generator(
-    seed: int, device: torch.device, dtype: torch.dtype, stages_before: tuple[StageGeometry, ...] = ()
+    seed: int, device: torch.device, dtype: torch.dtype, stages_before: tuple[StageGeometry, ...] = (), guiding_frames: int = 0
 ) -> torch.Generator:
     """The job's one noise generator, as the official pipeline holds it after ``stages_before`` drew.
 
@@ -117,12 +119,15 @@ def job_generator(
     decoder's noise. A stage that runs on its own (another node, another job op) replays the earlier
     draws: drawing and dropping tensors of the same shapes, dtype and order is the one way that is
     exact on every device, since how far a draw advances a generator is a detail of each backend.
-    First-frame image conditioning adds no tokens, so the shapes depend on the geometry only.
+    A first frame replaced adds no tokens; each of the ``guiding_frames`` guiding latents every
+    earlier stage appended (``recipes.appended_frames``) adds one latent frame of that stage's size to its
+    video draw, which noised the whole sequence in one tensor.
     """
     generator = torch.Generator(device=device).manual_seed(seed)
     for geometry in stages_before:
+        shape = geometry.video_shape
         for tokens, channels in (
-            (geometry.video_tokens, VIDEO_LATENT_CHANNELS),
+            (geometry.video_tokens + guiding_frames * shape.height * shape.width, VIDEO_LATENT_CHANNELS),
             (geometry.audio_tokens, geometry.audio_shape.channels * geometry.audio_shape.mel_bins),
         ):
             torch.randn(1, tokens, channels, device=generator.device, dtype=dtype, generator=generator)
@@ -187,19 +192,37 @@ def _cover_and_centre_crop(pixels: torch.Tensor, height: int, width: int) -> tor
     return chw.unsqueeze(2)
 
 
-def first_frame_conditioning(
-    image: torch.Tensor | None,
+@dataclass(frozen=True)
+class ConditioningImage:
+    """One conditioning image (a ComfyUI IMAGE frame ``[H, W, 3]`` in 0..1) at pixel frame ``frame_idx``
+    with its ``strength`` (1.0: kept clean; 0.0: denoised like the rest), as ltx_pipelines'
+    ``ImageConditioningInput``."""
+
+    image: torch.Tensor
+    frame_idx: int
+    strength: float
+
+
+def image_conditionings(
+    images: list[ConditioningImage],
     geometry: StageGeometry,
     video_encoder: torch.nn.Module,
     dtype: torch.dtype,
     device: torch.device,
     crf: int = DEFAULT_IMAGE_CRF,
-    strength: float = 1.0,
+    conditioning: str = "first-frame",
 ) -> list[ConditioningItem]:
-    """The image as the clean first latent frame (empty list without an image)."""
-    if image is None:
-        return []
-    pixels = image_to_pixels(image, geometry.height, geometry.width, crf, dtype, device)
-    with torch.inference_mode():
-        encoded = video_encoder(pixels)
-    return [VideoConditionByLatentIndex(latent=encoded, strength=strength, latent_idx=0)]
+    """The images' conditionings at this stage's size, in their order, as the official runners make them:
+    ``first-frame`` (``combined_image_conditionings``) replaces the first latent frame by an image at frame
+    0 and appends the others as guiding latents; ``keyframes`` (``image_conditionings_by_adding_guiding_latent``)
+    appends every image."""
+    conditionings = []
+    for conditioning_image in images:
+        pixels = image_to_pixels(conditioning_image.image, geometry.height, geometry.width, crf, dtype, device)
+        with torch.inference_mode():
+            encoded = video_encoder(pixels)
+        if guides(conditioning, conditioning_image.frame_idx):
+            conditionings.append(VideoConditionByKeyframeIndex(keyframes=encoded, frame_idx=conditioning_image.frame_idx, strength=conditioning_image.strength))
+        else:
+            conditionings.append(VideoConditionByLatentIndex(latent=encoded, strength=conditioning_image.strength, latent_idx=0))
+    return conditionings

@@ -4,8 +4,9 @@ A recipe is what the official ltx-pipelines 1.0.0 runner of the same name does, 
 the model files it needs (with the CLI flag and loader-node input naming each), the LoRA set and
 stepper of each stage, its guidance (the official parameters' guided passes, or one unguided pass),
 its stage-1 schedule, its stage-2 policy over the fleet, the model versions its runner has
-parameters for, and the inputs it ignores with the words of their refusal. ``RECIPES`` holds them
-by their wire name (``"two-stage"``, ``"distilled"``, ``"hq"``: the
+parameters for, how its runner conditions on images (``CONDITIONINGS``), and the inputs it ignores
+with the words of their refusal. ``RECIPES`` holds them
+by their wire name (``"two-stage"``, ``"distilled"``, ``"hq"``, ``"keyframes"``: the
 ``pipeline`` field of the requests, the CLI's ``--pipeline``, the loader node's ``pipeline``), and
 ``recipe(name)`` is the one way to get one. The request schema derives ``DEFAULTS[(version,
 pipeline)]`` from these declarations and the model version's official parameters; the jobs, the
@@ -89,6 +90,12 @@ def stage_loras(spec, lora_set: str) -> tuple[tuple[str, float], ...]:
                                  f"none; set {field}, or leave {strength_field} unset")  # fmt: skip
         pairs.append((path, strength))
     return tuple(pairs)
+
+
+def strength_readers(field: str) -> str:
+    """The recipes reading the per-stage strength ``field``, in words: "two-stage, hq and keyframes"."""
+    names = [declared.name for declared in RECIPES.values() if field in declared.stage_strengths]
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def strength_defaults(field: str) -> dict[str, float | None]:
@@ -182,6 +189,39 @@ STAGE2_POLICIES = {
     "sp": "SP over the fleet (the audio denoised, as the official runner; TDP only where the fleet is no usable SP degree)",
 }
 
+CONDITIONINGS = {
+    "first-frame": (
+        "an image at frame 0 replaces the first latent frame, an image at any other frame (the last image) is appended "
+        "as a guiding latent (ltx_pipelines' `combined_image_conditionings`)"
+    ),
+    "keyframes": (
+        "every image, the first included, is appended as a guiding latent at its frame (ltx_pipelines' "
+        "`image_conditionings_by_adding_guiding_latent`); stage 2 cannot be tiled (TDP) with them"
+    ),
+}
+"""How a recipe's runner turns the conditioning images (the first image at frame 0, the last image at the
+last frame) into conditionings: ``first-frame`` replaces the first latent frame by the first image
+(``VideoConditionByLatentIndex``); ``keyframes`` appends every image's latent tokens to the video
+sequence (``VideoConditionByKeyframeIndex``), positions offset to its frame. An appended (guiding) latent
+is one latent frame of tokens more per image in both stages, noised with the rest."""
+
+
+
+def guides(conditioning: str, frame_idx: int) -> bool:
+    """Whether an image at pixel frame ``frame_idx`` is appended as a guiding latent under ``conditioning``
+    (a key of ``CONDITIONINGS``), rather than replacing the first latent frame."""
+    return conditioning == "keyframes" or frame_idx != 0
+
+
+def appended_frames(conditioning: str, frame_indices) -> int:
+    """How many guiding latents (one latent frame of tokens each) images at ``frame_indices`` append."""
+    return sum(guides(conditioning, frame_idx) for frame_idx in frame_indices)
+
+
+def image_frames(num_frames: int, has_image: bool, has_last_image: bool) -> list[int]:
+    """The pixel frames of the conditioning images given: the first image at 0, the last image at the last frame."""
+    return [frame_idx for frame_idx, given in ((0, has_image), (num_frames - 1, has_last_image)) if given]
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -204,9 +244,11 @@ class Recipe:
     # The official parameters its runner takes per model version it supports (``OFFICIAL_PARAMS``'
     # form); a version missing here is one the official layer has no parameters for, refused.
     official_params: tuple[tuple[str, str], ...] = tuple(OFFICIAL_PARAMS.items())
+    conditioning: str = "first-frame"  # a key of CONDITIONINGS
 
     def __post_init__(self) -> None:
         assert self.guidance in GUIDANCES and self.stage2_policy in STAGE2_POLICIES, self
+        assert self.conditioning in CONDITIONINGS, self
         assert self.stage1.lora_set in LORA_SETS and self.stage2.lora_set in LORA_SETS, self
         assert self.stage1.stepper in STEPPERS and self.stage2.stepper in STEPPERS, self
         # GenerationParams has one stepper for both stages.
@@ -256,6 +298,10 @@ class Recipe:
     def fixed_steps(self) -> int | None:
         """Stage 1's step count when its sigmas are fixed (None: the model version's official count)."""
         return None if self.stage1.sigmas is None else len(self.stage1.sigmas) - 1
+
+    def guiding_frames(self, num_frames: int, has_image: bool, has_last_image: bool) -> int:
+        """How many guiding latents its conditioning appends to each stage's video for the images given."""
+        return appended_frames(self.conditioning, image_frames(num_frames, has_image, has_last_image))
 
     def ignored(self, input_name: str) -> Ignored | None:
         return next((ignored for ignored in self.ignores if ignored.input == input_name), None)
@@ -362,7 +408,27 @@ HQ = Recipe(
     official_params=(("2.3", "ltx_pipelines.utils.constants.LTX_2_3_HQ_PARAMS"),),
 )
 
-RECIPES: dict[str, Recipe] = {declared.name: declared for declared in (TWO_STAGE, DISTILLED, HQ)}
+KEYFRAMES = Recipe(
+    name="keyframes",
+    label="Keyframes",
+    official_runner="ltx_pipelines.keyframe_interpolation.KeyframeInterpolationPipeline",
+    short="dev checkpoint + distilled LoRA, guided, first/last images as guiding latents",
+    summary=(
+        "Two-stage's models and guidance, with every conditioning image (the first image at frame 0, the last "
+        "image at the last frame) appended to the video as a guiding latent in both stages instead of replacing "
+        "the first latent frame; stage 2 refines video and audio at full size with the same guiding latents."
+    ),
+    when="Interpolating between a first and a last frame (keyframes) when both images should steer the motion.",
+    files=(_DEV_CHECKPOINT, _GEMMA, _UPSAMPLER, _DISTILLED_LORA),
+    stage1=Stage(lora_set="distilled-stage-1-if-chosen", sigmas=None),
+    stage2=Stage(lora_set="distilled", sigmas=STAGE_2_SIGMAS),
+    guidance="multimodal",
+    stage2_policy="sp",
+    upscale_sigmas=STAGE_2_SIGMAS,
+    conditioning="keyframes",
+)
+
+RECIPES: dict[str, Recipe] = {declared.name: declared for declared in (TWO_STAGE, DISTILLED, HQ, KEYFRAMES)}
 """Every recipe by its wire name; the first is the default."""
 RECIPE_NAMES = tuple(RECIPES)
 DEFAULT_RECIPE = RECIPE_NAMES[0]
@@ -450,6 +516,7 @@ def recipes_markdown() -> str:
             f"({', '.join(f'LTX-{version}: {declared.forwards(declared.stage1, DEFAULTS[(version, declared.name)].steps)}' for version in versions)} stage-1 forwards), "
             f"then {declared.forwards(declared.stage2, stage2_steps)} full-size forwards (4x the tokens each).",
             f"- **What spreads it:** stage 1 by {_stage1_parallelism(declared)}; stage 2 (`auto`) by {STAGE2_POLICIES[declared.stage2_policy]}.",
+            f"- **Images:** `{declared.conditioning}`: {CONDITIONINGS[declared.conditioning]}.",
         ]
         if tuple(versions) != MODEL_VERSIONS:
             lines.append(f"- **Model versions:** {', '.join(f'LTX-{version}' for version in versions)} only (`{', '.join(params for _v, params in declared.official_params)}`: "

@@ -337,6 +337,36 @@ def validate_upscale_sigmas(sigmas: Sequence[float], force_from_noise: bool) -> 
         )
 
 
+IMAGE_STRENGTH = 1.0  # a conditioning image kept clean (the official --image default strength)
+IMAGE_INPUTS = {  # each image strength field: the input of its image, and where that image conditions
+    "image_strength": ("image", "first frame"),
+    "last_image_strength": ("last_image", "last frame"),
+}
+
+
+def validate_image_strengths(image_strength: float, last_image_strength: float, spelled: dict | None = None) -> None:
+    """Each image strength is a number in [0, 1] (1.0: the image kept clean; 0.0: denoised like the rest);
+    ``spelled`` as in ``check_image_strengths``."""
+    for name, value in (("image_strength", image_strength), ("last_image_strength", last_image_strength)):
+        name = (spelled or {}).get(name, name)
+        number_field({name: value}, name, IMAGE_STRENGTH, 0.0, 1.0)
+
+
+def check_image_strengths(image_strength: float, last_image_strength: float, has_image: bool, has_last_image: bool, spelled: dict | None = None) -> None:
+    """Refuse a strength set for an image that is not there (it would be ignored), in words; ``spelled``
+    names the inputs as the caller's user knows them (the CLI's flags), by field name."""
+    validate_image_strengths(image_strength, last_image_strength, spelled)
+    spelled = spelled or {}
+    for name, strength, given in (("image_strength", image_strength, has_image), ("last_image_strength", last_image_strength, has_last_image)):
+        image, where = IMAGE_INPUTS[name]
+        name, image = spelled.get(name, name), spelled.get(image, image)
+        if strength != IMAGE_STRENGTH and not given:
+            raise RequestError(
+                f"{name} is {strength} but no {image} was given: it is the strength of the {where} image; "
+                f"give the {image} too, or leave {name} at {IMAGE_STRENGTH}"
+            )
+
+
 def validate_stg_blocks(guidance, layer_count: int | None, modality: str) -> None:
     """STG perturbs transformer blocks by index; an index past the model would silently do nothing.
 
@@ -848,6 +878,11 @@ def _fill_unset(request, defaults: dict) -> None:
             object.__setattr__(request, name, default)
 
 
+def _image_strengths(data: dict) -> dict:
+    """A stage request's image strengths, each a number in [0, 1] (whether its image came is the job's to check)."""
+    return {name: number_field(data, name, IMAGE_STRENGTH, 0.0, 1.0) for name in IMAGE_INPUTS}
+
+
 @dataclass(frozen=True)
 class SampleRequest:
     """Stage 1: full-frame generation from noise at ``width`` x ``height`` (sequence/guidance parallel).
@@ -877,6 +912,8 @@ class SampleRequest:
     preview_every: int = 0  # live previews every this many steps; 0: none
     sigmas: tuple[float, ...] | None = None  # the user's stage-1 schedule (1.0 ... 0.0); None: the recipe's
     sampler: str | None = None  # one of STEPPERS; None: the recipe's stage-1 stepper
+    image_strength: float = IMAGE_STRENGTH  # the first-frame image's (the "image" tensor's), in [0, 1]
+    last_image_strength: float = IMAGE_STRENGTH  # the last-frame image's (the "last_image" tensor's), in [0, 1]
 
     op = "sample"
 
@@ -946,6 +983,7 @@ class SampleRequest:
             preview_every=integer_field(data, "preview_every", 0, 0, MAX_PREVIEW_EVERY),
             sigmas=sigmas,
             sampler=_sampler(data),
+            **_image_strengths(data),
         )
 
 
@@ -973,6 +1011,8 @@ class UpscaleRequest:
     positive_digest: str | None = None
     preview_every: int = 0  # live previews every this many steps; 0: none
     sampler: str | None = None  # one of STEPPERS; None: the recipe's stage-2 stepper
+    image_strength: float = IMAGE_STRENGTH  # the first-frame image's (the "image" tensor's), in [0, 1]
+    last_image_strength: float = IMAGE_STRENGTH  # the last-frame image's (the "last_image" tensor's), in [0, 1]
 
     op = "upscale"
 
@@ -1017,6 +1057,7 @@ class UpscaleRequest:
             positive_digest=_digest(data, "positive_digest"),
             preview_every=integer_field(data, "preview_every", 0, 0, MAX_PREVIEW_EVERY),
             sampler=_sampler(data),
+            **_image_strengths(data),
         )
 
 
@@ -1024,8 +1065,9 @@ class UpscaleRequest:
 class DecodeRequest:
     """Distributed VAE decode of the video and the audio.
 
-    ``seed``, ``frame_rate`` and ``after_stages`` (how many stages drew noise from the job's generator
-    before the decoder) reproduce the official pipeline's decoder noise."""
+    ``seed``, ``frame_rate``, ``after_stages`` (how many stages drew noise from the job's generator
+    before the decoder) and ``guiding_frames`` (the image latents each stage appended to its video,
+    ``recipes.Recipe.guiding_frames``) reproduce the official pipeline's decoder noise."""
 
     spec: ModelSpec
     dtype: str = "bfloat16"
@@ -1034,6 +1076,7 @@ class DecodeRequest:
     after_stages: int = 2
     spatial_tile_pixels: int = DECODE_SPATIAL_TILE_PIXELS
     temporal_tile_frames: int = DECODE_TEMPORAL_TILE_FRAMES
+    guiding_frames: int = 0  # the guiding latents each of those stages appended (their draws included them)
 
     op = "decode"
 
@@ -1058,6 +1101,7 @@ class DecodeRequest:
             after_stages=after_stages,
             spatial_tile_pixels=spatial,
             temporal_tile_frames=temporal,
+            guiding_frames=integer_field(data, "guiding_frames", 0, 0, len(IMAGE_INPUTS)),
         )
 
 

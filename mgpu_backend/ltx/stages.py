@@ -26,6 +26,11 @@ The functions, shared by both recipes:
   is the stage-1 audio unchanged (``denoise_audio=False``, TDP's choice) or the re-denoised audio
   of the official pipelines (``denoise_audio=True``: untiled or sequence parallel).
 
+Images condition both stages as the recipe's runner does (``GenerationParams.conditioning``, a key of
+``recipes.CONDITIONINGS``): the first image at frame 0 (``image_strength``) replaces the first latent
+frame or is appended as a guiding latent, the last image at the last frame (``last_image_strength``)
+is always appended; an appended latent is one latent frame of tokens more, noised with the video.
+
 Latents go in and out in ComfyUI's LTX-2 layout, float32 (see ``latents.py``). Every function here
 is a plain function of tensors: no sockets and no collectives of its own (parallelism lives in the
 runner, the wrapper, or inside the transformer). It never imports ltx_pipelines.
@@ -53,21 +58,23 @@ from ltx_core.types import LatentState
 
 from mgpu_backend.ltx.latents import (
     DEFAULT_IMAGE_CRF,
+    ConditioningImage,
     StageGeometry,
     check_conditioning_image,
     check_latent_shape,
-    first_frame_conditioning,
+    image_conditionings,
     initial_state,
     job_generator,
     state_to_comfy,
 )
 from mgpu_backend.ltx.passes import GuidancePass, PassRunner, SequentialPassRunner
-from mgpu_backend.ltx.recipes import STEPPERS
+from mgpu_backend.ltx.recipes import CONDITIONINGS, STEPPERS, appended_frames, image_frames
 from mgpu_backend.ltx.schema import (
     OFFICIAL,
     STAGE_2_SIGMAS,
     Guidance,
     validate_generation,
+    validate_image_strengths,
     validate_sigmas,
     validate_stg_blocks,
 )
@@ -131,6 +138,11 @@ class GenerationParams:
     # its default 4096-token anchor (the two-stage recipe passes none).
     shift_sigmas_by_tokens: bool = False
     stepper: str = "euler"  # one of STEPPERS: how both stages step from one sigma to the next
+    # The conditioning images: the first image at frame 0 and the last image at the last frame, each at
+    # its strength, turned into conditionings as the recipe's runner does (a key of recipes.CONDITIONINGS).
+    image_strength: float = 1.0
+    last_image_strength: float = 1.0
+    conditioning: str = "first-frame"
 
     def validate(self) -> None:
         validate_generation(
@@ -150,6 +162,19 @@ class GenerationParams:
                     f"{len(self.stage1_sigmas) - 1} steps in the fixed stage-1 sigmas but num_inference_steps is "
                     f"{self.num_inference_steps}; set num_inference_steps to {len(self.stage1_sigmas) - 1}"
                 )
+        validate_image_strengths(self.image_strength, self.last_image_strength)
+        if self.conditioning not in CONDITIONINGS:
+            raise ValueError(f"conditioning must be one of {', '.join(CONDITIONINGS)}, got {self.conditioning!r}")
+
+    def conditioning_images(self, image: torch.Tensor | None, last_image: torch.Tensor | None) -> list[ConditioningImage]:
+        """The first image at frame 0 and the last image at the last frame, each at its strength (those given)."""
+        given = [(tensor, strength) for tensor, strength in ((image, self.image_strength), (last_image, self.last_image_strength)) if tensor is not None]
+        frames = image_frames(self.num_frames, image is not None, last_image is not None)
+        return [ConditioningImage(tensor, frame_idx, strength) for (tensor, strength), frame_idx in zip(given, frames, strict=True)]
+
+    def guiding_frames(self, image: torch.Tensor | None, last_image: torch.Tensor | None) -> int:
+        """How many guiding latents the images append to each stage's video (``recipes.appended_frames``)."""
+        return appended_frames(self.conditioning, [placed.frame_idx for placed in self.conditioning_images(image, last_image)])
 
     def stage1_sigma_schedule(self, device: torch.device) -> torch.Tensor:
         """Stage 1's sigmas, float32: the fixed schedule, or LTX2Scheduler's over the step count."""
@@ -365,11 +390,13 @@ def combine_guidance(
     return guided[0], guided[1]
 
 
-def _image_conditionings(loader, params: GenerationParams, geometry: StageGeometry, image: torch.Tensor | None) -> list:
-    """The first-frame conditioning of image-to-video at this stage's size (none without an image)."""
-    if image is None:
+def _image_conditionings(loader, params: GenerationParams, geometry: StageGeometry, image: torch.Tensor | None,
+                         last_image: torch.Tensor | None = None) -> list:  # fmt: skip
+    """The images' conditionings at this stage's size, as the recipe's runner makes them (none without an image)."""
+    images = params.conditioning_images(image, last_image)
+    if not images:
         return []
-    return first_frame_conditioning(image, geometry, loader.video_encoder(), loader.dtype, loader.device, crf=params.image_crf)
+    return image_conditionings(images, geometry, loader.video_encoder(), loader.dtype, loader.device, params.image_crf, params.conditioning)
 
 
 def sample_stage1(
@@ -381,22 +408,26 @@ def sample_stage1(
     pass_runner: PassRunner = SequentialPassRunner(),  # noqa: B008 - stateless
     on_step: OnStep | None = None,
     lora_set: str = "none",
+    last_image: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 1 from pure noise: ``(video [1,128,F',H1/32,W1/32], audio [1,8,T,16])``, float32.
 
     ``lora_set``: ``"none"`` (the two-stage and distilled recipes) or ``"distilled"`` (the HQ recipe
     runs stage 1 with the distilled LoRA too, at its own strength).
-    ``image`` (``[H, W, 3]`` in 0..1) becomes the clean first latent frame at strength 1.0.
-    Noise comes from a generator seeded with ``params.seed``: video tokens first, then audio.
+    ``image`` (``[H, W, 3]`` in 0..1) conditions the first frame at ``params.image_strength`` and
+    ``last_image`` the last frame at ``params.last_image_strength``, as ``params.conditioning`` says
+    (``first-frame``: the first image becomes the first latent frame; a guiding latent otherwise).
+    Noise comes from a generator seeded with ``params.seed``: video tokens (guiding latents' included) first, then audio.
     ``negative`` may be None when no step runs the unconditional pass (the distilled recipe).
     """
     params.validate()
     check_conditioning_image(image)
+    check_conditioning_image(last_image)
     device, dtype = loader.device, loader.dtype
     geometry = params.stage1
     video_tools, audio_tools = geometry.video_tools(), geometry.audio_tools()
     with torch.inference_mode():
-        conditionings = _image_conditionings(loader, params, geometry, image)
+        conditionings = _image_conditionings(loader, params, geometry, image, last_image)
         transformer = loader.transformer(lora_set)
         layer_count = transformer_layer_count(transformer)
         validate_stg_blocks(params.video_guider, layer_count, "video")
@@ -474,6 +505,7 @@ def refine_stage2(
     on_step: OnStep | None = None,
     lora_set: str = "distilled",
     denoise_audio: bool = False,
+    last_image: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Refine the upsampled video at full size on the stage-2 transformer; audio passes through.
 
@@ -482,7 +514,8 @@ def refine_stage2(
 
     ``video_latent`` is the upsampled stage-1 latent at ``params.height`` x ``params.width``.
     It is noised to ``sigmas[0]`` (default: the official stage-2 schedule ``schema.STAGE_2_SIGMAS``) with the noise the official pipeline uses: the generator seeded with
-    ``params.seed``, advanced past stage 1's draws. Positive prompt only, no guidance.
+    ``params.seed``, advanced past stage 1's draws (its guiding latents' included). Positive prompt only, no
+    guidance. ``image`` and ``last_image`` condition the first and last frames at full size as in stage 1.
 
     Audio is frozen by design. The official 1.0.0 pipeline re-noises the stage-1 audio and
     denoises it again in stage 2; here the audio runs through the same re-noise-and-denoise, because
@@ -503,6 +536,7 @@ def refine_stage2(
     sigmas = torch.as_tensor(STAGE_2_SIGMAS if sigmas is None else sigmas, dtype=torch.float32)
     validate_sigmas(sigmas)
     check_conditioning_image(image)
+    check_conditioning_image(last_image)
     check_latent_shape(
         "the stage-2 video latent",
         video_latent,
@@ -520,11 +554,12 @@ def refine_stage2(
     sigmas = sigmas.to(device)
     video_tools, audio_tools = geometry.video_tools(), geometry.audio_tools()
     with torch.inference_mode():
-        conditionings = _image_conditionings(loader, params, geometry, image)
+        conditionings = _image_conditionings(loader, params, geometry, image, last_image)
         x0_model = loader.transformer(lora_set)
         transformer = x0_model if transformer_wrapper is None else transformer_wrapper(x0_model)
 
-        noiser = GaussianNoiser(generator=job_generator(params.seed, device, dtype, stages_before=(stage1,)))
+        guiding_frames = params.guiding_frames(image, last_image)
+        noiser = GaussianNoiser(generator=job_generator(params.seed, device, dtype, stages_before=(stage1,), guiding_frames=guiding_frames))
         noise_scale = sigmas[0]
         video_state = initial_state(video_tools, conditionings, noiser, noise_scale, dtype, device, video_latent)
         audio_state = initial_state(audio_tools, [], noiser, noise_scale, dtype, device, audio_latent)

@@ -242,6 +242,7 @@ def plan_stage2(
     tiles_given: bool = False,
     attention_heads: int = 32,
     audio_attention_heads: int | None = 32,
+    guiding_latents: int = 0,
 ) -> Stage2Plan:
     """Choose sequence parallel or tiled data parallel for stage 2.
 
@@ -250,6 +251,10 @@ def plan_stage2(
     ``planned`` (distilled, whose stage 2 is part of the recipe) takes SP when the shards per rank stay at
     or above ``STAGE2_SP_MIN_SHARD_TOKENS`` and the world is a usable SP degree, TDP otherwise; one
     rank runs the whole latent (SP degree 1). Tiles given by the user mean TDP.
+
+    ``guiding_latents`` (the image latents appended to the video: the last image's, or every image's under
+    the keyframes conditioning) rule TDP out, since a tile cannot hold them: ``auto`` takes SP (the whole
+    latent on one rank), and ``tdp``, tiles, or a world that is no usable SP degree are refused in words.
     """
     if mode not in STAGE2_MODES:
         raise ValueError(f"stage-2 parallel mode must be one of {', '.join(STAGE2_MODES)}, got {mode!r}")
@@ -257,6 +262,16 @@ def plan_stage2(
         raise ValueError(f"stage 2 needs at least one rank and one video token, got {world_size} ranks, {video_tokens} tokens")
     shard_tokens = math.ceil(video_tokens / world_size)
     usable_sp = world_size in set(valid_sp_degrees(attention_heads, audio_attention_heads))
+    if guiding_latents and mode != "sp":
+        appended = f"{_counted(guiding_latents, 'image latent')} appended to the video (the last image's, or every image's under the keyframes conditioning)"
+        if mode == "tdp" or tiles_given:
+            raise ValueError(f"stage 2 cannot run tiled data parallel with {appended}: no tile can hold them; leave the tiles out and use parallel 'auto' or 'sp'")
+        if world_size > 1 and not usable_sp:
+            degrees = ", ".join(map(str, valid_sp_degrees(attention_heads, audio_attention_heads)))
+            raise ValueError(
+                f"stage 2 must run sequence parallel with {appended}, but {world_size} ranks is no usable SP degree for "
+                f"{attention_heads} attention heads; run a fleet of {degrees} ranks"
+            )
     if mode == "sp":
         check_sp_degree(world_size, attention_heads, audio_attention_heads)
         technique, why = "sp", "asked for"
@@ -264,6 +279,8 @@ def plan_stage2(
         technique, why = "tdp", "asked for"
     elif tiles_given:
         technique, why = "tdp", "tiles were given"
+    elif guiding_latents:
+        technique, why = "sp", f"{_counted(guiding_latents, 'image latent')} appended to the video, which tiles cannot hold"
     elif recipe(pipeline).stage2_policy == "tdp":
         technique, why = "tdp", f"the {pipeline} graph's stage 2 is TDP Upscale"
     elif world_size == 1:

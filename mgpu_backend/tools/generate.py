@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, DISTILLED_SIGMAS, FILE_WORDS, RECIPES, STAGE2_POLICIES, STEPPERS, STRENGTH_WORDS, UnsupportedModelVersion, model_flags, recipe, strength_default_words, strength_flag, strength_fields
-from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, NO_GUIDANCE, OFFICIAL, PARALLEL_PLANS, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas, validate_stage1_sigmas
+from mgpu_backend.ltx.recipes import DEFAULT_RECIPE, DISTILLED_SIGMAS, FILE_WORDS, RECIPES, STAGE2_POLICIES, STEPPERS, STRENGTH_WORDS, UnsupportedModelVersion, model_flags, recipe, strength_default_words, strength_fields, strength_flag, strength_readers
+from mgpu_backend.ltx.schema import DISTILLED_LORA_STRENGTH, IMAGE_STRENGTH, MAX_FRAME_RATE, MIN_FRAME_RATE, MODEL_VERSIONS, NO_GUIDANCE, OFFICIAL, PARALLEL_PLANS, PIPELINES, PREVIEW_EVERY, QUANTIZATIONS, RESIDENCY_POLICIES, SEED_MAX, STAGE2_PLANS, STAGE_2_SIGMAS, TDP_OVERLAP, TDP_UPSCALE_SIGMAS, VIDEO_SPATIAL_COMPRESSION, EncodeRequest, ModelFileError, ModelSpec, RequestError, check_image_strengths, decoded_video_bytes, defaults_for, request_model_version, stage2_default_sigmas, validate_dtype_with_loras, validate_generation, validate_sigmas, validate_stage1_sigmas
 
 DEFAULT_NEGATIVE_PROMPT = (
     "blurry, out of focus, overexposed, underexposed, low contrast, washed out colors, excessive noise, "
@@ -75,8 +75,7 @@ def add_generate_parser(commands) -> None:
     model.add_argument("--distilled-lora", nargs="+", metavar=("PATH", "STRENGTH"), help="distilled LoRA for stage 2 (two-stage: in stage 1 too with --distilled-lora-strength-stage-1; the hq pipeline: both stages, at its --distilled-lora-strength-stage-1/2, no STRENGTH here) and an optional strength (strength default 1.0; default: none, the tiny bundle)")
     model.add_argument("--spatial-upsampler-path", help="spatial 2x latent upsampler (.safetensors) (default: none, the tiny bundle)")
     for field in strength_fields():
-        readers = " and ".join(declared.name for declared in RECIPES.values() if field in declared.stage_strengths)
-        model.add_argument(strength_flag(field), type=float, help=f"--pipeline {readers} only: {STRENGTH_WORDS[field]} (default: the recipe's own, as its official runner: {strength_default_words(field)}; 0: none)")
+        model.add_argument(strength_flag(field), type=float, help=f"--pipeline {strength_readers(field)} only: {STRENGTH_WORDS[field]} (default: the recipe's own, as its official runner: {strength_default_words(field)}; 0: none)")
     model.add_argument("--lora", nargs="+", action="append", metavar=("PATH", "STRENGTH"), help="a user LoRA, optional strength (default 1.0; repeatable; with the tiny bundle too). Default: none")
     # bfloat16 only: stage 2 fuses the distilled LoRA, and ltx-core fuses LoRAs into bfloat16 or fp8 weights only.
     model.add_argument("--dtype", choices=("bfloat16",), default="bfloat16", help="compute dtype (default bfloat16, as the official pipeline; the two-stage job fuses the distilled LoRA, which needs bfloat16)")
@@ -110,6 +109,9 @@ def add_generate_parser(commands) -> None:
     job.add_argument("--stage2-parallel", choices=STAGE2_PLANS, default="auto", help=f"stage 2: sp (sequence parallel, audio denoised as the official pipelines), tdp (tiles, stage-1 audio kept), auto ({per_recipe_auto}) (default auto)")
     job.add_argument("--tiles", default="auto", help="stage-2 TDP tiles HxW (height tiles x width tiles, e.g. 2x2), or 'auto' (default auto: balanced over the fleet; untiled on one rank)")
     job.add_argument("--parallel", choices=PARALLEL_PLANS, default="auto", help="stage-1 plan: auto (planned from the fleet), sp, guidance or hybrid (default auto)")
+    job.add_argument("--image-strength", type=float, default=IMAGE_STRENGTH, help=f"how strongly --image holds the first frame, 0 to 1 (default {IMAGE_STRENGTH:g}: kept as given; ComfyUI's LTX-2.3 image-to-video template uses 0.7)")
+    job.add_argument("--last-image", metavar="PATH", help="first/last-frame video: guide the last frame with this image, appended as a guiding latent as the official pipelines do (stage 2 then runs sequence parallel: tiles cannot hold it; default: none)")
+    job.add_argument("--last-image-strength", type=float, default=IMAGE_STRENGTH, help=f"how strongly --last-image holds the last frame, 0 to 1 (default {IMAGE_STRENGTH:g})")
     job.add_argument("--free-gemma", action="store_true", help="give Gemma's GPU memory back after encoding the prompts (for GPUs where memory is tight; default: keep it)")
     job.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false", help="run the stage-1 forward eagerly instead of replaying captured CUDA graphs (GPU only; default: graphs on with CUDA)")
     job.add_argument("--compile-blocks", action="store_true", help="torch.compile the transformer blocks for stage 1 (GPU only; tens of seconds of compile per new shape, then faster small shards: for SP degree 4+; default off)")
@@ -221,18 +223,18 @@ def _read_text(path: str, flag: str) -> str:
         raise refuse(f"{flag} {path} cannot be read as UTF-8 text ({exc}); save the prompt as a UTF-8 text file") from None
 
 
-def _load_image(path: str) -> torch.Tensor:
+def _load_image(path: str, flag: str = "--image", frame: str = "first") -> torch.Tensor:
     from PIL import Image, UnidentifiedImageError
 
     import numpy as np
 
     if not Path(path).is_file():
-        raise refuse(f"--image {path} does not exist (or is not a file); name a PNG or JPEG file for the first frame")
+        raise refuse(f"{flag} {path} does not exist (or is not a file); name a PNG or JPEG file for the {frame} frame")
     try:
         with Image.open(path) as image:
             pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
     except (UnidentifiedImageError, OSError) as exc:
-        raise refuse(f"--image {path} is not an image that can be read ({exc}); use a PNG or JPEG file") from None
+        raise refuse(f"{flag} {path} is not an image that can be read ({exc}); use a PNG or JPEG file") from None
     return torch.from_numpy(pixels)
 
 
@@ -402,8 +404,24 @@ def check_inputs(args, spec: dict) -> dict:
     _check_output(args.output)
     if args.preview_every < 0:
         raise refuse(f"--preview-every must be 0 (no previews) or a number of steps, got {args.preview_every}; e.g. {PREVIEW_EVERY}")
+    try:
+        check_image_strengths(args.image_strength, args.last_image_strength, bool(args.image), bool(args.last_image), IMAGE_FLAGS)
+    except RequestError as error:
+        raise refuse(str(error)) from None
+    guiding = recipe(args.pipeline).guiding_frames(args.num_frames, bool(args.image), bool(args.last_image))
+    if guiding and (args.stage2_parallel == "tdp" or tiles is not None):
+        chosen = "--stage2-parallel tdp" if args.stage2_parallel == "tdp" else f"--tiles {args.tiles}"
+        raise refuse(
+            f"{chosen} cannot run with the {guiding} image latent{'s' if guiding > 1 else ''} that the {args.pipeline} pipeline appends to the video "
+            "for its images: no tile can hold them; use --stage2-parallel auto or sp, and leave --tiles at auto"
+        )
     image = _load_image(args.image) if args.image else None
-    return {"prompt": prompt, "negative": negative, "tiles": tiles, "sigmas": sigmas, "image": image}
+    last_image = _load_image(args.last_image, "--last-image", "last") if args.last_image else None
+    return {"prompt": prompt, "negative": negative, "tiles": tiles, "sigmas": sigmas, "image": image, "last_image": last_image, "guiding_frames": guiding}
+
+
+IMAGE_FLAGS = {"image_strength": "--image-strength", "image": "--image", "last_image_strength": "--last-image-strength", "last_image": "--last-image"}
+"""The image inputs' flags, by request field (``schema.check_image_strengths`` words its refusals with them)."""
 
 
 # The schema speaks of request fields; the command line of its flags.
@@ -540,6 +558,7 @@ def run_generate(args) -> int:
             file=sys.stderr,
         )
     image = inputs["image"]
+    images = dict(image_strength=args.image_strength, last_image=inputs["last_image"], last_image_strength=args.last_image_strength)
     video_guidance, audio_guidance = (
         api.Guidance(
             cfg_scale=getattr(args, f"{m}_cfg_guidance_scale"), stg_scale=getattr(args, f"{m}_stg_guidance_scale"),
@@ -578,19 +597,20 @@ def run_generate(args) -> int:
             num_frames=args.num_frames, frame_rate=args.frame_rate, seed=args.seed, steps=args.num_inference_steps,
             video_guidance=video_guidance if declared.guided else None, audio_guidance=audio_guidance if declared.guided else None,
             image=image, parallel=args.parallel, cuda_graphs=args.cuda_graphs, compile_blocks=args.compile_blocks,
-            model_version=args.model_version, pipeline=args.pipeline, sigmas=args.stage1_sigmas, sampler=args.sampler, **common, **denoising,
+            model_version=args.model_version, pipeline=args.pipeline, sigmas=args.stage1_sigmas, sampler=args.sampler, **common, **denoising, **images,
         )  # fmt: skip
         stage1_video, stage1_audio = video, audio
         stage2_fields: dict = {}
         video, audio = api.upscale(
             spec, video, audio, positive, frame_rate=args.frame_rate, seed=args.seed, sigmas=inputs["sigmas"], tiles=inputs["tiles"],
             image=image, model_version=args.model_version, pipeline=args.pipeline, parallel=args.stage2_parallel,
-            fields=stage2_fields, sampler=args.sampler, **common, **denoising,
+            fields=stage2_fields, sampler=args.sampler, **common, **denoising, **images,
         )  # fmt: skip
         progress.close()
         # The plan's reason already says what the stage-2 audio is (denoised or the stage-1 audio).
         print(stage2_fields.get("plan", "stage 2 done"), file=sys.stderr)
-        frames, waveform, sample_rate = api.decode(spec, video, audio, seed=args.seed, frame_rate=args.frame_rate, **common)
+        frames, waveform, sample_rate = api.decode(spec, video, audio, seed=args.seed, frame_rate=args.frame_rate, **common,
+                                                   guiding_frames=inputs["guiding_frames"])
         progress.close()
     except FleetCancelled:
         progress.close()
