@@ -204,6 +204,8 @@ OFFICIAL_FILES = {
     ("2.3", "distilled"): ("ltx-2.3-22b-distilled-fp8.safetensors", "(none)", "ltx-2.3-spatial-upscaler-x2-1.1.safetensors"),
     # HQ (LTX-2.3 only): the two-stage files, the distilled LoRA fused in both stages.
     ("2.3", "hq"): ("ltx-2.3-22b-dev-fp8.safetensors", "ltx-2.3-22b-distilled-lora-384.safetensors", "ltx-2.3-spatial-upscaler-x2-1.1.safetensors"),
+    # Keyframes (first/last frame): the two-stage files.
+    ("2.3", "keyframes"): ("ltx-2.3-22b-dev-fp8.safetensors", "ltx-2.3-22b-distilled-lora-384.safetensors", "ltx-2.3-spatial-upscaler-x2-1.1.safetensors"),
 }
 OFFICIAL_REPOS = {"2.0": "https://huggingface.co/Lightricks/LTX-2/resolve/main/", "2.3": "https://huggingface.co/Lightricks/LTX-2.3/resolve/main/"}
 FP8_REPO = "https://huggingface.co/Lightricks/LTX-2.3-fp8/resolve/main/"
@@ -218,9 +220,11 @@ def loader_inputs(name: str) -> dict:
 
 
 def test_every_version_and_pipeline_has_t2v_and_i2v_examples_and_each_version_a_tiny_one():
-    covered = {(example.version, example.pipeline, example.image) for example in builder.EXAMPLES.values() if not example.tiny}
-    assert covered == {(version, pipeline, image) for version, pipeline in OFFICIAL_FILES for image in (False, True)}
-    assert sorted(example.version for example in builder.EXAMPLES.values() if example.tiny and example.settings is None) == ["2.0", "2.3"]
+    covered = {(example.version, example.pipeline, example.image) for example in builder.EXAMPLES.values() if not example.tiny and not example.last_image}
+    assert covered == {(version, pipeline, image) for version, pipeline in OFFICIAL_FILES if pipeline != "keyframes" for image in (False, True)}
+    # The keyframes recipe is first and last frame to video: two images, no text-to-video example.
+    assert {(example.version, example.pipeline, example.image) for example in builder.EXAMPLES.values() if example.last_image} == {("2.3", "keyframes", True)}
+    assert sorted(example.version for example in builder.EXAMPLES.values() if example.tiny and example.settings is None and not example.last_image) == ["2.0", "2.3"]
     assert sorted(UI_FILES) == sorted(builder.ui_path(name) for name in builder.EXAMPLES)
 
 

@@ -450,6 +450,7 @@ class Example:
     image: bool = False
     tiny: bool = False  # the embedded random-weight bundle at a size CPU ranks run in seconds
     settings: Settings | None = None
+    last_image: bool = False  # a last-frame image too (first/last-frame video), fed to both stages
 
     @property
     def recipe(self) -> PipelineDefaults:
@@ -538,7 +539,7 @@ _FRAME_RATE = _LOADER.below(90, width=300)
 LAYOUT = {
     "loader": _LOADER, "text": _TEXT, "sampler": _SAMPLER, "upscale": _UPSCALE, "decode": _DECODE, "create": _CREATE,
     "save": _CREATE.below(560), "frame_rate": _FRAME_RATE, "image": _TEXT.below(420), "note": _FRAME_RATE.below(420, width=_LOADER.width),
-    "sigmas": _TEXT.below(420).below(100),
+    "sigmas": _TEXT.below(420).below(100), "last_image": _TEXT.below(420).below(420),
 }  # fmt: skip
 
 
@@ -581,6 +582,12 @@ def two_stage_graph(example: Example, prefix: str) -> list[Node]:
         nodes.append(Node(10, "LoadImage", LAYOUT["image"].pos, {"image": "example.png", "upload": "image"}, size=LAYOUT["image"].size))
         nodes[3].links["image"] = (10, 0)
         nodes[4].links["image"] = (10, 0)
+    if example.last_image:
+        assert example.settings is None, "the last image's box is where the settings' sigmas node goes"
+        nodes.append(Node(12, "LoadImage", LAYOUT["last_image"].pos, {"image": "example_last.png", "upload": "image"}, size=LAYOUT["last_image"].size,
+                          title="Last frame"))  # fmt: skip
+        nodes[3].links["last_image"] = (12, 0)
+        nodes[4].links["last_image"] = (12, 0)
     if example.settings is not None:
         nodes[0].widgets.update(example.settings.loader)
         nodes[2].widgets["value"] = example.settings.sampler["frame_rate"]
@@ -640,6 +647,8 @@ TEMPLATES = [
              "Try the whole LTX-2.3 two-stage graph with no download: the embedded tiny random-weight bundle (the output is noise)."),
     Template("ltx2_t2v_tiny", Example("2.0", "two-stage", tiny=True), "LTX-2.0 Tiny Test — no download",
              "Try the whole LTX-2.0 two-stage graph with no download: the embedded tiny random-weight bundle (the output is noise)."),
+    Template("ltx23_flf_keyframes_tiny", Example("2.3", "keyframes", image=True, tiny=True, last_image=True), "LTX-2.3 First-Last Frame to Video (tiny)",
+             "The LTX-2.3 keyframes graph, a first and a last image, on the embedded tiny random-weight bundle, no download (the output is noise)."),
     Template("ltx23_i2v_comfy_recipe_tiny", Example("2.3", "two-stage", image=True, tiny=True, settings=COMFY_TEMPLATE_SETTINGS),
              "LTX-2.3 Image to Video (tiny ComfyUI recipe)",
              "ComfyUI's LTX-2.3 template settings on the embedded tiny random-weight bundle, no download (the output is noise)."),
@@ -657,6 +666,8 @@ TEMPLATES = [
              "LTX-2.3 image to video on all GPUs, HQ recipe: the image is the first frame; 15 res_2s steps, 1920x1088, 121 frames with audio."),
     Template("ltx23_i2v_comfy_recipe", Example("2.3", "two-stage", image=True, settings=COMFY_TEMPLATE_SETTINGS), "LTX-2.3 Image to Video (ComfyUI recipe)",
              "LTX-2.3 image to video on all GPUs, ComfyUI's own template settings: distilled LoRA 0.5 in both stages, CFG 1, 8 + 3 steps, 1280x704."),
+    Template("ltx23_flf_keyframes", Example("2.3", "keyframes", image=True, last_image=True), "LTX-2.3 First-Last Frame to Video (keyframes)",
+             "LTX-2.3 first and last frame to video on all GPUs, keyframes recipe: both images guide the motion; 1536x1024, 121 frames with audio."),
     Template("ltx2_t2v_two_stage", Example("2.0", "two-stage"), "LTX-2.0 Text to Video (two-stage)",
              "LTX-2.0 text to video on all GPUs, two-stage recipe: 768x512 sampled, 1536x1024 out, 121 frames with audio."),
     Template("ltx2_i2v_two_stage", Example("2.0", "two-stage", image=True), "LTX-2.0 Image to Video (two-stage)",
@@ -706,7 +717,7 @@ VERSION_COLOURS = {"2.0": (60, 120, 200), "2.3": (220, 130, 40)}
 
 
 def thumbnail_caption(example: Example) -> tuple[str, str]:
-    task = "image to video" if example.image else "text to video"
+    task = "first-last frame to video" if example.last_image else "image to video" if example.image else "text to video"
     steps = example.recipe.steps if example.settings is None else len(example.settings.stage1_sigmas) - 1
     detail = "embedded tiny bundle, no download" if example.tiny else f"{steps} + 3 steps on all GPUs"
     recipe = example.pipeline if example.settings is None else "ComfyUI recipe"

@@ -122,18 +122,25 @@ def test_the_hq_workflow_on_the_embedded_ltx_2_3_bundle_writes_an_mp4_with_audio
         assert len(container.streams.audio) == 1 and sum(1 for _ in container.decode(video=0)) == 9
 
 
-def test_the_comfyui_recipe_workflow_runs_manual_sigmas_into_sp_sampler_and_writes_an_mp4_with_audio(comfyui):
-    """The tiny twin of the workflow with ComfyUI's LTX-2.3 template settings, as shipped: ManualSigmas feeds SP Sampler's
-    sigmas, the loader chooses the distilled LoRA for stage 1 too, CFG 1, stage 2 sequence parallel; an image in input/."""
+@pytest.mark.parametrize("slug", ["ltx23_i2v_comfy_recipe_tiny", "ltx23_flf_keyframes_tiny"])
+def test_the_comfyui_recipe_and_keyframes_workflows_write_an_mp4_with_audio(comfyui, slug):
+    """The no-download twins as shipped. ComfyUI's LTX-2.3 template settings: ManualSigmas feeds SP Sampler's sigmas,
+    the loader chooses the distilled LoRA for stage 1 too, CFG 1, the image at 0.7, stage 2 sequence parallel. The
+    keyframes recipe: a first and a last image (LoadImage from input/) into both stages as guiding latents."""
     import av
     import numpy as np
     from PIL import Image
 
     (comfyui.base / "input").mkdir(exist_ok=True)
-    Image.fromarray(np.linspace(0, 255, 48 * 64 * 3).astype(np.uint8).reshape(48, 64, 3)).save(comfyui.base / "input" / "example.png")
-    workflow = json.loads((PACK_DIR / "workflows" / "api" / "ltx23_i2v_comfy_recipe_tiny.json").read_text())
+    for name, size in (("example.png", (48, 64)), ("example_last.png", (40, 72))):
+        pixels = np.linspace(0, 255, size[0] * size[1] * 3).astype(np.uint8).reshape(*size, 3)
+        Image.fromarray(pixels[:, ::-1] if name == "example_last.png" else pixels).save(comfyui.base / "input" / name)
+    workflow = json.loads((PACK_DIR / "workflows" / "api" / f"{slug}.json").read_text())
     sampler = next(node["inputs"] for node in workflow.values() if node["class_type"] == "MGPUSPSampler")
-    assert workflow[sampler["sigmas"][0]]["class_type"] == "ManualSigmas" and sampler["video_cfg"] == 1.0
+    if slug == "ltx23_i2v_comfy_recipe_tiny":
+        assert workflow[sampler["sigmas"][0]]["class_type"] == "ManualSigmas" and (sampler["video_cfg"], sampler["image_strength"]) == (1.0, 0.7)
+    else:
+        assert workflow[sampler["last_image"][0]]["inputs"]["image"] == "example_last.png"
     outcome = comfy_queue.queue_prompt(comfyui.url, workflow, say=lambda text: None, timeout=600)
     path = saved_video(comfyui, outcome)
     with av.open(str(path)) as container:
