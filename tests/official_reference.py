@@ -151,3 +151,24 @@ def run_reference(side: types.SimpleNamespace, image_path: str | None, condition
     captured["audio"] = audio
     (captured["stage1_video"], captured["stage1_audio"]), (captured["stage2_video"], captured["stage2_audio"]) = captured["denoised"]
     return captured
+
+
+def fleet_latents(run: dict) -> dict:
+    """The latents a fleet's sample and upscale jobs (``run["stage1"]``, ``run["upscaled"]``) returned,
+    named as ``run_reference`` names the official runner's."""
+    return {
+        "stage1_video": run["stage1"].tensors["video_latent"], "stage1_audio": run["stage1"].tensors["audio_latent"],
+        "stage2_video": run["upscaled"].tensors["video_latent"], "stage2_audio": run["upscaled"].tensors["audio_latent"],
+    }  # fmt: skip
+
+
+def assert_one_rank_run_is_official(run: dict, reference: dict, what: str) -> None:
+    """A one-rank fleet run whose stage 2 re-denoises the audio (sequence parallel at degree 1, as the
+    official runners) equals the official run bitwise, latent by latent; its audio did change in stage 2."""
+    upscaled = run["upscaled"]
+    assert (upscaled.fields["stage2_parallel"], upscaled.fields["sp_degree"]) == ("sp", 1), upscaled.fields
+    assert upscaled.fields["audio"].startswith("denoised in stage 2")
+    ours = fleet_latents(run)
+    for name, tensor in ours.items():
+        assert_bitwise(tensor, reference[name], f"{what}: {name}")
+    assert (ours["stage2_audio"] - ours["stage1_audio"]).abs().max().item() > 0.05, "stage 2 must re-denoise the audio, as the official runner"

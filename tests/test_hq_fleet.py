@@ -16,12 +16,11 @@ official embeddings processor, sent to the fleet as tensors): ltx-core's Gemma n
 from __future__ import annotations
 
 import pytest
-import torch
 
 from mgpu_backend.ltx.schema import ModelSpec
 
 from .fleet_harness import run_job
-from .official_reference import assert_bitwise
+from .official_reference import assert_bitwise, assert_one_rank_run_is_official, fleet_latents
 from .test_res2s_parity import NEGATIVE_PROMPT, PARAMS, reference_side, run_reference  # noqa: F401 - reference_side is a fixture
 
 STAGE1 = {"width": PARAMS.width // 2, "height": PARAMS.height // 2, "num_frames": PARAMS.num_frames, "seed": PARAMS.seed,
@@ -63,13 +62,6 @@ def run_hq_job(fleet, spec: dict, reference: dict, plan: str = "auto", logs: lis
     return {"stage1": stage1, "upscaled": upscaled}
 
 
-def latents(run: dict) -> dict:
-    return {
-        "stage1_video": run["stage1"].tensors["video_latent"], "stage1_audio": run["stage1"].tensors["audio_latent"],
-        "stage2_video": run["upscaled"].tensors["video_latent"], "stage2_audio": run["upscaled"].tensors["audio_latent"],
-    }  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def one_rank(fleet_of, hq_spec, reference) -> dict:
     logs = []
@@ -78,14 +70,9 @@ def one_rank(fleet_of, hq_spec, reference) -> dict:
 
 
 def test_hq_fleet_job_at_one_rank_matches_the_official_hq_pipeline_bitwise_bf16(one_rank, reference):
-    upscaled = one_rank["upscaled"]
-    assert (upscaled.fields["stage2_parallel"], upscaled.fields["sp_degree"]) == ("sp", 1)
-    assert upscaled.fields["audio"].startswith("denoised in stage 2")
-    ours = latents(one_rank)
+    ours = fleet_latents(one_rank)
     assert tuple(ours["stage1_video"].shape) == (1, 128, 2, 2, 3) and tuple(ours["stage2_video"].shape) == (1, 128, 2, 4, 6)
-    for name, tensor in ours.items():
-        assert_bitwise(tensor, reference[name], f"fleet HQ at one rank: {name}")
-    assert (ours["stage2_audio"] - ours["stage1_audio"]).abs().max().item() > 0.05, "stage 2 must re-denoise the audio, as the official runner"
+    assert_one_rank_run_is_official(one_rank, reference, "fleet HQ at one rank")
 
 
 def test_hq_stage1_strength_comes_from_the_spec(fleet_of, hq_spec, reference, one_rank):
@@ -97,14 +84,14 @@ def test_hq_stage1_strength_comes_from_the_spec(fleet_of, hq_spec, reference, on
 
 
 def test_hq_fleet_job_at_two_ranks_under_sp_and_guidance_equals_one_rank_bitwise_bf16(fleet, hq_spec, reference, one_rank):
-    expected = latents(one_rank)
+    expected = fleet_latents(one_rank)
     layouts = {}
     for plan in ("sp", "guidance"):  # the second stage 1 runs after the first job's swap to the stage-2 strength
         run = run_hq_job(fleet, hq_spec, reference, plan)
         layouts[plan] = (run["stage1"].fields["guidance_groups"], run["stage1"].fields["sp_degree"])
         assert (run["upscaled"].fields["stage2_parallel"], run["upscaled"].fields["sp_degree"]) == ("sp", 2), run["upscaled"].fields["plan"]
         assert "the hq recipe's stage 2 denoises the audio too" in run["upscaled"].fields["plan"]
-        for name, tensor in latents(run).items():
+        for name, tensor in fleet_latents(run).items():
             assert_bitwise(tensor, expected[name], f"fleet HQ at two ranks under {plan}: {name}")
     assert layouts == {"sp": (1, 2), "guidance": (2, 1)}
 

@@ -35,7 +35,7 @@ from mgpu_backend.ltx.schema import STAGE_2_SIGMAS
 
 from . import official_reference
 from .fleet_harness import run_job
-from .official_reference import assert_bitwise, first_frame_image, reference_uint8_frames
+from .official_reference import assert_bitwise, assert_one_rank_run_is_official, first_frame_image, fleet_latents, reference_uint8_frames
 from .test_hq_fleet import context_tensors
 from .test_pipeline_parity import NEGATIVE_PROMPT, PARAMS, PROMPT
 
@@ -90,16 +90,21 @@ def reference_run(bundle, module_name: str, runner: str, images: dict, strengths
             torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="module")
-def keyframes_reference_of(bundle, images):
+def references_of(bundle, images, module_name: str, runner: str, strengths: tuple[float, float]):
+    """``reference_of(world_size)``: the official runner's run at that fleet's thread count, made once per count."""
     made = {}
 
     def reference_of(world_size: int) -> dict:
         if world_size not in made:
-            made[world_size] = reference_run(bundle, "keyframe_interpolation", "KeyframeInterpolationPipeline", images, KEYFRAME_STRENGTHS, world_size)
+            made[world_size] = reference_run(bundle, module_name, runner, images, strengths, world_size)
         return made[world_size]
 
     return reference_of
+
+
+@pytest.fixture(scope="module")
+def keyframes_reference_of(bundle, images):
+    return references_of(bundle, images, "keyframe_interpolation", "KeyframeInterpolationPipeline", KEYFRAME_STRENGTHS)
 
 
 @pytest.fixture(scope="module")
@@ -109,14 +114,7 @@ def keyframes_reference(keyframes_reference_of) -> dict:
 
 @pytest.fixture(scope="module")
 def two_stage_reference_of(bundle, images):
-    made = {}
-
-    def reference_of(world_size: int) -> dict:
-        if world_size not in made:
-            made[world_size] = reference_run(bundle, "ti2vid_two_stages", "TI2VidTwoStagesPipeline", images, TWO_STAGE_STRENGTHS, world_size)
-        return made[world_size]
-
-    return reference_of
+    return references_of(bundle, images, "ti2vid_two_stages", "TI2VidTwoStagesPipeline", TWO_STAGE_STRENGTHS)
 
 
 @pytest.fixture(scope="module")
@@ -138,27 +136,15 @@ def run_fleet(fleet, spec: dict, pipeline: str, reference: dict, images: dict, s
     return {"stage1": stage1, "upscaled": upscaled}
 
 
-def latents(run: dict) -> dict:
-    return {
-        "stage1_video": run["stage1"].tensors["video_latent"], "stage1_audio": run["stage1"].tensors["audio_latent"],
-        "stage2_video": run["upscaled"].tensors["video_latent"], "stage2_audio": run["upscaled"].tensors["audio_latent"],
-    }  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def keyframes_one_rank(fleet_of, spec, keyframes_reference, images) -> dict:
     return run_fleet(fleet_of(1), spec, "keyframes", keyframes_reference, images, KEYFRAME_STRENGTHS)
 
 
 def test_keyframes_fleet_at_one_rank_matches_keyframe_interpolation_pipeline_bitwise_bf16(keyframes_one_rank, keyframes_reference):
-    upscaled = keyframes_one_rank["upscaled"]
-    assert (upscaled.fields["stage2_parallel"], upscaled.fields["sp_degree"]) == ("sp", 1)
-    assert upscaled.fields["audio"].startswith("denoised in stage 2")
-    ours = latents(keyframes_one_rank)
+    ours = fleet_latents(keyframes_one_rank)
     assert tuple(ours["stage1_video"].shape) == (1, 128, 2, 2, 3) and tuple(ours["stage2_video"].shape) == (1, 128, 2, 4, 6)
-    for name, tensor in ours.items():
-        assert_bitwise(tensor, keyframes_reference[name], f"fleet keyframes at one rank: {name}")
-    assert (ours["stage2_audio"] - ours["stage1_audio"]).abs().max().item() > 0.05, "stage 2 must re-denoise the audio, as the official runner"
+    assert_one_rank_run_is_official(keyframes_one_rank, keyframes_reference, "fleet keyframes at one rank")
 
 
 def test_keyframes_decode_draws_its_noise_after_both_stages_guiding_latents(fleet_of, spec, keyframes_one_rank, keyframes_reference):
@@ -178,7 +164,7 @@ def test_keyframes_fleet_at_two_ranks_under_sp_and_guidance_matches_keyframe_int
         run = run_fleet(fleet, spec, "keyframes", expected, images, KEYFRAME_STRENGTHS, plan)
         assert (run["upscaled"].fields["stage2_parallel"], run["upscaled"].fields["sp_degree"]) == ("sp", 2), run["upscaled"].fields["plan"]
         assert "2 image latents appended to the video, which tiles cannot hold" in run["upscaled"].fields["plan"]
-        for name, tensor in latents(run).items():
+        for name, tensor in fleet_latents(run).items():
             assert_bitwise(tensor, expected[name], f"fleet keyframes at two ranks under {plan}: {name}")
 
 
@@ -188,7 +174,7 @@ def test_two_stage_with_first_image_at_0_7_and_a_last_image_matches_ti2vid_two_s
     # The last image's guiding latent rules TDP out: the whole latent on the one rank, the audio denoised as the official runner.
     assert (upscaled.fields["stage2_parallel"], upscaled.fields["sp_degree"], upscaled.fields["tiling"]) == ("sp", 1, "untiled")
     assert "1 image latent appended to the video" in upscaled.fields["plan"]
-    for name, tensor in latents(run).items():
+    for name, tensor in fleet_latents(run).items():
         assert_bitwise(tensor, two_stage_reference[name], f"fleet two-stage with first and last images: {name}")
 
 
@@ -198,7 +184,7 @@ def test_two_stage_with_a_last_image_at_four_ranks_sp_pads_the_uneven_stage_1_to
     expected = two_stage_reference_of(4)
     run = run_fleet(fleet_of(4), spec, "two-stage", expected, images, TWO_STAGE_STRENGTHS, "sp", upscale={"sigmas": list(STAGE_2_SIGMAS)})
     assert (run["stage1"].fields["sp_degree"], run["upscaled"].fields["stage2_parallel"], run["upscaled"].fields["sp_degree"]) == (4, "sp", 4)
-    for name, tensor in latents(run).items():
+    for name, tensor in fleet_latents(run).items():
         assert_bitwise(tensor, expected[name], f"fleet two-stage with first and last images at four ranks: {name}")
 
 

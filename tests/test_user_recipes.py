@@ -23,7 +23,7 @@ from mgpu_backend.ltx.schema import DISTILLED_SIGMAS, STAGE_2_SIGMAS, ModelSpec
 
 from . import official_reference
 from .fleet_harness import run_job
-from .official_reference import assert_bitwise, first_frame_image
+from .official_reference import assert_bitwise, assert_one_rank_run_is_official, first_frame_image, fleet_latents
 
 PROMPT = "A lighthouse keeper climbs the spiral stairs at dusk, wind howling outside."
 HEIGHT, WIDTH, FRAMES, FRAME_RATE, SEED = 128, 192, 9, 25.0, 21
@@ -90,13 +90,6 @@ def run_template_recipe(fleet, spec: dict, reference: dict, image: torch.Tensor 
     return {"stage1": stage1, "upscaled": upscaled, "stage1_steps": max(event.get("total", 0) for event in progress if event.get("stage") == "stage1")}
 
 
-def latents(run: dict) -> dict:
-    return {
-        "stage1_video": run["stage1"].tensors["video_latent"], "stage1_audio": run["stage1"].tensors["audio_latent"],
-        "stage2_video": run["upscaled"].tensors["video_latent"], "stage2_audio": run["upscaled"].tensors["audio_latent"],
-    }  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def one_rank(fleet_of, template_spec, reference) -> dict:
     return run_template_recipe(fleet_of(1), template_spec, reference)
@@ -105,9 +98,7 @@ def one_rank(fleet_of, template_spec, reference) -> dict:
 def test_the_template_recipe_at_one_rank_is_the_official_distilled_runner_on_dev_plus_lora_bitwise(one_rank, reference):
     assert reference["sigmas"][0] == torch.tensor(DISTILLED_SIGMAS).tolist()  # float32, as both sides run them
     assert one_rank["stage1_steps"] == len(DISTILLED_SIGMAS) - 1
-    assert one_rank["upscaled"].fields["audio"].startswith("denoised in stage 2")
-    for name, tensor in latents(one_rank).items():
-        assert_bitwise(tensor, reference[name], f"the template recipe at one rank: {name}")
+    assert_one_rank_run_is_official(one_rank, reference, "the template recipe at one rank")
 
 
 def test_the_template_recipe_with_an_image_at_0_7_at_one_rank_is_the_official_distilled_runner_bitwise(fleet_of, template_spec, bundle, tmp_path):
@@ -115,8 +106,7 @@ def test_the_template_recipe_with_an_image_at_0_7_at_one_rank_is_the_official_di
     path, image = first_frame_image(tmp_path)
     reference = run_distilled_reference(bundle, ((path, 0, IMAGE_STRENGTH),))
     run = run_template_recipe(fleet_of(1), template_spec, reference, image=image)
-    for name, tensor in latents(run).items():
-        assert_bitwise(tensor, reference[name], f"the template recipe with an image at {IMAGE_STRENGTH}, one rank: {name}")
+    assert_one_rank_run_is_official(run, reference, f"the template recipe with an image at {IMAGE_STRENGTH}, one rank")
 
 
 def test_the_stage1_lora_strength_and_sigmas_each_change_stage1(fleet_of, template_spec, reference, one_rank):
@@ -138,8 +128,8 @@ def test_the_template_recipe_at_two_ranks_equals_one_rank_bitwise(fleet, templat
     """Text to video: no image, so no resize whose rounding follows the ranks' thread count."""
     run = run_template_recipe(fleet, template_spec, reference)
     assert (run["stage1"].fields["sp_degree"], run["upscaled"].fields["sp_degree"]) == (2, 2)
-    expected = latents(one_rank)
-    for name, tensor in latents(run).items():
+    expected = fleet_latents(one_rank)
+    for name, tensor in fleet_latents(run).items():
         assert_bitwise(tensor, expected[name], f"the template recipe at two ranks: {name}")
 
 
