@@ -124,6 +124,7 @@ def test_the_stage1_lora_strength_and_sigmas_each_change_stage1(fleet_of, templa
     assert (other.tensors["video_latent"] - ours).abs().max().item() > 0.01
 
 
+@pytest.mark.slow
 def test_the_template_recipe_at_two_ranks_equals_one_rank_bitwise(fleet, template_spec, reference, one_rank):
     """Text to video: no image, so no resize whose rounding follows the ranks' thread count."""
     run = run_template_recipe(fleet, template_spec, reference)
