@@ -111,7 +111,8 @@ def test_template_order_file_lists_every_ui_workflow_tiny_ones_first():
 def test_template_titles_lead_with_the_words_users_search_for_and_fit_a_card_line():
     for template in builder.TEMPLATES:
         assert template.title.startswith(f"LTX-{template.example.version} "), template.title
-        task = "Tiny Test" if template.example.tiny else ("Image to Video" if template.example.image else "Text to Video")
+        example = template.example
+        task = "Tiny Test" if example.tiny else "First-Last Frame" if example.last_image else "Image to Video" if example.image else "Text to Video"
         assert task in template.title and len(template.title) <= 34, template.title
 
 

@@ -266,8 +266,8 @@ def test_template_browser_lists_the_packs_workflows_by_title_with_the_no_downloa
     [
         ("LTX", lambda template: True),
         ("LTX-2.3", lambda template: template.example.version == "2.3"),
-        ("image to video", lambda template: template.example.image and not template.example.last_image),
-        ("first last frame", lambda template: template.example.last_image),
+        ("image to video", lambda template: template.example.image and not template.example.last_image and not template.example.tiny),
+        ("first last frame", lambda template: template.example.last_image and not template.example.tiny),
     ],
     ids=["LTX", "LTX-2.3", "image-to-video", "first-last-frame"],
 )
