@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.loading import ModelLoader
-from mgpu_backend.ltx.recipes import LORA_FILES, RECIPES, Recipe
+from mgpu_backend.ltx.recipes import LORA_FILES, RECIPES, Recipe, strength_defaults
 from mgpu_backend.ltx.schema import ModelSpec, defaults_for
 from mgpu_backend.tools.generate import DEFAULT_NEGATIVE_PROMPT, TINY_DEFAULTS
 
@@ -58,7 +58,7 @@ def cli_flags(declared: Recipe, bundle: tiny.TinyBundle) -> list[str]:
 def official_runner(declared: Recipe, bundle: tiny.TinyBundle):
     """``build(module)`` for ``official_reference.reference_side``: the runner on the recipe's files,
     each under the keyword its CLI flag follows (a LoRA at strength 1.0, as the CLI's default), and
-    its per-stage LoRA strengths (HQ) at the CLI's defaults."""
+    its per-stage LoRA strengths (HQ) at the recipe's own, as the CLI leaves them."""
     module_name, class_name = declared.official_runner.rsplit(".", 1)
 
     def build(module):
@@ -66,7 +66,9 @@ def official_runner(declared: Recipe, bundle: tiny.TinyBundle):
         for file in declared.files:
             path = getattr(bundle, file.tiny_file)
             files[file.flag.lstrip("-").replace("-", "_")] = [LoraPathStrengthAndSDOps(path, 1.0, LTXV_LORA_COMFY_RENAMING_MAP)] if file.spec_field in LORA_FILES else path
-        strengths = {field: ModelSpec.__dataclass_fields__[field].default for field in declared.stage_strengths}
+        # The per-stage strengths the official runner takes (HQ's), at the recipe's own values; a stage-1 strength
+        # only a user chooses (two-stage, keyframes: unset, no LoRA there, as their runners) is none of its parameters.
+        strengths = {field: strength_defaults(field)[declared.name] for field in declared.stage_strengths if strength_defaults(field)[declared.name] is not None}
         return getattr(module, class_name)(loras=[], device=torch.device("cpu"), **files, **strengths)
 
     return module_name.removeprefix("ltx_pipelines."), build
