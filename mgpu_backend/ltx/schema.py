@@ -296,8 +296,8 @@ def audio_sample_count(num_frames: int, frame_rate: float, sample_rate: int) -> 
     return round(num_frames * sample_rate / frame_rate)
 
 
-def validate_sigmas(sigmas: Iterable[float]) -> None:
-    """A refinement schedule: at least two values in [0, 1], strictly decreasing.
+def validate_sigmas(sigmas: Iterable[float]) -> tuple[float, ...]:
+    """A refinement schedule: at least two values in [0, 1], strictly decreasing; returned as floats.
 
     Takes any sequence of numbers (a torch tensor too, through ``tolist``)."""
     values = [float(v) for v in (sigmas.flatten().tolist() if hasattr(sigmas, "flatten") else sigmas)]
@@ -308,13 +308,13 @@ def validate_sigmas(sigmas: Iterable[float]) -> None:
         raise RequestError(f"sigmas must lie in [0, 1], got {values}")
     if any(later >= earlier for earlier, later in zip(values, values[1:], strict=False)):
         raise RequestError(f"sigmas must decrease strictly, got {values}; e.g. {example}")
+    return tuple(values)
 
 
 def validate_stage1_sigmas(sigmas: Sequence[float]) -> tuple[float, ...]:
     """A stage-1 schedule of the user's (ComfyUI's ManualSigmas, ``--stage1-sigmas``): valid, from pure
     noise (1.0, where stage 1 starts) down to a clean latent (0.0), at most ``MAX_STEPS`` steps."""
-    values = tuple(float(v) for v in (sigmas.flatten().tolist() if hasattr(sigmas, "flatten") else sigmas))
-    validate_sigmas(values)
+    values = validate_sigmas(sigmas)
     if values[0] != 1.0 or values[-1] != 0.0:
         raise RequestError(
             f"stage-1 sigmas must run from 1.0 (stage 1 starts from pure noise) down to 0.0 (a clean latent), got "

@@ -174,7 +174,7 @@ class GenerationParams:
 
     def guiding_frames(self, image: torch.Tensor | None, last_image: torch.Tensor | None) -> int:
         """How many guiding latents the images append to each stage's video (``recipes.appended_frames``)."""
-        return appended_frames(self.conditioning, [placed.frame_idx for placed in self.conditioning_images(image, last_image)])
+        return appended_frames(self.conditioning, image_frames(self.num_frames, image is not None, last_image is not None))
 
     def stage1_sigma_schedule(self, device: torch.device) -> torch.Tensor:
         """Stage 1's sigmas, float32: the fixed schedule, or LTX2Scheduler's over the step count."""
