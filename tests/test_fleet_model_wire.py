@@ -144,6 +144,47 @@ def test_a_kept_tensor_is_sent_once_then_named_and_the_keeper_holds_it():
     assert len(third_tensors) == 2
 
 
+def test_a_sampler_s_new_tensor_with_the_sent_values_is_named_as_kept_and_bits_decide():
+    # ComfyUI's sampler concatenates the conditioning anew at every step: same values, new tensor.
+    kept_here = wire.KeptTensors(min_bytes=16, skip=("x",))
+    kept_there: dict[str, torch.Tensor] = {}
+    context = torch.randn(1, 8, 4)
+    first, tensors = wire.pack({"x": torch.randn(2), "context": torch.cat([context])}, kept=kept_here)
+    wire.unpack(first, tensors, kept=kept_there)
+    again, tensors = wire.pack({"x": torch.randn(2), "context": torch.cat([context])}, kept=kept_here)
+    assert len(tensors) == 1 and set(again["context"]) == {"$kept"}
+    assert torch.equal(wire.unpack(again, tensors, kept=kept_there)["context"], context)
+    zeros = torch.zeros(1, 8, 4)
+    wire.pack({"context": zeros}, kept=kept_here)
+    negative_zeros, tensors = wire.pack({"context": -zeros}, kept=kept_here)  # equal as floats, not as bits
+    assert len(tensors) == 1 and "$keep" in negative_zeros["context"]
+    as_other_dtype, tensors = wire.pack({"context": context.double()}, kept=kept_here)
+    assert len(tensors) == 1
+
+
+def test_the_sender_keeps_private_copies_so_an_in_place_change_after_sending_is_seen():
+    kept_here = wire.KeptTensors(min_bytes=16)
+    context = torch.randn(1, 8, 4)
+    original = context.clone()
+    wire.pack({"context": context}, kept=kept_here)
+    context.mul_(2)  # ComfyUI's tensors under inference mode carry no version counter: only the bits tell
+    changed, tensors = wire.pack({"context": context}, kept=kept_here)
+    assert len(tensors) == 1 and "$keep" in changed["context"]
+    back, tensors = wire.pack({"context": original}, kept=kept_here)
+    assert len(tensors) == 0 and set(back["context"]) == {"$kept"}
+
+
+def test_the_sender_s_copies_are_bounded_least_recently_used_first():
+    kept_here = wire.KeptTensors(min_bytes=16, max_tensors=2, max_bytes=1 << 20)
+    a, b, c = (torch.full((64,), float(value)) for value in range(3))
+    for tensor in (a, b, a, c):  # a used again after b: b is the least recently used when c arrives
+        wire.pack({"t": tensor}, kept=kept_here)
+    assert len(wire.pack({"t": a}, kept=kept_here)[1]) == 0
+    assert len(wire.pack({"t": b}, kept=kept_here)[1]) == 1
+    too_large = wire.KeptTensors(min_bytes=16, max_bytes=128)
+    assert too_large.token(torch.zeros(64), "t") == (None, False)  # 256 bytes: never kept, always sent
+
+
 def test_a_call_naming_a_tensor_the_keeper_lost_raises_missing_kept_tensor():
     kept_here = wire.KeptTensors(min_bytes=16)
     context = torch.randn(1, 8, 4)

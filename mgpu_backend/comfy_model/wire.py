@@ -24,6 +24,7 @@ import math
 import os
 import secrets
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -91,27 +92,51 @@ class KeptTensors:
     """The sender's record of the tensors the other side keeps between calls, so that a denoiser call
     sends the text context, masks and guide indices once per sampling run instead of every step.
 
-    A tensor is known by its object (and its version counter: an in-place change makes it new); only
-    tensors of at least ``min_bytes``, and none under the ``skip`` paths (the latent: new every step),
-    are kept. ``forget`` is for when the other side lost them."""
+    A tensor is known by its content, not its object: ComfyUI's sampler builds the conditioning anew
+    at every step (``cond_cat`` concatenates even a single prompt into a new tensor), with the same
+    values. So the sender keeps its own copy of each tensor it sent for keeping (on the tensor's
+    device: a GPU compares 12.6 MB in microseconds) and names a later tensor by that copy's token when
+    dtype, shape and every bit agree. The copies are private, so a tensor changed in place after it
+    was sent is never mistaken for what the other side holds. Only tensors of at least ``min_bytes``,
+    and none under the ``skip`` paths (the latent and timesteps: new every step), are kept; at most
+    ``max_tensors`` copies and ``max_bytes`` in all, the least recently used dropped first (the other
+    side then gets that tensor again under a new token). ``forget`` is for when the other side lost them."""
 
-    def __init__(self, min_bytes: int = 1 << 16, skip: tuple[str, ...] = ()) -> None:
+    def __init__(self, min_bytes: int = 1 << 16, skip: tuple[str, ...] = (), max_tensors: int = 16, max_bytes: int = 512 << 20) -> None:
         self.min_bytes, self.skip = min_bytes, skip
-        self._tokens = TensorMemo()
+        self.max_tensors, self.max_bytes = max_tensors, max_bytes
+        self._copies: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     def token(self, tensor: torch.Tensor, path: str = "") -> tuple[str | None, bool]:
         """(token, already kept over there); (None, False) for a tensor not worth keeping."""
-        if tensor.numel() * tensor.element_size() < self.min_bytes or path.startswith(self.skip):
+        size = tensor.numel() * tensor.element_size()
+        if size < self.min_bytes or size > self.max_bytes or path.startswith(self.skip):
             return None, False
-        known = self._tokens.get(tensor)
-        if known is not None:
-            return known, True
+        for token, copy in self._copies.items():
+            if same_bits(copy, tensor):
+                self._copies.move_to_end(token)
+                return token, True
         token = secrets.token_hex(8)
-        self._tokens.put(tensor, token)
+        self._copies[token] = tensor.detach().clone()
+        while len(self._copies) > self.max_tensors or sum(copy.numel() * copy.element_size() for copy in self._copies.values()) > self.max_bytes:
+            self._copies.popitem(last=False)
         return token, False
 
     def forget(self) -> None:
-        self._tokens = TensorMemo()
+        self._copies.clear()
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors on one device hold the same dtype, shape and bits (NaNs and signed zeros
+    included: a float compare would call 0.0 and -0.0 equal)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    if a.dtype.is_floating_point or a.dtype.is_complex:
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}.get(a.element_size())
+        if bits is None:
+            return False
+        a, b = a.view(bits), b.view(bits)
+    return torch.equal(a, b)
 
 
 def _version(tensor: torch.Tensor) -> int:
