@@ -287,6 +287,24 @@ def test_idle_timeout_ends_server_and_ranks(tmp_path):
         stop_server(process)
 
 
+def test_an_idle_connection_seems_connected_until_its_server_stops(tmp_path):
+    # What the drop-in MODEL checks before every denoiser call instead of a status round trip.
+    tmp_path.chmod(0o700)
+    socket_path = tmp_path / "alive.sock"
+    process = start_server(socket_path, 1)
+    try:
+        with connect(socket_path) as client:
+            assert client.seems_connected()
+            client.status()
+            assert client.seems_connected()  # a finished request leaves nothing waiting
+            stop_server(process)
+            wait_until(lambda: not client.seems_connected(), timeout=10, what="the stopped server seen on the socket")
+            client.close()
+            assert not client.seems_connected()
+    finally:
+        stop_server(process)
+
+
 def test_protocol_rejects_a_header_that_lies_about_tensor_sizes():
     header = {"type": "x", "tensors": [{"name": "t", "dtype": "float32", "shape": [2, 2], "nbytes": 16}]}
     parsed, descriptors = protocol.parse_header(__import__("json").dumps(header).encode())

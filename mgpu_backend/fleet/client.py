@@ -305,6 +305,15 @@ class FleetClient:
                 shm.unlink_segment(descriptor.get("segment", ""))
             self._send(Message("ack", job=message.job))
 
+    def seems_connected(self) -> bool:
+        """Whether the connection looks usable without asking the server: nothing waiting on the
+        socket (a closed or dying server leaves an end-of-stream or a farewell there). A denoiser call
+        of the drop-in MODEL checks this every step, where a status round trip would cost each time."""
+        try:
+            return not select.select([self.sock], [], [], 0)[0]
+        except (OSError, ValueError):  # ValueError: the socket is closed
+            return False
+
     # -- requests ---------------------------------------------------------------------------------
     def status(self) -> dict:
         self._send(Message("status"))
