@@ -8,10 +8,30 @@ the default world itself; ``Comm.split`` makes subgroups collectively.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+
+def eager_over_gloo(collective):
+    """Run ``collective`` outside any torch.compile graph when the Comm's group is gloo.
+
+    Traced by Dynamo, torch.distributed's collectives become functional collectives inside the
+    compiled graph; over gloo with CUDA tensors (ranks sharing one GPU) those crashed the ranks
+    (SIGSEGV inside Inductor's code at the first exchange, torch 2.11, H200). Over gloo the
+    collective is a host round trip anyway, so a graph break around it costs nothing that matters;
+    NCCL groups keep their collectives inside the graph."""
+    eager = torch.compiler.disable(collective)
+
+    @functools.wraps(collective)
+    def run(self, *args, **kwargs):
+        if self.over_gloo and torch.compiler.is_compiling():
+            return eager(self, *args, **kwargs)
+        return collective(self, *args, **kwargs)
+
+    return run
 
 
 class Comm:
@@ -27,6 +47,7 @@ class Comm:
             self.world_size = dist.get_world_size(group)
             self.global_ranks = list(ranks) if ranks is not None else list(range(self.world_size))
         self._all_to_all_exchange: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
+        self.over_gloo = group is not None and self.world_size > 1 and str(dist.get_backend(group)) == "gloo"
 
     @classmethod
     def world(cls) -> Comm:
@@ -67,6 +88,7 @@ class Comm:
         """
         self._all_to_all_exchange = exchange
 
+    @eager_over_gloo
     def all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """Split ``tensor`` into world_size chunks along ``scatter_dim``, send chunk i to rank i, and
         concatenate the received chunks along ``gather_dim``."""
@@ -76,6 +98,7 @@ class Comm:
             return self._all_to_all_exchange(tensor, scatter_dim, gather_dim)
         return self.torch_all_to_all(tensor, scatter_dim, gather_dim)
 
+    @eager_over_gloo
     def torch_all_to_all(self, tensor: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
         """``all_to_all`` through torch.distributed, whatever exchange is installed (its fallback)."""
         if self.world_size == 1:
@@ -87,6 +110,7 @@ class Comm:
         dist.all_to_all_single(outputs, inputs, group=self.group)
         return torch.cat(outputs.unbind(0), dim=gather_dim)
 
+    @eager_over_gloo
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """Concatenate every rank's ``tensor`` (same shape on all ranks) along ``dim``, in rank order."""
         if self.world_size == 1:
@@ -96,18 +120,21 @@ class Comm:
         dist.all_gather(outputs, tensor, group=self.group)
         return torch.cat(outputs, dim=dim)
 
+    @eager_over_gloo
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks in place and return it."""
         if self.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
         return tensor
 
+    @eager_over_gloo
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """Element-wise maximum over the ranks, in place."""
         if self.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
         return tensor
 
+    @eager_over_gloo
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite ``tensor`` on every rank with the one on group rank ``src``."""
         if self.world_size > 1:
