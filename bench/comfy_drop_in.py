@@ -163,10 +163,23 @@ def main() -> None:
             diff = largest_difference(comfy, reference, remote_out, shapes)
             log(f"{inputs.size}: timing ComfyUI in-process and the fleet ...")
             native_ms = median(time_call(native_call, device, args.warmup, args.repeats))
-            fleet_ms = median(time_call(fleet_call, device, args.warmup, args.repeats))
+            rank_ms: list[float] = []
+            parts: dict[str, list[float]] = {}
+
+            def timed_fleet_call(call=fleet_call):
+                out = call()
+                rank_ms.append(max(remote.fleet_link.last_rank_seconds) * 1e3)
+                for part, seconds in remote.fleet_link.last_timing.items():
+                    parts.setdefault(part, []).append(seconds * 1e3)
+                return out
+
+            fleet_ms = median(time_call(timed_fleet_call, device, args.warmup, args.repeats))
+            rank_ms = rank_ms[args.warmup:]
+            notes.append(f"- the fleet's call at {inputs.video_tokens} tokens in its parts (median ms): "
+                         + ", ".join(f"{part} {median(times[args.warmup:]):.2f}" for part, times in parts.items()))
             notes.append(f"- fleet at {inputs.video_tokens} tokens: the rank ran its blocks as {remote.fleet_link.last_blocks or 'unknown'}")
             row = [f"{inputs.size[0]}x{inputs.size[1]}x{inputs.size[2]}", str(inputs.video_tokens), "whole", f"{native_ms:.1f}", f"{fleet_ms:.1f}",
-                   f"{(fleet_ms / native_ms - 1) * 100:+.1f}%", f"{diff:.3g}"]
+                   f"{(fleet_ms / native_ms - 1) * 100:+.1f}%", f"{median(rank_ms):.1f}", f"{fleet_ms - median(rank_ms):.1f}", f"{diff:.3g}"]
             rows.append(row + captured_columns(comfy, native, diffusion_model, inputs, device, args) if args.capture else row + ["-", "-"])
             if not args.shards:
                 continue
@@ -176,14 +189,17 @@ def main() -> None:
                     continue
                 call, _ = native.forward_call(shard, shard.forward_sigma)
                 eager_ms = median(time_call(call, device, args.warmup, args.repeats))
-                row = ["", str(shard.video_tokens), f"shard of SP {degree}", f"{eager_ms:.1f}", "-", "-", "-"]
+                row = ["", str(shard.video_tokens), f"shard of SP {degree}", f"{eager_ms:.1f}", "-", "-", "-", "-", "-"]
                 rows.append(row + captured_columns(comfy, native, diffusion_model, shard, device, args) if args.capture else row + ["-", "-"])
         native.free()
     world = len(args.gpus.split(",")) if args.gpus and device.type == "cuda" else 1
-    headers = ["size", "video tokens", "forward", "ComfyUI eager ms", f"fleet world {world} ms", "overhead", "max |diff| fleet", "ComfyUI blocks captured ms", "max |diff| captured"]
+    headers = ["size", "video tokens", "forward", "ComfyUI eager ms", f"fleet world {world} ms", "overhead", "rank's forward ms", "the call around it ms",
+               "max |diff| fleet", "ComfyUI blocks captured ms", "max |diff| captured"]
     notes.insert(0, f"- LTX-{args.model} random bundle ({'tiny' if args.tiny else 'full size'}), {str(dtype).removeprefix('torch.')}; one video+audio "
                     f"denoiser call (apply_model) at sigma {inputs_per_size[0].forward_sigma:g}, positive context, median of {args.repeats}; overhead: the "
-                    "fleet's call against the in-process one (the fleet replays its blocks as CUDA graphs unless MGPU_COMFY_CUDA_GRAPHS=0); shard rows: ComfyUI's forward "
+                    "fleet's call against the in-process one (the fleet replays its blocks as CUDA graphs unless MGPU_COMFY_CUDA_GRAPHS=0); rank's forward: the slowest rank's "
+                    "time inside ComfyUI's forward (median), the call around it: the fleet's call less that (packing, the socket, copies to and from the "
+                    "device); each call gets a new context tensor with the same values, as ComfyUI's sampler makes one every step; shard rows: ComfyUI's forward "
                     "on 1/N of the frames (one rank's tokens, no exchange); captured: the same in-process forward with its transformer blocks replayed as a CUDA graph")
     text = markdown_table(headers, rows) + "\n\n" + "\n".join(notes)
     print(text, flush=True)

@@ -328,7 +328,8 @@ class ComfyNative:
 
         def call() -> torch.Tensor:
             with torch.inference_mode():
-                return self.patcher.model.apply_model(packed, sigma_tensor, c_crossattn=context, frame_rate=FRAME_RATE, latent_shapes=shapes)
+                # A new context tensor each call, as ComfyUI's sampler makes one every step (cond_cat's torch.cat).
+                return self.patcher.model.apply_model(packed, sigma_tensor, c_crossattn=torch.cat([context]), frame_rate=FRAME_RATE, latent_shapes=shapes)
 
         return call, shapes
 

@@ -328,6 +328,7 @@ def release_parallelism(loaded: runtime.LoadedModel) -> None:
 @job("comfy.forward")
 def forward(ctx: JobContext, args: dict, tensors: dict):
     """One call of ComfyUI's diffusion model, sequence-parallel over the fleet (split by batch over groups)."""
+    entered = time.perf_counter()
     loaded = _resident(ctx, args)
     _check_set(loaded, args)
     call = _call(args, tensors, _kept(ctx))
@@ -368,6 +369,7 @@ def forward(ctx: JobContext, args: dict, tensors: dict):
         "out": packed,
         "count": len(out_tensors),
         "rank_seconds": [round(value, 6) for value in rank_seconds.tolist()],
+        "job_seconds": round(time.perf_counter() - entered, 6),  # this rank's whole job: inputs in, forward, output out
         "batch_groups": groups,
         "sp_degree": sp_comm.world_size,
         "blocks": "cuda graph" if loaded.captured is not None and loaded.captured.replays > replays else "eager",

@@ -154,6 +154,7 @@ class FleetLink:
         self.node_id: str | None = None
         self.last_rank_seconds: list[float] = []
         self.last_blocks = ""  # how the ranks ran the transformer blocks in the last call: "cuda graph" or "eager"
+        self.last_timing: dict[str, float] = {}  # the last call's parts in seconds (CallTiming's keys), for the benchmarks
         self.kept = wire.KeptTensors(skip=("x", "timestep"))  # what the ranks keep between calls: text context, masks
         self.on_forward = None  # on_forward(event): each denoiser call's step and per-rank seconds, for the UI
         self._lock = threading.RLock()
@@ -232,27 +233,40 @@ class FleetLink:
 
     def forward(self, call: dict, should_cancel=None) -> torch.Tensor:
         device = call["x"][0].device if isinstance(call["x"], (list, tuple)) else call["x"].device
+        timing: dict[str, float] = {}
         with self._lock:
             if self._fleet_changed() or self.model_key is None:
                 raise UnsupportedModelPatch("the MGPU fleet restarted during sampling; run the graph again")
             try:
-                result = self._forward_once(call, should_cancel)
+                result = self._forward_once(call, should_cancel, timing)
             except FleetError as exc:
                 if wire.KEPT_MISSING not in str(exc):
                     raise
                 self.kept.forget()  # the ranks lost what they kept (a rank was replaced): send everything again
-                result = self._forward_once(call, should_cancel)
+                result = self._forward_once(call, should_cancel, timing)
         self.last_rank_seconds = [float(seconds) for seconds in result.fields.get("rank_seconds", [])]
         self.last_blocks = str(result.fields.get("blocks", ""))
-        return wire.to_device(wire.unpack(result.fields["out"], wire.tensors_in_order(result.tensors, int(result.fields["count"]))), device)
+        started = time.perf_counter()
+        out = wire.to_device(wire.unpack(result.fields["out"], wire.tensors_in_order(result.tensors, int(result.fields["count"]))), device)
+        timing["output to the device"] = time.perf_counter() - started
+        timing["rank 0's job"] = float(result.fields.get("job_seconds", 0.0))
+        timing["the ranks' forward"] = max(self.last_rank_seconds, default=0.0)
+        self.last_timing = timing
+        return out
 
-    def _forward_once(self, call: dict, should_cancel):
+    def _forward_once(self, call: dict, should_cancel, timing: dict[str, float]):
+        started = time.perf_counter()
         try:
             packed, tensors = wire.pack(call, kept=self.kept)
         except wire.UnsupportedValue as exc:
             raise UnsupportedModelPatch(f"a denoiser input cannot be sent to the MGPU fleet: {exc}") from None
         args = {"model_key": self.model_key, "set_digest": self.set_digest, "call": packed, "count": len(tensors)}
-        return self._run("comfy.forward", args, wire.tensors_by_name([tensor.detach().cpu() for tensor in tensors]), should_cancel)
+        sent = wire.tensors_by_name([tensor.detach().cpu() for tensor in tensors])
+        packed_at = time.perf_counter()
+        result = self._run("comfy.forward", args, sent, should_cancel)
+        timing["inputs packed"] = packed_at - started
+        timing["the fleet's job, round trip"] = time.perf_counter() - packed_at
+        return result
 
     def text_embeds(self, context: torch.Tensor, unprocessed: bool) -> torch.Tensor:
         with self._lock:
