@@ -17,6 +17,7 @@ import torch
 from mgpu_backend.bundles import tiny
 from mgpu_backend.ltx.residency import GIB, ResidencyError, plan_residency
 from mgpu_backend.ltx.schema import ModelSpec
+from mgpu_backend.parallel import weight_tracker
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel
 from mgpu_backend.parallel.weight_sharding import apply_weight_sharding, idle_forward, local_state_dict, weight_sharding_comm
@@ -175,6 +176,37 @@ def test_distilled_job_sharded_over_2_ranks_equals_the_unsharded_fleet(fleet, bu
     whole = distilled_job(fleet, spec, "all", quantization, [])
     sharded = distilled_job(fleet, spec, "sharded", quantization, [])
     _assert_bitwise(sharded, whole, f"distilled LTX-2.3 {quantization or 'bf16'}")
+
+
+def test_ranks_short_of_host_memory_build_in_turns_and_equal_the_unsharded_fleet(fleet, fleet_of, bundles):
+    # Host memory for one whole transformer at a time (MGPU_HOST_MEMORY_GIB, as on a 64 GB machine
+    # with 4 GPUs): rank 0 builds and shards, then rank 1; the weights are the same.
+    short = fleet_of(2, env={"MGPU_HOST_MEMORY_GIB": "0.001"})
+    bundle = bundles["2.3"]
+    spec = ModelSpec(checkpoint_path=bundle.distilled_checkpoint_path, gemma_root=bundle.gemma_root,
+                     spatial_upsampler_path=bundle.spatial_upsampler_path).to_wire()  # fmt: skip
+    logs: list[str] = []
+    whole = distilled_job(fleet, spec, "all", None, [])
+    in_turns = distilled_job(short, spec, "sharded", None, logs)
+    _assert_bitwise(in_turns, whole, "distilled LTX-2.3 sharded in turns")
+    turns = sorted(line for line in logs if "sharded it in turn" in line)
+    assert len(turns) == 2, logs
+    assert "rank 0 built" in turns[0] and "turn 1 of 2 (1 rank(s) at a time" in turns[0], turns
+    assert "rank 1 built" in turns[1] and "turn 2 of 2" in turns[1], turns
+
+
+def test_sharded_builds_take_turns_as_host_memory_holds_them():
+    gib = 1 << 30
+    assert weight_tracker.sharded_builds_at_once(41 * gib, 125 * gib, 4) == 2  # the 22B in bf16 on a 128 GiB host
+    assert weight_tracker.sharded_builds_at_once(41 * gib, 60 * gib, 4) == 1
+    assert weight_tracker.sharded_builds_at_once(41 * gib, 10 * gib, 2) == 1  # one at a time even when none fits
+    assert weight_tracker.sharded_builds_at_once(41 * gib, 1000 * gib, 4) == 4
+    assert weight_tracker.sharded_builds_at_once(41 * gib, None, 4) == 4  # nothing known: all at once, as before
+    assert weight_tracker.host_memory_bytes({"MGPU_HOST_MEMORY_GIB": "64"}) == 64 * gib
+    with pytest.raises(ValueError, match="MGPU_HOST_MEMORY_GIB must be a positive number of GiB, got 'lots'"):
+        weight_tracker.host_memory_bytes({"MGPU_HOST_MEMORY_GIB": "lots"})
+    available = weight_tracker.host_memory_bytes({})
+    assert available is None or available > 0
 
 
 @pytest.fixture(scope="module")

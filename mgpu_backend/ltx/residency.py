@@ -224,18 +224,27 @@ def component_sizes(spec, dtype: torch.dtype = torch.bfloat16) -> ComponentSizes
 # --- Device memory -----------------------------------------------------------------------------------
 
 
+def gib_setting(environ, name: str, when_unset: str) -> int | None:
+    """The bytes of a positive number of GiB in ``environ[name]``; None when unset or empty. Anything
+    else is refused, naming the variable and what unsetting it does (``when_unset``)."""
+    text = environ.get(name, "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValueError(f"{name} must be a positive number of GiB, got {text!r}; unset it to {when_unset}")
+    return int(value * GIB)
+
+
 def device_memory_bytes(device: torch.device) -> int | None:
     """The memory this rank may use on ``device``: ``MGPU_MEMORY_LIMIT_GIB`` when set, else a GPU's
     total memory times this process's memory fraction; None (no limit) for a CPU rank."""
-    limit = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
-    if limit:
-        try:
-            value = float(limit)
-        except ValueError:
-            value = -1.0
-        if not value > 0:
-            raise ValueError(f"{MEMORY_LIMIT_ENV} must be a positive number of GiB, got {limit!r}; unset it to use the GPU's memory")
-        return int(value * GIB)
+    limit = gib_setting(os.environ, MEMORY_LIMIT_ENV, "use the GPU's memory")
+    if limit is not None:
+        return limit
     device = torch.device(device)
     if device.type != "cuda":
         return None

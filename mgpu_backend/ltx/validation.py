@@ -137,6 +137,12 @@ def available_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
+    available = host_available_bytes()
+    return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def host_available_bytes() -> int | None:
+    """The kernel's MemAvailable (what new allocations can get without swapping); None off Linux."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -144,7 +150,7 @@ def available_memory_bytes(device: torch.device) -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return None
 
 
 def check_fits(

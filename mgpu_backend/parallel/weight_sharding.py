@@ -96,14 +96,28 @@ def block_bytes(model: torch.nn.Module) -> tuple[int, int]:
     return max(blocks, default=0), outside
 
 
-def apply_weight_sharding(model: torch.nn.Module, comm: Comm, device: torch.device | str) -> torch.nn.Module:
+def sharding_mesh(comm: Comm, device: torch.device | str):
+    """The device mesh the weights are sharded on: a process group of its own over ``comm``'s ranks,
+    so that their gathers never queue behind the SP all-to-alls or the guidance exchange of the same
+    ranks. Collective over the world (every rank calls it, even for a subgroup's Comm)."""
+    group = dist.new_group(ranks=comm.global_ranks)
+    # FSDP2 and DTensor are imported only where weights are sharded: importing them changes how a gloo
+    # collective fails when a peer destroys its groups (a job error on one rank then read as a hang).
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(group, torch.device(device).type)
+
+
+def apply_weight_sharding(model: torch.nn.Module, comm: Comm, device: torch.device | str, mesh=None) -> torch.nn.Module:
     """Shard ``model``'s (X0Model or LTXModel) weights over the ranks of ``comm`` and move them to
     ``device`` (each block as it is sharded, so a model built in host memory never sits whole on the
     device; a model built on the meta device stays there, for ``to_empty`` and an initialisation). Collective: every rank of ``comm`` calls it with the same model layout. Afterwards every
     rank must run every forward (or ``idle_forward``) together. Returns ``model``.
 
-    The weights are sharded on a process group of their own over ``comm``'s ranks, so that their
-    gathers never queue behind the SP all-to-alls or the guidance exchange of the same ranks.
+    The weights are sharded on ``mesh`` (``sharding_mesh(comm, device)``, made here when not given:
+    then the call is collective). Given a mesh, sharding itself talks to no other rank, so ranks may
+    shard one after another (the weight tracker builds in turns when host memory holds fewer whole
+    transformers than there are ranks).
     """
     velocity = _velocity_model(model)
     if _state(model) is not None:
@@ -111,13 +125,8 @@ def apply_weight_sharding(model: torch.nn.Module, comm: Comm, device: torch.devi
     if comm.world_size < 2:
         raise ValueError("weight sharding needs at least 2 ranks; one rank holds the whole transformer (residency 'all' or 'minimal')")
     device = torch.device(device)
-    group = dist.new_group(ranks=comm.global_ranks)  # collective over the world, even for a subgroup
-    # FSDP2 and DTensor are imported only where weights are sharded: importing them changes how a gloo
-    # collective fails when a peer destroys its groups (a job error on one rank then read as a hang).
-    from torch.distributed.device_mesh import DeviceMesh
+    mesh = sharding_mesh(comm, device) if mesh is None else mesh
     from torch.distributed.fsdp import fully_shard
-
-    mesh = DeviceMesh.from_group(group, device.type)
     blocks = list(velocity.transformer_blocks)
     # Only the velocity model's own parameters (not a wrapper's) are ever moved; buffers (the RoPE
     # tables, fp8 scales) stay whole on every rank, as FSDP keeps them.

@@ -46,7 +46,8 @@ Under weight sharding
     every rank (the same bytes everywhere, and the same as the unsharded tracker's owner makes),
     and each rank keeps its rows. The fusion work is not split (every rank fuses every touched key)
     but needs one full weight at a time beside the shards. The model is built in host memory and
-    its blocks moved to the device one shard at a time; parking moves this rank's shard (the
+    its blocks moved to the device one shard at a time, the ranks in turns of as many whole builds
+    as host memory holds (``sharded_builds_at_once``); parking moves this rank's shard (the
     gathers read the same storages once they are refilled). A rank replaced after a fault takes
     its rows with it, so then every rank builds again (reading the checkpoint).
 
@@ -78,9 +79,12 @@ imports ltx-pipelines, and never talks to other ranks except through ``Comm``.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
+import math
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -148,6 +152,29 @@ def clean_shard_on_host(working_bytes: int, shard_bytes: int, device: torch.devi
     if device_total_bytes is None:
         device_total_bytes = torch.cuda.get_device_properties(device).total_memory
     return working_bytes + shard_bytes > CLEAN_SHARD_DEVICE_SHARE * device_total_bytes
+
+
+HOST_MEMORY_ENV = "MGPU_HOST_MEMORY_GIB"
+HOST_BUILD_SHARE = 0.9
+"""Of the host memory available, the share that whole-transformer builds of sharded ranks may take at once."""
+
+
+def host_memory_bytes(environ=None) -> int | None:
+    """The host memory a sharded build may count on: ``MGPU_HOST_MEMORY_GIB`` when set (a host shared
+    with other work), else the kernel's MemAvailable; None where neither is known (not Linux)."""
+    from mgpu_backend.ltx.residency import gib_setting
+    from mgpu_backend.ltx.validation import host_available_bytes
+
+    limit = gib_setting(os.environ if environ is None else environ, HOST_MEMORY_ENV, "use what the host has free")
+    return limit if limit is not None else host_available_bytes()
+
+
+def sharded_builds_at_once(build_bytes: int, available_bytes: int | None, world_size: int) -> int:
+    """How many ranks may build the whole transformer in host memory at once (at least one: a single
+    build that does not fit fails as it would without turns)."""
+    if available_bytes is None:
+        return world_size
+    return max(1, min(world_size, int(available_bytes * HOST_BUILD_SHARE) // max(1, build_bytes)))
 
 
 def _owners_by_bytes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
@@ -308,18 +335,13 @@ class TransformerWeightTracker:
         if self._model is not None and loader is self._loader:
             return self._model
         self._drop()
-        # Sharded: built in host memory, each block moved to the device as its shard.
-        model = loader.build_transformer((), device="cpu" if self.shard_weights else None)
-        velocity_model = model.velocity_model
-        # The working copy and the clean shard are all this rank needs from now on. Dropping the
-        # registry's host copy frees it on a GPU rank, and on a CPU rank (where the built model
-        # aliases it) keeps LoRA fusion in place from reaching anything else built by the loader.
-        dropped = loader.drop_host_copy("transformer")
-        working = {key: tensor.detach() for key, tensor in velocity_model.state_dict(keep_vars=True).items()}
-        self._check_same_model_on_every_rank(working, loader.device)
         if self.shard_weights:
-            weight_sharding.apply_weight_sharding(model, self.comm, loader.device)
+            model, layout, dropped = self._build_sharded(loader)
             working = weight_sharding.local_state_dict(model)
+        else:
+            model, layout, dropped = self._build_whole(loader, None)
+            working = {key: tensor.detach() for key, tensor in model.velocity_model.state_dict(keep_vars=True).items()}
+        self._check_same_model_on_every_rank(layout, loader.device)
         owners = _owners_by_bytes({key: tensor.nbytes for key, tensor in working.items()}, self.comm.world_size)
         clean = {}
         if not self.no_lora_swap:
@@ -350,14 +372,60 @@ class TransformerWeightTracker:
         )
         return model
 
+    @staticmethod
+    def _build_whole(loader, device) -> tuple[X0Model, str, int]:
+        """The whole transformer on ``device`` (the loader's when None), its layout, and the bytes of
+        the registry's host copy dropped. The working copy and the clean shard are all this rank
+        needs from now on: dropping the registry's host copy frees it on a GPU rank, and on a CPU rank
+        (where the built model aliases it) keeps LoRA fusion in place from reaching anything else
+        built by the loader."""
+        model = loader.build_transformer((), device=device)
+        dropped = loader.drop_host_copy("transformer")
+        state = model.velocity_model.state_dict(keep_vars=True)
+        return model, "\n".join(f"{key}:{tuple(t.shape)}:{t.dtype}" for key, t in state.items()), dropped
+
+    def _build_sharded(self, loader) -> tuple[X0Model, str, int]:
+        """Built whole in host memory, then each block moved to the device as this rank's shard. The
+        whole transformer sits in host memory only while its rank shards it, so the ranks build in
+        turns of as many as host memory holds (``sharded_builds_at_once``): 4 ranks of a 22B in bf16
+        would otherwise need 4 x 41 GiB of host memory at once."""
+        mesh = weight_sharding.sharding_mesh(self.comm, loader.device)  # collective: before the turns
+        at_once = self._builds_at_once(loader)
+        turns = math.ceil(self.comm.world_size / at_once)
+        model = layout = dropped = None
+        for turn in range(turns):
+            if self.comm.rank // at_once == turn:
+                started = time.perf_counter()
+                model, layout, dropped = self._build_whole(loader, "cpu")
+                weight_sharding.apply_weight_sharding(model, self.comm, loader.device, mesh=mesh)
+                gc.collect()  # the whole host copy goes now, before the next turn's ranks build theirs
+                if turns > 1:
+                    log.info("rank %d built the transformer in host memory and sharded it in turn %d of %d (%d rank(s) at a time, "
+                             "as host memory holds): %.1f s", self.comm.rank, turn + 1, turns, at_once, time.perf_counter() - started)
+            if turns > 1:
+                self.comm.barrier()
+        return model, layout, dropped
+
+    def _builds_at_once(self, loader) -> int:
+        """How many ranks build the whole transformer in host memory at once: rank 0's reading of the
+        host memory (``host_memory_bytes``), against one build's bytes, agreed by every rank."""
+        decided = torch.zeros(1, dtype=torch.int64, device=loader.device)
+        if self.comm.rank == 0:
+            from mgpu_backend.ltx.residency import component_sizes
+
+            sizes = component_sizes(loader.spec, loader.dtype)
+            build_bytes = sizes.transformer_bytes + (sizes.transformer_fp8_bytes if loader.quantization == "fp8-cast" else 0)
+            decided[0] = sharded_builds_at_once(build_bytes, host_memory_bytes(), self.comm.world_size)
+        return int(self.comm.broadcast(decided).item())
+
     def _drop(self) -> None:
         self._loader, self._model = None, None
         self._working, self._owners, self._clean, self._working_bytes = {}, {}, {}, 0
         self._parking.release()
 
-    def _check_same_model_on_every_rank(self, working: dict[str, torch.Tensor], device) -> None:
-        """Ownership is computed locally from the key list: all ranks must hold the same keys and shapes."""
-        layout = "\n".join(f"{key}:{tuple(t.shape)}:{t.dtype}" for key, t in working.items())
+    def _check_same_model_on_every_rank(self, layout: str, device) -> None:
+        """Ownership is computed locally from the key list: all ranks must hold the same keys and shapes
+        (``layout``: the whole model's keys, shapes and dtypes)."""
         fingerprint = int.from_bytes(hashlib.sha256(layout.encode()).digest()[:7], "little")
         mine = torch.tensor([fingerprint], dtype=torch.int64, device=device)
         everyone = self.comm.all_gather(mine, dim=0)
