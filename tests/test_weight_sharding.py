@@ -178,6 +178,7 @@ def test_distilled_job_sharded_over_2_ranks_equals_the_unsharded_fleet(fleet, bu
     _assert_bitwise(sharded, whole, f"distilled LTX-2.3 {quantization or 'bf16'}")
 
 
+@pytest.mark.slow
 def test_ranks_short_of_host_memory_build_in_turns_and_equal_the_unsharded_fleet(fleet, fleet_of, bundles):
     # Host memory for one whole transformer at a time (MGPU_HOST_MEMORY_GIB, as on a 64 GB machine
     # with 4 GPUs): rank 0 builds and shards, then rank 1; the weights are the same.
