@@ -102,7 +102,7 @@ class KeptTensors:
     ``max_tensors`` copies and ``max_bytes`` in all, the least recently used dropped first (the other
     side then gets that tensor again under a new token). ``forget`` is for when the other side lost them."""
 
-    def __init__(self, min_bytes: int = 1 << 16, skip: tuple[str, ...] = (), max_tensors: int = 16, max_bytes: int = 512 << 20) -> None:
+    def __init__(self, min_bytes: int = 1 << 16, skip: tuple[str, ...] = (), max_tensors: int = 16, max_bytes: int = 256 << 20) -> None:
         self.min_bytes, self.skip = min_bytes, skip
         self.max_tensors, self.max_bytes = max_tensors, max_bytes
         self._copies: OrderedDict[str, torch.Tensor] = OrderedDict()
