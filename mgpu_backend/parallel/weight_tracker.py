@@ -177,6 +177,11 @@ def sharded_builds_at_once(build_bytes: int, available_bytes: int | None, world_
     return max(1, min(world_size, int(available_bytes * HOST_BUILD_SHARE) // max(1, build_bytes)))
 
 
+def _layout(state: dict[str, torch.Tensor]) -> str:
+    """A whole (unsharded) state dict's keys, shapes and dtypes: what every rank must agree on."""
+    return "\n".join(f"{key}:{tuple(t.shape)}:{t.dtype}" for key, t in state.items())
+
+
 def _owners_by_bytes(sizes: dict[str, int], world_size: int) -> dict[str, int]:
     """Each key -> one rank, largest keys first onto the least-loaded rank: about 1/N of the bytes
     each, and the same answer on every rank (ties broken by key name and rank index)."""
@@ -381,8 +386,7 @@ class TransformerWeightTracker:
         built by the loader."""
         model = loader.build_transformer((), device=device)
         dropped = loader.drop_host_copy("transformer")
-        state = model.velocity_model.state_dict(keep_vars=True)
-        return model, "\n".join(f"{key}:{tuple(t.shape)}:{t.dtype}" for key, t in state.items()), dropped
+        return model, _layout(model.velocity_model.state_dict(keep_vars=True)), dropped
 
     def _build_sharded(self, loader) -> tuple[X0Model, str, int]:
         """Built whole in host memory, then each block moved to the device as this rank's shard. The
@@ -504,7 +508,7 @@ class TransformerWeightTracker:
         if fresh:
             self.build(loader)
         else:
-            self._check_same_model_on_every_rank(self._working, loader.device)
+            self._check_same_model_on_every_rank(_layout(self._working), loader.device)
         applied = json.dumps([[path, strength] for path, strength in self._applied]).encode()
         length = self.comm.broadcast(torch.tensor([len(applied)], dtype=torch.int64, device=loader.device), src=survivor)
         buffer = torch.zeros(int(length.item()), dtype=torch.uint8, device=loader.device)
@@ -518,7 +522,7 @@ class TransformerWeightTracker:
                 self._drop()
                 self.build(loader)
             else:
-                self._check_same_model_on_every_rank(self._working, loader.device)
+                self._check_same_model_on_every_rank(_layout(self._working), loader.device)
             return
         if fresh:
             loras = [LoraStateDictWithStrength(self._loader.lora_state_dict(path), strength) for path, strength in kept_set]
