@@ -120,8 +120,19 @@ def run_official(declared: Recipe, bundle: tiny.TinyBundle, version: str, images
     return denoised
 
 
+TORCH_2_14_DRIFT = pytest.mark.xfail(
+    tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14),
+    strict=True,
+    reason="under torch 2.14.1 (what `pip install` resolves since December 2026) the two-stage and keyframes recipes' "
+    "LTX-2.3 stage-1 video latent differs from the official runner's by 0.1875, at this project's earlier commits too "
+    "(they passed in the CI of December 1-2, 2026 under the torch it resolved then); the cause is not found yet. strict: a pass fails the run, so "
+    "the mark goes when the parity is back",
+)
+"""The known difference, bound to the torch versions it was seen under."""
+
 RUNS = [
-    pytest.param(declared, version, id=f"{declared.name}-{official_reference.version_id(version)}")
+    pytest.param(declared, version, id=f"{declared.name}-{official_reference.version_id(version)}",
+                 marks=TORCH_2_14_DRIFT if declared.name in ("two-stage", "keyframes") and version.startswith("2.3") else ())
     for declared in RECIPES.values() for version in tiny.VERSIONS if version in declared.versions
 ]  # fmt: skip
 """Every recipe on the tiny bundle of each model version its official runner supports."""
