@@ -215,3 +215,44 @@ def run_bench(parser: argparse.ArgumentParser, measure: Callable[[argparse.Names
     with stdout_to_stderr():
         table = measure(args)
     emit(table, resolve_device(args.device), args.out)
+
+
+class HostMemoryWatch:
+    """The lowest ``MemAvailable`` of /proc/meminfo while a run goes on (sampled every 0.2 s on a thread):
+    at full size a 22B checkpoint, its LoRA, Gemma and the ranks' host copies share the host's memory."""
+
+    def __init__(self, every: float = 0.2) -> None:
+        import threading
+
+        self.every, self.lowest, self.total = every, None, None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    @staticmethod
+    def _meminfo() -> dict[str, int]:
+        with open("/proc/meminfo") as lines:
+            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in lines if line.split()[1:2] and line.split()[1].isdigit()}
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            info = self._meminfo()
+            self.total = info.get("MemTotal")
+            available = info.get("MemAvailable")
+            if available is not None and (self.lowest is None or available < self.lowest):
+                self.lowest = available
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> HostMemoryWatch:
+        if Path("/proc/meminfo").exists():
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def describe(self) -> str:
+        if self.lowest is None:
+            return "host memory not watched (no /proc/meminfo)"
+        return f"host memory available at its lowest {self.lowest / 1e9:.1f} GB of {self.total / 1e9:.1f} GB"

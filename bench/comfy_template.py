@@ -63,7 +63,7 @@ from pathlib import Path
 
 import torch
 
-from _common import append_out, log, markdown_table, stdout_to_stderr
+from _common import HostMemoryWatch, append_out, log, markdown_table, stdout_to_stderr
 from comfy_graph import GraphRun, NodeClock, add_comfyui_arguments, link_models, log_stages, run_graph, start_comfyui, step_median, write_files
 
 from mgpu_backend.tools import comfy_queue
@@ -241,47 +241,6 @@ def run_side(side: str, graph: dict, args: argparse.Namespace, links: list, extr
                     out.write(f"===== ComfyUI, {side} side (fleet GPUs {gpus}) =====\n{server.log_text()}\n")
                     for fleet_log in sorted(runtime.rglob("server.log")):
                         out.write(f"===== its fleet's {fleet_log.relative_to(runtime)} =====\n{fleet_log.read_text(errors='replace')}\n")
-
-
-class HostMemoryWatch:
-    """The lowest ``MemAvailable`` of /proc/meminfo while a graph runs (sampled every 0.2 s on a thread):
-    a 22B checkpoint, its LoRA, Gemma and ComfyUI's copies share the host's memory with the ranks."""
-
-    def __init__(self, every: float = 0.2) -> None:
-        import threading
-
-        self.every, self.lowest, self.total = every, None, None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    @staticmethod
-    def _meminfo() -> dict[str, int]:
-        with open("/proc/meminfo") as lines:
-            return {line.split(":")[0]: int(line.split()[1]) * 1024 for line in lines if line.split()[1:2] and line.split()[1].isdigit()}
-
-    def _watch(self) -> None:
-        while not self._stop.is_set():
-            info = self._meminfo()
-            self.total = info.get("MemTotal")
-            available = info.get("MemAvailable")
-            if available is not None and (self.lowest is None or available < self.lowest):
-                self.lowest = available
-            self._stop.wait(self.every)
-
-    def __enter__(self) -> HostMemoryWatch:
-        if Path("/proc/meminfo").exists():
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join()
-
-    def describe(self) -> str:
-        if self.lowest is None:
-            return "host memory not watched (no /proc/meminfo)"
-        return f"host memory available at its lowest {self.lowest / 1e9:.1f} GB of {self.total / 1e9:.1f} GB"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import log, markdown_table, provenance  # noqa: E402
+from bench._common import HostMemoryWatch, log, markdown_table, provenance  # noqa: E402
 from mgpu_backend.bundles import full_size  # noqa: E402
 from mgpu_backend.ltx import recipes  # noqa: E402
 from mgpu_backend.ltx.diagnostics import bench_config, context_widths, random_transformer_inputs  # noqa: E402
@@ -342,7 +342,10 @@ def whole_job_bench(args) -> tuple[str, torch.device]:
             else:
                 api.configure(os.path.join(socket_dir, f"fleet-{number}.sock"), gpus="0" if on_gpu else None, cpu_ranks=None if on_gpu else case.ranks)
                 try:  # the load starts the fleet: a fleet that cannot start ends the case as a failed load
-                    peaks, ending = run_case(case, spec.to_json(), args.version, args.steps)
+                    with HostMemoryWatch() as host_memory:
+                        peaks, ending = run_case(case, spec.to_json(), args.version, args.steps)
+                    if on_gpu:
+                        ending += f"; {host_memory.describe()}"
                 finally:
                     api.restart()
                     if args.fleet_log and os.path.exists(os.path.join(socket_dir, "server.log")):

@@ -186,3 +186,51 @@ def test_comfyui_single_file_gemma_on_the_fleet_gives_the_folder_contexts(bundle
     for rank, contexts in enumerate(run_ranks(WORLD_SIZE, _file_scenario, paths, "batch_parallel")):
         diff = _max_abs_diff(contexts, reference["prompts"])
         assert diff == 0, f"rank {rank}: max abs diff {diff} from the folder's encode_prompts"
+
+
+def _text_stack_and_sizes(bundle):
+    from accelerate.utils import compute_module_sizes
+
+    gemma = ModelLoader(_spec(vars(bundle)), "cpu", torch.bfloat16).gemma()
+    return gemma, compute_module_sizes(gemma.model, dtype=torch.bfloat16)
+
+
+def test_gemma_placed_on_gpus_short_of_room_keeps_its_later_layers_in_host_memory(bundle):
+    gemma, sizes = _text_stack_and_sizes(bundle)
+    layers = sorted(name for name in sizes if name.count(".") == 1 and name.startswith("layers."))
+    assert len(layers) >= 2, layers
+    # Room for the token embeddings and two layers: Accelerate keeps one layer's room as the buffer the
+    # streamed layers pass through, so the embeddings and the first layer stay on GPU 0, the rest in host memory.
+    room = sizes["embed_tokens"] + 2 * sizes[layers[0]]
+    device_map = distributed_gemma.gemma_device_map(gemma.model, {0: room}, torch.bfloat16)
+    assert device_map["embed_tokens"] == 0 and device_map["layers.0"] == 0, device_map
+    assert device_map[layers[-1]] == "cpu", device_map
+    # Room for all of it on two GPUs: spread over both, nothing in host memory.
+    device_map = distributed_gemma.gemma_device_map(gemma.model, {0: sizes[""], 1: sizes[""]}, torch.bfloat16)
+    assert set(device_map.values()) == {0, 1}, device_map
+
+
+def test_gemma_is_refused_in_words_when_not_even_its_token_embeddings_fit(bundle):
+    gemma, sizes = _text_stack_and_sizes(bundle)
+    with pytest.raises(RuntimeError, match=r"Gemma cannot run here: its token embeddings \(.* GB\) and one layer do not fit"):
+        distributed_gemma.gemma_device_map(gemma.model, {0: sizes["embed_tokens"] // 2}, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gemma_streamed_from_host_memory_gives_the_contexts_of_gemma_whole_on_the_gpu(bundle, monkeypatch):
+    from mgpu_backend.ltx.residency import ENCODE_HEADROOM_BYTES, GIB, MEMORY_LIMIT_ENV
+
+    loader = ModelLoader(_spec(vars(bundle)), "cuda", torch.bfloat16)
+    whole = _as_lists(encode_prompts(loader, PROMPTS))
+    _, sizes = _text_stack_and_sizes(bundle)
+    layer = max(size for name, size in sizes.items() if name.count(".") == 1 and name.startswith("layers."))
+    torch.cuda.empty_cache()
+    # This process's limit leaves the encode's activations, the embeddings and two layers beside what it holds.
+    limit = torch.cuda.memory_reserved() + ENCODE_HEADROOM_BYTES + sizes["embed_tokens"] + 2 * layer
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, str(limit / GIB))
+    streamed = distributed_gemma._gemma_on_gpus(loader, "batch_parallel", rank=0)
+    placement = distributed_gemma.gemma_placement(streamed)
+    assert placement.get(distributed_gemma.STREAMED, 0) > 0 and placement.get("cuda:0", 0) > 0, placement
+    diff = _max_abs_diff(_as_lists(encode_prompts(loader, PROMPTS, gemma=streamed)), whole)
+    assert diff == 0, f"Gemma streamed from host memory: max abs diff {diff} from Gemma whole on the GPU"

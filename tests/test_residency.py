@@ -22,6 +22,7 @@ from mgpu_backend.fleet.client import FleetError
 from mgpu_backend.ltx.loading import ModelSpec
 from mgpu_backend.ltx.residency import (
     GIB,
+    job_peaks,
     MEMORY_LIMIT_ENV,
     ResidencyError,
     component_sizes,
@@ -152,7 +153,8 @@ def test_a_40_gb_gpu_is_refused_for_19b_bf16_and_told_that_fp8_cast_fits(sizes_1
 
 @pytest.mark.parametrize("quantization", [None, "fp8-cast"])
 def test_a_24_gb_gpu_is_refused_for_19b_before_loading_with_the_reason(sizes_19b, quantization):
-    # Even with the transformer parked, Gemma (24.4 GB) and its processor leave too little of 24 GB.
+    # Gemma streamed from host memory no longer sets the peak; a denoising stage does: the whole
+    # transformer (17.9 GiB even fp8-cast), the upscale's builds and its activations leave too little of 24 GB.
     with pytest.raises(ResidencyError) as refused:
         plan_residency(sizes_19b, 24 * GB, world_size=1, quantization=quantization)
     message = str(refused.value)
@@ -161,10 +163,31 @@ def test_a_24_gb_gpu_is_refused_for_19b_before_loading_with_the_reason(sizes_19b
     assert "use a GPU with more memory" in message, message
     assert f"Otherwise shard the transformer over the GPUs (residency {sharded}: about 18.6 GiB per GPU on 2 GPUs)" in message, message
     if quantization is None:
-        assert "even fp8-cast weights would need about 27.4 GiB" in message, message
+        assert "even fp8-cast weights would need about 25.4 GiB" in message, message
     else:
-        assert "about 27.4 GiB per GPU even with residency 'minimal' (the encode stage builds gemma, embeddings_processor: " in message, message
-        assert "with the transformer parked in host memory" in message, message
+        assert "about 25.4 GiB per GPU even with residency 'minimal' (the transformer alone is 17.9 GiB, and the upscale stage" in message, message
+
+
+def test_gemmas_streamed_floor_is_its_token_embeddings_and_two_layers(sizes_19b):
+    # Gemma-3 12B: 262144 x 3840 token embeddings in bf16 (2.01 GB); a text layer 0.45 GB.
+    assert round(sizes_19b.gemma_streamed_bytes / GB, 2) == 2.91
+    assert sizes_19b.gemma_streamed_bytes < sizes_19b.components["gemma"] / 8
+
+
+def test_gemma_is_streamed_only_when_parking_the_transformer_is_not_enough(sizes_22b):
+    # A 24 GiB rank of 4 sharing one GPU (Gemma not spread): parked, Gemma (22.7 GiB) whole and its
+    # processor exceed 24 GiB, so Gemma's layers beyond the budget stay in host memory; at 32 GiB it fits whole.
+    tight = plan_residency(sizes_22b, 24 * GIB, world_size=4, policy="sharded", gemma_split=1)
+    roomy = plan_residency(sizes_22b, 32 * GIB, world_size=4, policy="sharded", gemma_split=1)
+    assert tight.gemma_streamed and tight.transformer_parked_for_encode and tight.peak_bytes <= 24 * GIB, tight.describe()
+    assert "Gemma's layers beyond the device's room streamed from host memory" in tight.describe()
+    assert not roomy.gemma_streamed, roomy.describe()
+    peaks = job_peaks(sizes_22b, tight, 4 * GIB, 4 * GIB)
+    assert peaks["encode"] == 24 * GIB, peaks  # Gemma takes what the budget leaves beside the processor
+    # Spread over two GPUs of their own, the same ranks need no streaming.
+    assert not plan_residency(sizes_22b, 24 * GIB, world_size=4, policy="sharded", gemma_split=4).gemma_streamed
+    # Without a budget (CPU ranks) nothing is streamed.
+    assert not plan_residency(sizes_22b, None, world_size=4, policy="sharded").gemma_streamed
 
 
 def test_more_ranks_shrink_only_the_clean_shard(sizes_19b):

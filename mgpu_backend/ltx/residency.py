@@ -18,7 +18,9 @@ What it is
       for the transformer copies it back;
     - ``"auto"`` (default): start from all and give up residency in this order until the estimated
       peak fits: Gemma, then the VAEs, then the upsampler, then the clean shard to host memory, then
-      the transformer itself during the encode (parked).
+      the transformer itself during the encode (parked), and last Gemma's own layers beyond the
+      device's room, which stay in host memory and are streamed to the GPU layer by layer at each
+      encode (``distributed_gemma``: slower; the token embeddings and one layer stay on the GPU).
 
     The peak estimate of a plan is the largest, over the stages, of: the resident bytes + the
     non-resident components that stage builds + its activations (``HEADROOM_BYTES`` for the
@@ -39,7 +41,7 @@ What it is
       (1/N again); the same ladder as ``"auto"`` then applies (per-stage components, clean rows
       to host memory, the shard parked while Gemma encodes), with Gemma counted 1/G per GPU at its
       encode, G the fleet's GPUs (its ``sharded`` mode spreads one copy over the GPUs; ranks that
-      share one GPU, ``MGPU_SHARED_GPU_RANKS``, share no Gemma: rank 0 builds it whole there).
+      share one GPU, ``MGPU_SHARED_GPU_RANKS``, share no Gemma: rank 0 builds it there).
       Needs at least 2 ranks. ``"auto"`` moves to it when no unsharded plan fits and the fleet
       has several ranks.
 
@@ -59,6 +61,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -114,6 +117,7 @@ class ComponentSizes:
     components: dict[str, int] = field(default_factory=dict)
     largest_block_bytes: tuple[int, int] = (0, 0)
     outside_blocks_bytes: tuple[int, int] = (0, 0)
+    gemma_streamed_bytes: int = 0  # Gemma's GPU bytes with every layer it can stream left in host memory
 
     def transformer(self, quantization: str | None) -> int:
         return self.transformer_fp8_bytes if quantization == "fp8-cast" else self.transformer_bytes
@@ -178,6 +182,12 @@ def sizes_from_headers(checkpoint: Headers, upsampler: Headers | None, gemma: He
     if upsampler is not None:
         components["spatial_upsampler"] = numel(upsampler, "") * item
     components["gemma"] = numel(gemma, "") * item
+    gemma_layers: dict[str, int] = {}
+    for name, (_, shape) in gemma.items():
+        if (match := re.search(r"(?:^|\.)layers\.\d+\.", name)) is not None:
+            layer = name[: match.end()]
+            gemma_layers[layer] = gemma_layers.get(layer, 0) + math.prod(shape) * item
+    embeddings = sum(math.prod(shape) for name, (_, shape) in gemma.items() if "embed_tokens" in name) * item
     transformer_tensors = {name: entry for name, entry in checkpoint.items() if name.startswith("model.diffusion_model.")}
     blocks: dict[str, Headers] = {}
     outside: Headers = {}
@@ -198,6 +208,8 @@ def sizes_from_headers(checkpoint: Headers, upsampler: Headers | None, gemma: He
         components=components,
         largest_block_bytes=(max(size[0] for size in block_sizes), max(size[1] for size in block_sizes)),
         outside_blocks_bytes=both(outside),
+        # streamed, Gemma keeps its token embeddings, one layer and the buffer its streamed layers pass through
+        gemma_streamed_bytes=embeddings + 2 * max(gemma_layers.values(), default=0),
     )
 
 
@@ -253,6 +265,15 @@ def device_memory_bytes(device: torch.device) -> int | None:
     return int(total * fraction)
 
 
+def gpu_room_bytes(index: int) -> int:
+    """The bytes this process may still take on GPU ``index``: the GPU's free memory, and no more than
+    its limit (``device_memory_bytes``) less what this process already holds (reserved by its allocator).
+    Ranks that share a GPU each see their own cap here, not the GPU's free memory alone."""
+    device = torch.device("cuda", index)
+    free = torch.cuda.mem_get_info(index)[0]
+    return max(0, min(free, device_memory_bytes(device) - torch.cuda.memory_reserved(device)))
+
+
 # --- The decision ------------------------------------------------------------------------------------
 
 
@@ -270,6 +291,7 @@ class ResidencyPlan:
     sharded_over: int = 1  # ranks the transformer's weights are sharded over (1: a whole copy per rank)
     gemma_split: int = 1  # GPUs a sharded plan's Gemma is spread over at its encode
     clean_device_bytes: int = 0  # the clean LoRA copy's bytes this plan counts on the device
+    gemma_streamed: bool = False  # Gemma's layers beyond the device's room stay in host memory, streamed at the encode
 
     @property
     def shards_weights(self) -> bool:
@@ -288,6 +310,7 @@ class ResidencyPlan:
             f"built per stage: {per_stage}; clean LoRA shard {shard}"
             + ("; transformer parked in host memory while Gemma encodes" if self.transformer_parked_for_encode else "")
             + (f"; transformer weights sharded over {self.sharded_over} ranks, gathered block by block" if self.shards_weights else "")
+            + ("; Gemma's layers beyond the device's room streamed from host memory at the encode" if self.gemma_streamed else "")
         )
 
 
@@ -297,12 +320,15 @@ def _headroom(headroom: int) -> dict[str, int]:
 
 
 def _stage_peaks(sizes: ComponentSizes, quantization, per_stage: set[str], shard_bytes: int, activations: dict[str, int],
-                 parked: bool = False, sharded_over: int = 1, gemma_split: int = 1) -> dict[str, int]:  # fmt: skip
+                 parked: bool = False, sharded_over: int = 1, gemma_split: int = 1,
+                 gemma_streamed_under: int | None = None) -> dict[str, int]:  # fmt: skip
     """Each stage's estimated device bytes: what stays resident + what the stage builds + its activations.
     A transformer parked for the encode (with its clean shard, when that is on the device) is not there then.
     Sharded over several ranks, the transformer counts its shard and gathered blocks in the stages that
     run it, its shard at rest in the others (encode, decode), and a Gemma built for the encode
-    1/``gemma_split`` (one copy spread over that many GPUs)."""
+    1/``gemma_split`` (one copy spread over that many GPUs). With ``gemma_streamed_under`` (a device budget),
+    a Gemma built for the encode takes what the budget leaves beside the rest of that stage, and at least
+    its streamed floor (``ComponentSizes.gemma_streamed_bytes``): the rest stays in host memory."""
     if sharded_over > 1:
         running = sizes.sharded_transformer(quantization, sharded_over) + shard_bytes
         at_rest = sizes.sharded_transformer_at_rest(quantization, sharded_over) + shard_bytes
@@ -315,18 +341,21 @@ def _stage_peaks(sizes: ComponentSizes, quantization, per_stage: set[str], shard
         return math.ceil(size / gemma_split) if name == "gemma" and sharded_over > 1 else size
 
     others = sum(size for name, size in sizes.components.items() if name not in per_stage)
-    return {
-        stage: transformer[stage]
-        + others
-        + sum(built(name) for name in names if name in per_stage)
-        + activations[stage]
+    peaks = {
+        stage: transformer[stage] + others + sum(built(name) for name in names if name in per_stage) + activations[stage]
         for stage, names in STAGE_COMPONENTS.items()
     }
+    if gemma_streamed_under is not None and "gemma" in per_stage:
+        without_gemma = peaks["encode"] - built("gemma")
+        on_device = min(built("gemma"), max(sizes.gemma_streamed_bytes, gemma_streamed_under - without_gemma))
+        peaks["encode"] = without_gemma + on_device
+    return peaks
 
 
 def _peak(sizes: ComponentSizes, quantization, per_stage: set[str], shard_bytes: int, headroom: int, parked: bool = False,
-          sharded_over: int = 1, gemma_split: int = 1) -> int:  # fmt: skip
-    return max(_stage_peaks(sizes, quantization, per_stage, shard_bytes, _headroom(headroom), parked, sharded_over, gemma_split).values())
+          sharded_over: int = 1, gemma_split: int = 1, gemma_streamed_under: int | None = None) -> int:  # fmt: skip
+    peaks = _stage_peaks(sizes, quantization, per_stage, shard_bytes, _headroom(headroom), parked, sharded_over, gemma_split, gemma_streamed_under)
+    return max(peaks.values())
 
 
 def gemma_gpus(world_size: int, environ: dict | None = None) -> int:
@@ -339,18 +368,31 @@ def gemma_gpus(world_size: int, environ: dict | None = None) -> int:
 def _sharded_levels(sizes: ComponentSizes, budget_bytes, world_size: int, quantization, lora_swap: bool,
                     headroom: int, name: str, gemma_split: int | None = None) -> list[ResidencyPlan]:  # fmt: skip
     """The sharded plans over ``world_size`` ranks, least evicted first: the unsharded ladder's
-    per-stage components, then the clean rows in host memory, then the shard parked while Gemma encodes.
+    per-stage components, then the clean rows in host memory, then the shard parked while Gemma encodes,
+    then (under a budget) Gemma's layers beyond it streamed from host memory.
     Gemma spreads over ``gemma_split`` GPUs (default: one per rank)."""
     gemma_split = world_size if gemma_split is None else gemma_split
     shard = math.ceil(sizes.transformer(quantization) / world_size) if lora_swap else 0
-    plans, evicted = [], set()
-    ladder = [set()] + [evicted := evicted | set(group) for group in EVICTION_ORDER]
-    levels = [(level, False, False) for level in ladder] + [(ladder[-1], True, False), (ladder[-1], True, True)]
-    for per_stage, on_host, parked in levels:
+    plans = []
+    for per_stage, on_host, parked, streamed in _ladder(budget_bytes):
         clean = 0 if on_host else shard
-        peak = _peak(sizes, quantization, per_stage, clean, headroom, parked, world_size, gemma_split)
-        plans.append(ResidencyPlan(name, frozenset(per_stage), on_host, peak, budget_bytes, quantization, parked, world_size, gemma_split, clean))
+        peak = _peak(sizes, quantization, per_stage, clean, headroom, parked, world_size, gemma_split, budget_bytes if streamed else None)
+        plans.append(ResidencyPlan(name, frozenset(per_stage), on_host, peak, budget_bytes, quantization, parked, world_size, gemma_split, clean, streamed))
     return plans
+
+
+def _ladder(budget_bytes: int | None) -> list[tuple[set[str], bool, bool, bool]]:
+    """The residency levels, least given up first: ``(built per stage, clean shard on host, transformer
+    parked for the encode, Gemma streamed)``: ``EVICTION_ORDER``'s groups one after the other, then the
+    clean shard to host memory, then the transformer parked, then (only under a budget, which sets how
+    much of Gemma stays on the device) Gemma's other layers streamed from host memory."""
+    evicted: set[str] = set()
+    per_stage = [set()] + [evicted := evicted | set(group) for group in EVICTION_ORDER]
+    levels = [(level, False, False, False) for level in per_stage]
+    levels += [(per_stage[-1], True, False, False), (per_stage[-1], True, True, False)]
+    if budget_bytes is not None:
+        levels.append((per_stage[-1], True, True, True))
+    return levels
 
 
 def plan_residency(
@@ -380,23 +422,18 @@ def plan_residency(
                 return plan
         raise ResidencyError(_does_not_fit(sizes, quantization, budget_bytes, levels[-1], headroom_bytes, min(world_size, gemma_split)))
     shard = math.ceil(sizes.transformer(quantization) / world_size) if lora_swap else 0
-    # (built per stage, clean shard on host, transformer parked for the encode), least evicted first
-    levels: list[tuple[set[str], bool, bool]] = []
-    evicted: set[str] = set()
-    levels.append((set(), False, False))
-    for group in EVICTION_ORDER:
-        evicted |= set(group)
-        levels.append((set(evicted), False, False))
-    levels.append((set(evicted), True, False))
-    levels.append((set(evicted), True, True))
+    levels = _ladder(budget_bytes)
 
     def plan_at(level: int, name: str) -> ResidencyPlan:
-        per_stage, on_host, parked = levels[level]
+        per_stage, on_host, parked, streamed = levels[level]
         clean = 0 if on_host else shard
-        peak = _peak(sizes, quantization, per_stage, clean, headroom_bytes, parked)
-        return ResidencyPlan(name, frozenset(per_stage), on_host, peak, budget_bytes, quantization, parked, clean_device_bytes=clean)
+        peak = _peak(sizes, quantization, per_stage, clean, headroom_bytes, parked, gemma_streamed_under=budget_bytes if streamed else None)
+        return ResidencyPlan(name, frozenset(per_stage), on_host, peak, budget_bytes, quantization, parked, clean_device_bytes=clean, gemma_streamed=streamed)
 
+    # The lightest level that fits; Gemma is streamed only where the level before it does not fit.
     minimal = plan_at(len(levels) - 1, "minimal")
+    if minimal.gemma_streamed and (unstreamed := plan_at(len(levels) - 2, "minimal")).peak_bytes <= budget_bytes:
+        minimal = unstreamed
     if budget_bytes is not None and minimal.peak_bytes > budget_bytes:
         if policy == "auto" and world_size > 1:
             for plan in _sharded_levels(sizes, budget_bytes, world_size, quantization, lora_swap, headroom_bytes, "auto", gemma_split):
@@ -431,7 +468,8 @@ def job_peaks(sizes: ComponentSizes, plan: ResidencyPlan, stage1_activation_byte
     activations = {"encode": ENCODE_HEADROOM_BYTES, "sample": stage1_activation_bytes, "upscale": stage2_activation_bytes,
                    "decode": decode_activation_bytes}  # fmt: skip
     peaks = _stage_peaks(sizes, plan.quantization, set(plan.per_stage), plan.clean_device_bytes, activations,
-                         plan.transformer_parked_for_encode, plan.sharded_over, plan.gemma_split)  # fmt: skip
+                         plan.transformer_parked_for_encode, plan.sharded_over, plan.gemma_split,
+                         plan.budget_bytes if plan.gemma_streamed else None)  # fmt: skip
     at_rest = math.ceil(sizes.transformer(plan.quantization) / plan.sharded_over)
     resident = sum(size for name, size in sizes.components.items() if name not in plan.per_stage)
     built_at_load = max((size for name, size in sizes.components.items() if name in plan.per_stage and name != "gemma"), default=0)
@@ -442,10 +480,10 @@ SHARDING_WORLD_SIZES = (2, 4, 8)
 """The fleet sizes a refusal looks at when it says over how many GPUs sharding would fit."""
 
 
-def _sharded_peak(sizes: ComponentSizes, quantization, world_size: int, headroom: int, gemma_split: int | None = None) -> int:
-    """The lightest sharded plan's peak over ``world_size`` ranks (everything per stage, clean rows on host),
-    Gemma spread over ``gemma_split`` GPUs (default: one per rank)."""
-    return _sharded_levels(sizes, None, world_size, quantization, False, headroom, "sharded", gemma_split)[-1].peak_bytes
+def _sharded_peak(sizes: ComponentSizes, quantization, world_size: int, headroom: int, budget: int, gemma_split: int | None = None) -> int:
+    """The lightest sharded plan's peak over ``world_size`` ranks under ``budget`` (everything per stage, clean
+    rows on host, Gemma streamed beyond the budget), Gemma spread over ``gemma_split`` GPUs (default: one per rank)."""
+    return _sharded_levels(sizes, budget, world_size, quantization, False, headroom, "sharded", gemma_split)[-1].peak_bytes
 
 
 def _sharding_advice(sizes: ComponentSizes, quantization, budget: int, headroom: int, fleet_size: int, at_least: int = 2) -> str:
@@ -455,17 +493,13 @@ def _sharding_advice(sizes: ComponentSizes, quantization, budget: int, headroom:
     candidates = [world for world in worlds if world >= at_least] or [at_least]
     for world in candidates:
         for weights in dict.fromkeys([quantization, "fp8-cast"]):
-            peak = _sharded_peak(sizes, weights, world, headroom)
+            peak = _sharded_peak(sizes, weights, world, headroom, budget)
             if peak <= budget:
                 where = "on this fleet's" if world == fleet_size else "on"
                 cast = " with quantization 'fp8-cast'" if weights != quantization else ""
                 return f"shard the transformer over the GPUs (residency 'sharded'{cast}: about {peak / GIB:.1f} GiB per GPU {where} {world} GPUs)"
-    peak = _sharded_peak(sizes, "fp8-cast", candidates[-1], headroom)
+    peak = _sharded_peak(sizes, "fp8-cast", candidates[-1], headroom, budget)
     return f"sharding the transformer over {candidates[-1]} GPUs would still need about {peak / GIB:.1f} GiB per GPU (fp8-cast)"
-
-
-def _counted(count: int, noun: str) -> str:
-    return f"{count} {noun if count == 1 else noun + 's'}"
 
 
 def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: ResidencyPlan, headroom: int, gpus: int = 1) -> str:
@@ -473,17 +507,9 @@ def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: Res
     when ranks share GPUs)."""
     if minimal.shards_weights:
         ranks, gpus = minimal.sharded_over, minimal.gemma_split
-        if gpus < ranks:  # ranks sharing GPUs: more of them do not split Gemma, more GPUs do
-            gemma = sizes.components.get("gemma", 0) / GIB
-            advice = (
-                f"its {ranks} ranks share {_counted(gpus, 'GPU')} (MGPU_SHARED_GPU_RANKS), where rank 0 builds Gemma whole "
-                f"({gemma:.1f} GiB) for the encode; give each rank a GPU of its own: "
-                f"{_sharding_advice(sizes, quantization, budget, headroom, gpus, ranks)}"
-            )
-        else:
-            advice = _sharding_advice(sizes, quantization, budget, headroom, ranks, 2 * ranks)
+        advice = _sharding_advice(sizes, quantization, budget, headroom, ranks, 2 * ranks)
         if quantization is None:
-            fp8_peak = _sharded_peak(sizes, "fp8-cast", ranks, headroom, gpus)
+            fp8_peak = _sharded_peak(sizes, "fp8-cast", ranks, headroom, budget, gpus)
             if fp8_peak <= budget:
                 advice = f"load it with quantization 'fp8-cast' (estimated peak {fp8_peak / GIB:.1f} GiB sharded), or {advice}"
         return (
@@ -491,8 +517,8 @@ def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: Res
             f"{ranks} ranks and every other component built per stage, but the device has {budget / GIB:.1f} GiB; "
             f"{advice}, or use GPUs with more memory"
         )
-    parked = minimal.transformer_parked_for_encode
-    peaks = _stage_peaks(sizes, quantization, set(minimal.per_stage), 0, _headroom(headroom), parked)
+    parked, streamed_under = minimal.transformer_parked_for_encode, budget if minimal.gemma_streamed else None
+    peaks = _stage_peaks(sizes, quantization, set(minimal.per_stage), 0, _headroom(headroom), parked, gemma_streamed_under=streamed_under)
     stage = max(peaks, key=peaks.get)  # the stage that sets the peak
     names = [name for name in STAGE_COMPONENTS[stage] if name in minimal.per_stage]
     built = sum(sizes.components.get(name, 0) for name in names)
@@ -507,7 +533,7 @@ def _does_not_fit(sizes: ComponentSizes, quantization, budget: int, minimal: Res
             f"{', '.join(names) or 'nothing'} beside it: {built / GIB:.1f} GiB, plus activations"
         )
     if quantization is None:
-        fp8_peak = _peak(sizes, "fp8-cast", set(minimal.per_stage), 0, headroom, parked)
+        fp8_peak = _peak(sizes, "fp8-cast", set(minimal.per_stage), 0, headroom, parked, gemma_streamed_under=streamed_under)
         if fp8_peak <= budget:
             advice = (
                 f"load it with quantization 'fp8-cast' (transformer {sizes.transformer('fp8-cast') / GIB:.1f} GiB, "

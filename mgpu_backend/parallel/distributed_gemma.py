@@ -51,12 +51,15 @@ from dataclasses import dataclass
 import torch
 
 from mgpu_backend.ltx.loading import storage_bytes
+from mgpu_backend.ltx.residency import ENCODE_HEADROOM_BYTES
 from mgpu_backend.ltx.text import TextContext, encode_prompts
 from mgpu_backend.parallel.comm import Comm
 
 log = logging.getLogger(__name__)
 
 GEMMA_MODES = ("sharded", "batch_parallel")
+STREAMED = "host (streamed)"
+"""``gemma_placement``'s name for the layers kept in host memory and streamed to the GPU at each encode."""
 
 # Contexts cross the fleet as a header (dtype code, number of dims, shape), then the tensor itself.
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -134,15 +137,11 @@ def release_text_encoders(loader=None) -> dict:
 
 
 def _build(loader, mode: str, rank: int, keep_host_copy: bool) -> _CachedEncoder:
-    sharded_over_gpus = mode == "sharded" and loader.device.type == "cuda" and torch.cuda.device_count() > 1
-    if sharded_over_gpus:
-        gemma = _gemma_dispatched_over_gpus(loader)
+    if loader.device.type == "cuda":
+        gemma = _gemma_on_gpus(loader, mode, rank)
     else:
         if mode == "sharded":
-            where = "CPU ranks" if loader.device.type == "cpu" else "a single visible GPU"
-            log.info(
-                "Gemma 'sharded' on %s: nothing to shard, rank %d runs Gemma whole on %s", where, rank, loader.device
-            )
+            log.info("Gemma 'sharded' on CPU ranks: nothing to shard, rank %d runs Gemma whole on %s", rank, loader.device)
         gemma = loader.gemma()
     if not keep_host_copy:
         dropped = loader.drop_host_copy("gemma")
@@ -154,42 +153,86 @@ def _build(loader, mode: str, rank: int, keep_host_copy: bool) -> _CachedEncoder
     return entry
 
 
-def _gemma_dispatched_over_gpus(loader) -> torch.nn.Module:
-    """Gemma assembled on the CPU, then split layer-wise over every visible GPU by Accelerate."""
-    from accelerate import dispatch_model, infer_auto_device_map
-    from accelerate.utils import get_balanced_memory
+def _gemma_on_gpus(loader, mode: str, rank: int) -> torch.nn.Module:
+    """Gemma assembled on the CPU, then placed: whole on the rank's GPU when it has room, else split
+    layer-wise by Accelerate over the GPUs (every visible one in ``sharded`` mode, the rank's own in
+    ``batch_parallel``), the layers no GPU has room for left in host memory and streamed to the GPU
+    for each encode (slower, logged)."""
+    from accelerate import dispatch_model
 
     from mgpu_backend.ltx.loading import ModelLoader
+    from mgpu_backend.ltx.residency import gpu_room_bytes
 
     # A CPU loader over the SAME registry: Gemma's weights are still read from disk once per process,
     # and the whole model never lands on one GPU before it is split.
     cpu_loader = ModelLoader(loader.spec, "cpu", loader.dtype, registry=loader.registry)
     gemma = cpu_loader.gemma()
+    own_gpu = loader.device.index if loader.device.index is not None else torch.cuda.current_device()
+    gpus = list(range(torch.cuda.device_count())) if mode == "sharded" else [own_gpu]
+    room = {index: max(0, gpu_room_bytes(index) - ENCODE_HEADROOM_BYTES) for index in gpus}
+    if len(gpus) == 1 and storage_bytes([*gemma.parameters(), *gemma.buffers()]) <= room[own_gpu]:
+        if mode == "sharded":
+            log.info("Gemma 'sharded' on a single visible GPU: nothing to shard, rank %d runs Gemma whole on %s", rank, loader.device)
+        return gemma.to(loader.device)
     language_model = gemma.model  # Gemma's text stack: no lm_head, so no tied copy for Accelerate to place twice
-    free_memory = {index: torch.cuda.mem_get_info(index)[0] for index in range(torch.cuda.device_count())}
-    no_split = list(getattr(language_model, "_no_split_modules", None) or [])
-    budget = get_balanced_memory(
-        language_model, max_memory=free_memory, no_split_module_classes=no_split, dtype=loader.dtype
-    )
-    device_map = infer_auto_device_map(
-        language_model, max_memory=budget, no_split_module_classes=no_split, dtype=loader.dtype
-    )
-    off_gpu = sorted({str(device) for device in device_map.values() if not isinstance(device, int)})
-    if off_gpu:
-        raise RuntimeError(
-            f"Gemma does not fit in the free memory of the {len(free_memory)} GPU(s) (Accelerate would put parts "
-            f"on {', '.join(off_gpu)}); free GPU memory (unload other models first) or run the fleet on more GPUs"
-        )
-    gemma.model = dispatch_model(language_model, device_map=device_map)
-    log.info("Gemma sharded by rank 0 over %d GPU(s): %s", torch.cuda.device_count(), placement_text(gemma))
+    device_map = gemma_device_map(language_model, room, loader.dtype)
+    gemma.model = dispatch_model(language_model, device_map=device_map, main_device=gpus[0])
+    streamed = gemma_placement(gemma).get(STREAMED, 0)
+    if streamed:
+        log.warning(
+            "Gemma does not fit the room rank %d has on %s (%s): %.2f GB of its layers stay in host memory and are "
+            "streamed to the GPU at each encode, which is slower; free GPU memory or add GPUs to keep it all on the GPUs",
+            rank, _counted_gpus(gpus), ", ".join(f"cuda:{index} {size / 1e9:.2f} GB" for index, size in room.items()), streamed / 1e9,
+        )  # fmt: skip
+    log.info("Gemma placed by rank %d over %s: %s", rank, _counted_gpus(gpus), placement_text(gemma))
     return gemma
 
 
+def _counted_gpus(gpus: list[int]) -> str:
+    return f"{len(gpus)} GPU" + ("s" if len(gpus) > 1 else "")
+
+
+def gemma_device_map(language_model: torch.nn.Module, room: dict[int, int], dtype: torch.dtype) -> dict[str, int | str]:
+    """Where Accelerate puts each module of Gemma's text stack given ``room`` (GPU index -> bytes it
+    may take): balanced over the GPUs when they hold it all, else filling them in layer order with
+    the rest in host memory ("cpu", streamed at each forward; Accelerate then keeps a GPU buffer for
+    the largest streamed layer). Raises when not even the token embeddings, which every encode starts
+    from, fit a GPU."""
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import compute_module_sizes, get_balanced_memory
+
+    no_split = list(getattr(language_model, "_no_split_modules", None) or [])
+    sizes = compute_module_sizes(language_model, dtype=dtype)
+    if sum(room.values()) >= sizes[""]:
+        budget = get_balanced_memory(language_model, max_memory=dict(room), no_split_module_classes=no_split, dtype=dtype)
+    else:
+        budget = dict(room)
+    device_map = infer_auto_device_map(
+        language_model, max_memory={**budget, "cpu": 2 * sizes[""]}, no_split_module_classes=no_split, dtype=dtype
+    )
+    if not isinstance(device_map.get("embed_tokens", device_map.get("")), int):
+        free = ", ".join(f"cuda:{index} {size / 1e9:.2f} GB" for index, size in room.items())
+        raise RuntimeError(
+            f"Gemma cannot run here: its token embeddings ({sizes['embed_tokens'] / 1e9:.2f} GB) and one layer do not fit "
+            f"the GPU memory this rank has left ({free}, after {ENCODE_HEADROOM_BYTES / 2**30:.0f} GiB for the encode's "
+            "activations); free GPU memory (unload other models first) or run the fleet on GPUs with more memory"
+        )
+    return device_map
+
+
 def gemma_placement(gemma: torch.nn.Module) -> dict[str, int]:
-    """Weight bytes of ``gemma`` per device (a tied tensor counted once)."""
+    """Weight bytes of ``gemma`` per device (a tied tensor counted once); ``STREAMED`` for the weights
+    Accelerate keeps in host memory and moves to the GPU at each forward (their parameters are left on
+    the meta device)."""
     bytes_per_device: dict[str, int] = {}
-    for tensor in {t.untyped_storage().data_ptr(): t for t in gemma.parameters()}.values():
-        bytes_per_device[str(tensor.device)] = bytes_per_device.get(str(tensor.device), 0) + tensor.nbytes
+    seen = set()
+    for tensor in gemma.parameters():
+        if tensor.device.type != "meta":
+            if tensor.untyped_storage().data_ptr() in seen:
+                continue
+            seen.add(tensor.untyped_storage().data_ptr())
+        where = STREAMED if tensor.device.type == "meta" else str(tensor.device)
+        bytes_per_device[where] = bytes_per_device.get(where, 0) + tensor.nbytes
     return dict(sorted(bytes_per_device.items()))
 
 
