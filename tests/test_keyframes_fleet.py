@@ -15,7 +15,8 @@ sockets, gloo CPU ranks) on the tiny LTX-2.0 bundle, against the official ltx-pi
 Each fleet is compared with the official runner at its ranks' torch thread count (``rank.cpu_threads``):
 both resize the image with torch's float32 bilinear interpolation, whose last bit depends on how the
 threads split it, and a bf16 rounding of the resized pixels can flip with it (seen at the tiny bundle's
-128x192 stage 2). Everything after the image's pixels is the same at any thread count.
+128x192 stage 2), and on a CPU with AMX torch's bf16 matmuls round by the thread count too where the
+output has fewer blocks than threads (seen in LTX-2.3's layers; this file runs the LTX-2.0 bundle).
 
 Both sides get the same text contexts (``official_reference.stand_in_gemma_output`` through the official
 embeddings processor, sent to the fleet as tensors): ltx-core's Gemma needs transformers 4.

@@ -28,6 +28,7 @@ from ltx_core.model.video_vae import TilingConfig
 from safetensors.torch import load_file
 
 from mgpu_backend.bundles import tiny
+from mgpu_backend.fleet.rank import cpu_threads
 from mgpu_backend.ltx.loading import ModelLoader
 from mgpu_backend.ltx.recipes import LORA_FILES, RECIPES, Recipe, strength_defaults
 from mgpu_backend.ltx.schema import ModelSpec, defaults_for
@@ -90,13 +91,18 @@ def official_call(declared: Recipe, version: str) -> dict:
     return call
 
 
-def run_official(declared: Recipe, bundle: tiny.TinyBundle, version: str, images: tuple = (), threads: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def run_official(declared: Recipe, bundle: tiny.TinyBundle, version: str, images: tuple = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The official runner's (video, audio) latents after each denoising: stage 1, then stage 2; ``images``:
-    its ``ImageConditioningInput`` fields ``(path, frame_idx, strength)``; ``threads``: torch's thread count."""
+    its ``ImageConditioningInput`` fields ``(path, frame_idx, strength)``.
+
+    It runs at the torch thread count of the CLI's one CPU rank (``rank.cpu_threads``): on a CPU with AMX, torch's
+    bf16 matmuls (oneDNN) split their sums over the threads where the output has fewer blocks than threads, so their
+    rounding follows the thread count (on an AMX Xeon, LTX-2.3's text-connector feed-forward of 1024 tokens from 11
+    threads, its stage-2 feed-forward from 4); and both sides resize the images with thread-dependent float rounding."""
     module_name, build = official_runner(declared, bundle)
     denoised = []
     for side in official_reference.reference_side(bundle, module_name, build):
-        torch.set_num_threads(threads)
+        torch.set_num_threads(cpu_threads(1))
         module = side.module
         original_denoise, original_encode = module.denoise_audio_video, module.encode_prompts
         pack_gemma = ModelLoader(ModelSpec(bundle.checkpoint_path, bundle.gemma_root), "cpu", torch.bfloat16).gemma() if official_reference.TRANSFORMERS_5 else None
@@ -113,26 +119,18 @@ def run_official(declared: Recipe, bundle: tiny.TinyBundle, version: str, images
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(module, "denoise_audio_video", capturing_denoise)
             patch.setattr(module, "encode_prompts", encode_with_the_packs_gemma if pack_gemma is not None else original_encode)
-            with torch.inference_mode():
-                conditioning = [module.ImageConditioningInput(*image) for image in images]
-                video_chunks, _audio = side.pipeline(images=conditioning, tiling_config=TilingConfig.default(), **official_call(declared, version))
-                torch.cat(list(video_chunks))  # the runner decodes while its chunks are read
+            try:
+                with torch.inference_mode():
+                    conditioning = [module.ImageConditioningInput(*image) for image in images]
+                    video_chunks, _audio = side.pipeline(images=conditioning, tiling_config=TilingConfig.default(), **official_call(declared, version))
+                    torch.cat(list(video_chunks))  # the runner decodes while its chunks are read
+            finally:
+                torch.set_num_threads(1)
     return denoised
 
 
-TORCH_2_14_DRIFT = pytest.mark.xfail(
-    tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 14),
-    strict=True,
-    reason="under torch 2.14.1 (what `pip install` resolves since December 2026) the two-stage and keyframes recipes' "
-    "LTX-2.3 stage-1 video latent differs from the official runner's by 0.1875, at this project's earlier commits too "
-    "(they passed in the CI of December 1-2, 2026 under the torch it resolved then); the cause is not found yet. strict: a pass fails the run, so "
-    "the mark goes when the parity is back",
-)
-"""The known difference, bound to the torch versions it was seen under."""
-
 RUNS = [
-    pytest.param(declared, version, id=f"{declared.name}-{official_reference.version_id(version)}",
-                 marks=TORCH_2_14_DRIFT if declared.name in ("two-stage", "keyframes") and version.startswith("2.3") else ())
+    pytest.param(declared, version, id=f"{declared.name}-{official_reference.version_id(version)}")
     for declared in RECIPES.values() for version in tiny.VERSIONS if version in declared.versions
 ]  # fmt: skip
 """Every recipe on the tiny bundle of each model version its official runner supports."""
@@ -158,10 +156,7 @@ def test_each_recipes_cli_on_real_files_matches_its_official_runner_bitwise(decl
 @pytest.mark.slow
 @pytest.mark.parametrize("pipeline", ["keyframes", "two-stage"])
 def test_the_cli_with_a_first_and_a_last_image_matches_the_official_runner_bitwise(pipeline, tiny_bundle_of, tmp_path):
-    """--image at --image-strength 0.7 and --last-image: the official runner's ``--image PATH 0 0.7`` and ``--image PATH 8 1.0``
-    (at the thread count of the CLI's one CPU rank: both resize the images with thread-dependent float rounding)."""
-    from mgpu_backend.fleet.rank import cpu_threads
-
+    """--image at --image-strength 0.7 and --last-image: the official runner's ``--image PATH 0 0.7`` and ``--image PATH 8 1.0``."""
     from .test_keyframes_fleet import last_frame_image
 
     declared, bundle = RECIPES[pipeline], tiny_bundle_of("2.0")
@@ -169,8 +164,7 @@ def test_the_cli_with_a_first_and_a_last_image_matches_the_official_runner_bitwi
     completed = run_generate(tmp_path, "cli", *cli_flags(declared, bundle), "--image", first, "--image-strength", "0.7", "--last-image", last)
     assert f"stage-2 plan (sp, {pipeline}): SP degree 1 on 1 rank" in completed.stderr
     dump = load_file(str(tmp_path / "cli.safetensors"))
-    denoised = run_official(declared, bundle, "2.0", ((first, 0, 0.7), (last, TINY_DEFAULTS["num_frames"] - 1, 1.0)), threads=cpu_threads(1))
-    torch.set_num_threads(1)
+    denoised = run_official(declared, bundle, "2.0", ((first, 0, 0.7), (last, TINY_DEFAULTS["num_frames"] - 1, 1.0)))
     for stage, (video, audio) in enumerate(denoised, start=1):
         official_reference.assert_bitwise(dump[f"stage{stage}_video"], video, f"{pipeline} CLI with first and last images: stage-{stage} video latent")
         official_reference.assert_bitwise(dump[f"stage{stage}_audio"], audio, f"{pipeline} CLI with first and last images: stage-{stage} audio latent")
