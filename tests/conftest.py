@@ -12,6 +12,9 @@ CI sets ``MGPU_REQUIRE_ALL=1`` for the runs whose environment has everything (Co
 requirements for the drop-in model and end-to-end tests): a test that would skip there, because an
 environment variable or a package went missing, fails instead, with its skip reason. GPU tests
 (marked ``gpu``) are left out of those runs by marker, not turned into failures.
+
+oneDNN is capped below AMX (``ONEDNN_MAX_CPU_ISA``) in this process and, by inheritance, in every
+rank, fleet server and CLI it starts: see ``ONEDNN_ROW_COUNT_INDEPENDENT_ISA``.
 """
 
 from __future__ import annotations
@@ -29,6 +32,16 @@ from tests.fleet_harness import module_fleet
 from tests.helpers import ApiRecorder
 
 REQUIRE_ALL_VARIABLE = "MGPU_REQUIRE_ALL"
+
+ONEDNN_ROW_COUNT_INDEPENDENT_ISA = "AVX512_CORE_BF16"
+"""oneDNN's AMX bf16 matmul (Xeon 4th generation and later) picks its kernel by the row count of
+the call, and the row results differ between those kernels: a feed-forward row of a 24-token SP
+shard rounded differently from the same row in one process's 48-token call (the LTX-2.0 stage 2
+0.03 off at 2 and 4 ranks). Below AMX a row's result does not depend on the rows beside it (at the
+model's shapes; a one-row call aside), so the bitwise comparisons of ranks with one process hold on
+every CPU; on CPUs without AMX the cap changes nothing. Set before oneDNN's first matmul, which
+reads it once (importing torch runs none)."""
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN_ROW_COUNT_INDEPENDENT_ISA)
 
 
 @pytest.fixture(scope="module")

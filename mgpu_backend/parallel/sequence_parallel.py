@@ -31,8 +31,11 @@ that size, rounds differently from the same rows inside a longer call), so local
 tokens broke the bitwise equality with one process (the tiny LTX-2.0 bundle at SP degree 4: 3
 video tokens per rank; both stage-1 latents 0.03 off after the 8 distilled steps, up to ~0.2 after
 the 40 guided steps of the two-stage defaults). Per head the kernel is exact, so
-the head-parallel call with the full query sequence is bitwise by construction. GPU kernels keep
-the local shards (no extra all-to-all); there SP equals one GPU within bf16 noise.
+the head-parallel call with the full query sequence is bitwise by construction. The per-token
+linear layers need oneDNN below AMX for the same reason (``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16``,
+as the tests set it): the AMX bf16 matmul picks its kernel by the row count, so a shard's rows round
+differently from the same rows in the full sequence. GPU kernels keep the local shards (no extra
+all-to-all); there SP equals one GPU within bf16 noise.
 
 When to use it: stage 1 (full-frame denoising) of a single generation, to cut its latency. What it
 costs: two all-to-alls per block for self-attention and, with audio, one all-to-all plus one small
