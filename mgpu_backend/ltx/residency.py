@@ -326,8 +326,9 @@ def _stage_peaks(sizes: ComponentSizes, quantization, per_stage: set[str], shard
     A transformer parked for the encode (with its clean shard, when that is on the device) is not there then.
     Sharded over several ranks, the transformer counts its shard and gathered blocks in the stages that
     run it, its shard at rest in the others (encode, decode), and a Gemma built for the encode
-    1/``gemma_split`` (one copy spread over that many GPUs). With ``gemma_streamed_under`` (a device budget),
-    a Gemma built for the encode takes what the budget leaves beside the rest of that stage, and at least
+    1/``gemma_split`` (one copy spread over that many GPUs). A Gemma built for the encode is gone before the
+    embeddings processor is built, so the encode counts the larger of the two. With ``gemma_streamed_under``
+    (a device budget), that Gemma takes what the budget leaves beside the rest of the encode, and at least
     its streamed floor (``ComponentSizes.gemma_streamed_bytes``): the rest stays in host memory."""
     if sharded_over > 1:
         running = sizes.sharded_transformer(quantization, sharded_over) + shard_bytes
@@ -345,10 +346,15 @@ def _stage_peaks(sizes: ComponentSizes, quantization, per_stage: set[str], shard
         stage: transformer[stage] + others + sum(built(name) for name in names if name in per_stage) + activations[stage]
         for stage, names in STAGE_COMPONENTS.items()
     }
-    if gemma_streamed_under is not None and "gemma" in per_stage:
-        without_gemma = peaks["encode"] - built("gemma")
-        on_device = min(built("gemma"), max(sizes.gemma_streamed_bytes, gemma_streamed_under - without_gemma))
-        peaks["encode"] = without_gemma + on_device
+    if "gemma" in per_stage:
+        # A Gemma built for the encode is released before the embeddings processor is built
+        # (``distributed_gemma``): the stage peaks with the larger of the two, not both.
+        processor = built("embeddings_processor") if "embeddings_processor" in per_stage else 0
+        base = peaks["encode"] - built("gemma") - processor
+        gemma = built("gemma")
+        if gemma_streamed_under is not None:
+            gemma = min(gemma, max(sizes.gemma_streamed_bytes, gemma_streamed_under - base))
+        peaks["encode"] = base + max(gemma, processor)
     return peaks
 
 

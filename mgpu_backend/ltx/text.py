@@ -47,17 +47,21 @@ def encode_prompts(loader, prompts: list[str], gemma=None) -> list[TextContext]:
     GPUs); without it the loader builds one and lets it go before the embeddings processor is built."""
     if not prompts:
         raise ValueError("no prompts to encode; pass at least one (an empty string is a valid prompt)")
+    gemma_outputs = gemma_hidden_states(loader, loader.gemma() if gemma is None else gemma, prompts)
+    # Gemma is by far the largest text model: no frame holds it once its hidden states are taken, so
+    # a Gemma built here is gone before the processor is built.
+    return contexts_from_gemma(loader, gemma_outputs)
+
+
+def gemma_hidden_states(loader, gemma, prompts: list[str]) -> list[GemmaOutput]:
+    """The Gemma half of ``encode_prompts``: each prompt's hidden states and attention mask on ``loader.device``."""
+    outputs = []
     with torch.inference_mode():
-        if gemma is None:
-            gemma = loader.gemma()
-        gemma_outputs = []
         for prompt in prompts:
             hidden_states, attention_mask = gemma.encode(prompt)
             # Sharded: each layer's output sits on that layer's GPU; the processor runs on the loader's device.
-            gemma_outputs.append((tuple(state.to(loader.device) for state in hidden_states), attention_mask.to(loader.device)))
-        # Gemma is by far the largest text model: this frame lets it go before the processor is built.
-        del gemma
-    return contexts_from_gemma(loader, gemma_outputs)
+            outputs.append((tuple(state.to(loader.device) for state in hidden_states), attention_mask.to(loader.device)))
+    return outputs
 
 
 def contexts_from_gemma(loader, gemma_outputs: list[GemmaOutput]) -> list[TextContext]:

@@ -52,7 +52,7 @@ import torch
 
 from mgpu_backend.ltx.loading import storage_bytes
 from mgpu_backend.ltx.residency import ENCODE_HEADROOM_BYTES
-from mgpu_backend.ltx.text import TextContext, encode_prompts
+from mgpu_backend.ltx.text import TextContext, contexts_from_gemma, gemma_hidden_states
 from mgpu_backend.parallel.comm import Comm
 
 log = logging.getLogger(__name__)
@@ -257,10 +257,18 @@ def encode_prompts_distributed(
     started = time.perf_counter()
     owners = prompt_owners(len(prompts), comm.world_size, mode)
     mine = [index for index, owner in enumerate(owners) if owner == comm.rank]
-    local, placement, built = _encode_here(loader, mode, comm.rank, prompts, mine, free_after) if mine else ({}, "", False)
+    released = None
+    if mine:
+        gemma_outputs, placement, built = _gemma_here(loader, mode, comm.rank, [prompts[index] for index in mine], free_after)
+        if free_after:  # before the embeddings processor is built: the two never sit side by side
+            released = release_text_encoders(loader)
+        local = dict(zip(mine, contexts_from_gemma(loader, gemma_outputs), strict=True))
+        del gemma_outputs
+    else:
+        local, placement, built = {}, "", False
     contexts = _share_contexts(comm, owners, local, loader.device)
-    # Every rank frees: one that owns no prompt this time may still hold Gemma from an earlier call.
-    released = release_text_encoders(loader) if free_after else None
+    if free_after and released is None:  # a rank that owns no prompt this time may still hold Gemma from an earlier call
+        released = release_text_encoders(loader)
     if released is not None and released["gemma_bytes"]:
         log.info(
             "Gemma freed on rank %d: %.1f MB of weights dropped, %.1f MB of GPU memory returned",
@@ -281,8 +289,8 @@ def encode_prompts_distributed(
     return contexts
 
 
-def _encode_here(loader, mode: str, rank: int, prompts: list[str], mine: list[int], free_after: bool):
-    """This rank's prompts encoded by its (cached or new) Gemma: ``({index: contexts}, placement, built)``.
+def _gemma_here(loader, mode: str, rank: int, prompts: list[str], free_after: bool):
+    """This rank's prompts through its (cached or new) Gemma: ``(hidden states per prompt, placement, built)``.
 
     A function of its own so that no frame of the caller holds Gemma once it returns: Gemma's modules
     sit in reference cycles, and ``release_text_encoders`` can only collect them when the cache's
@@ -291,8 +299,7 @@ def _encode_here(loader, mode: str, rank: int, prompts: list[str], mine: list[in
     entry, built = _cached(loader, mode), False
     if entry is None:
         entry, built = _build(loader, mode, rank, keep_host_copy=free_after), True
-    local = dict(zip(mine, encode_prompts(loader, [prompts[index] for index in mine], gemma=entry.gemma), strict=True))
-    return local, placement_text(entry.gemma), built
+    return gemma_hidden_states(loader, entry.gemma, prompts), placement_text(entry.gemma), built
 
 
 def _share_contexts(comm: Comm, owners: list[int], local: dict[int, TextContext], device) -> list[TextContext]:
