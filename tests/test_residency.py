@@ -279,6 +279,11 @@ def test_a_tiny_fleet_job_under_minimal_residency_gives_bitwise_the_latents_of_a
     cpu_rank_note = "on a CPU rank the host is the device, nothing to free"
     assert any("transformer not parked on rank" in line and cpu_rank_note in line for line in minimal_logs), minimal_logs
     assert not any("parked" in line for line in all_logs), all_logs
+    # Built per stage, the embeddings processor is built only where prompts are encoded (rank 0 in the
+    # default Gemma mode): the other rank keeps no host copy of it.
+    skipped = "embeddings processor not built at load on rank 1: built per stage, it is read when this rank first encodes a prompt"
+    assert any(skipped in line for line in minimal_logs), minimal_logs
+    assert not any("not built at load on rank 0" in line for line in minimal_logs) and not any(skipped in line for line in all_logs)
 
 
 def test_jobs_reload_a_model_resident_with_another_quantization_and_refuse_an_unknown_one(fleet, spec):
