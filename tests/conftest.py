@@ -13,8 +13,9 @@ requirements for the drop-in model and end-to-end tests): a test that would skip
 environment variable or a package went missing, fails instead, with its skip reason. GPU tests
 (marked ``gpu``) are left out of those runs by marker, not turned into failures.
 
-oneDNN is capped below AMX (``ONEDNN_MAX_CPU_ISA``) in this process and, by inheritance, in every
-rank, fleet server and CLI it starts: see ``ONEDNN_ROW_COUNT_INDEPENDENT_ISA``.
+oneDNN is capped below AMX (``ONEDNN_MAX_CPU_ISA``) and MKL runs in strict conditional numerical
+reproducibility (``MKL_CBWR``) in this process and, by inheritance, in every rank, fleet server and
+CLI it starts: see ``ONEDNN_ROW_COUNT_INDEPENDENT_ISA`` and ``MKL_ROW_COUNT_INDEPENDENT_MODE``.
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ model's shapes; a one-row call aside), so the bitwise comparisons of ranks with 
 every CPU; on CPUs without AMX the cap changes nothing. Set before oneDNN's first matmul, which
 reads it once (importing torch runs none)."""
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", ONEDNN_ROW_COUNT_INDEPENDENT_ISA)
+
+MKL_ROW_COUNT_INDEPENDENT_MODE = "AUTO,STRICT"
+"""MKL's float32 ``sgemm`` (PyTorch's CPU float32 linear layers) also picks its kernel by the row
+count of the call unless in strict CNR mode: on an AVX-512 Xeon a row of a 12-token shard of
+ComfyUI's tiny LTX-2.3 feed-forward output projection (512 to 128) rounds differently from the same
+row in one process's 48-token call (outputs 1.2e-6 off at SP degree 4, one thread a rank; 24-token
+shards happened to match). ``STRICT`` makes a row's result independent of the rows beside it;
+``AUTO`` keeps the CPU's own instruction set. Set before MKL's first call, which
+reads it once (importing torch runs none)."""
+os.environ.setdefault("MKL_CBWR", MKL_ROW_COUNT_INDEPENDENT_MODE)
 
 
 @pytest.fixture(scope="module")
