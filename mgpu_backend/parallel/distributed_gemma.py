@@ -180,16 +180,16 @@ def _gemma_on_gpus(loader, mode: str, rank: int) -> torch.nn.Module:
     streamed = gemma_placement(gemma).get(STREAMED, 0)
     if streamed:
         log.warning(
-            "Gemma does not fit the room rank %d has on %s (%s): %.2f GB of its layers stay in host memory and are "
+            "Gemma does not fit the room rank %d has (%s): %.2f GB of its layers stay in host memory and are "
             "streamed to the GPU at each encode, which is slower; free GPU memory or add GPUs to keep it all on the GPUs",
-            rank, _counted_gpus(gpus), ", ".join(f"cuda:{index} {size / 1e9:.2f} GB" for index, size in room.items()), streamed / 1e9,
+            rank, _room_text(room), streamed / 1e9,
         )  # fmt: skip
-    log.info("Gemma placed by rank %d over %s: %s", rank, _counted_gpus(gpus), placement_text(gemma))
+    log.info("Gemma placed by rank %d: %s", rank, placement_text(gemma))
     return gemma
 
 
-def _counted_gpus(gpus: list[int]) -> str:
-    return f"{len(gpus)} GPU" + ("s" if len(gpus) > 1 else "")
+def _room_text(room: dict[int, int]) -> str:
+    return ", ".join(f"cuda:{index} {size / 1e9:.2f} GB" for index, size in room.items())
 
 
 def gemma_device_map(language_model: torch.nn.Module, room: dict[int, int], dtype: torch.dtype) -> dict[str, int | str]:
@@ -211,10 +211,9 @@ def gemma_device_map(language_model: torch.nn.Module, room: dict[int, int], dtyp
         language_model, max_memory={**budget, "cpu": 2 * sizes[""]}, no_split_module_classes=no_split, dtype=dtype
     )
     if not isinstance(device_map.get("embed_tokens", device_map.get("")), int):
-        free = ", ".join(f"cuda:{index} {size / 1e9:.2f} GB" for index, size in room.items())
         raise RuntimeError(
             f"Gemma cannot run here: its token embeddings ({sizes['embed_tokens'] / 1e9:.2f} GB) and one layer do not fit "
-            f"the GPU memory this rank has left ({free}, after {ENCODE_HEADROOM_BYTES / 2**30:.0f} GiB for the encode's "
+            f"the GPU memory this rank has left ({_room_text(room)}, after {ENCODE_HEADROOM_BYTES / 2**30:.0f} GiB for the encode's "
             "activations); free GPU memory (unload other models first) or run the fleet on GPUs with more memory"
         )
     return device_map
