@@ -231,9 +231,12 @@ def _rank_peaks() -> list[int | None]:
     return [(rank.get("memory") or {}).get("peak") for rank in ranks]
 
 
-def run_case(case: Case, spec: dict, version: str, steps: int) -> tuple[dict[str, list[int | None]], str]:
-    """The whole job of ``case`` on the running fleet: each job's per-rank peaks, and how it ended
-    ("finished", the fleet's refusal, or the failing job and its first line).
+def run_fleet(cases: list[Case], spec: dict, version: str, steps: int) -> list[tuple[dict[str, list[int | None]], str]]:
+    """The whole jobs of ``cases`` (one recipe, rank count and cap; their sizes) on one running fleet:
+    the load and the encode once (neither depends on the size), then stage 1, upscale and decode per
+    size. For each case its jobs' per-rank peaks (the shared load and encode included) and how it
+    ended ("finished", the fleet's refusal, or the failing job and its first line). A size that fails
+    does not stop the next one: the fleet stays usable after a failed job.
 
     Stage 1 of the two-stage recipe runs ``steps`` steps. The distilled recipe's stage 1 runs fixed
     sigmas, so it is cancelled after about ``steps`` steps (the cancel is sent when step ``steps - 1``
@@ -244,60 +247,108 @@ def run_case(case: Case, spec: dict, version: str, steps: int) -> tuple[dict[str
     from mgpu_backend.ltx import api
     from mgpu_backend.ltx.latents import StageGeometry
 
-    declared = recipes.recipe(case.recipe)
+    recipe_name = cases[0].recipe
+    declared = recipes.recipe(recipe_name)
     negative, fixed_steps = declared.encodes_negative_prompt, declared.fixed_steps is not None
-    defaults = defaults_for(version, case.recipe)
-    sigmas = stage2_default_sigmas(case.recipe)
+    defaults = defaults_for(version, recipe_name)
+    sigmas = stage2_default_sigmas(recipe_name)
     sigmas = tuple(sigmas[: min(steps, len(sigmas) - 1)]) + (0.0,)
-    peaks: dict[str, list[int | None]] = {}
-    state: dict = {"stage 1 steps": 0}
-    recipe = {"model_version": version, "pipeline": case.recipe}
-    stage1 = StageGeometry(height=case.height // 2, width=case.width // 2, num_frames=case.frames, frame_rate=defaults.frame_rate)
+    recipe = {"model_version": version, "pipeline": recipe_name}
+    shared: dict[str, list[int | None]] = {}
+    state: dict = {}
 
-    def count_steps(event: dict) -> None:
-        if event.get("stage") == "stage1":
-            state["stage 1 steps"] = max(state["stage 1 steps"], int(event.get("step", 0)))
-
-    def sample() -> None:
-        try:
-            state["stage1"] = api.sample(
-                spec, state["prompts"][0], state["prompts"][1] if negative else None, width=stage1.width, height=stage1.height,
-                num_frames=case.frames, steps=None if fixed_steps else steps, progress=count_steps,
-                should_cancel=None if not fixed_steps else lambda: state["stage 1 steps"] >= steps - 1, **recipe,
-            )  # fmt: skip
-        except FleetCancelled:
-            state["cut"] = f" (stage 1 stopped after {state['stage 1 steps']} of its {defaults.steps} steps)"
-            generator = torch.Generator().manual_seed(0)
-            shapes = (stage1.video_shape.to_torch_shape(), stage1.audio_shape.to_torch_shape())
-            state["stage1"] = tuple(torch.randn(tuple(shape), generator=generator) for shape in shapes)
-
-    jobs = {
-        "load": lambda: api.load(spec),
-        "encode": lambda: state.update(prompts=api.encode(spec, [PROMPT, NEGATIVE_PROMPT] if negative else [PROMPT])),
-        "stage 1": sample,
-        "upscale": lambda: state.update(stage2=api.upscale(spec, *state["stage1"], state["prompts"][0], sigmas=sigmas, **recipe)),
-        "decode": lambda: api.decode(spec, *state["stage2"]),
-    }  # fmt: skip
-    for phase, job in jobs.items():
-        log(f"{case.label()}: {phase} ...")
-        try:
-            job()
-        except FleetError as error:
-            if error.kind == "input_error" and phase == "load":
-                return peaks, f"refused at load: {error}"
+    def run_jobs(label: str, jobs: dict, peaks: dict) -> str | None:
+        """Runs ``jobs`` in order, recording each one's peaks; how the first failing one failed, or None."""
+        for phase, job in jobs.items():
+            log(f"{label}: {phase} ...")
+            try:
+                job()
+            except FleetError as error:
+                if error.kind == "input_error" and phase == "load":
+                    return f"refused at load: {error}"
+                peaks[phase] = _rank_peaks()
+                return f"{phase} failed{error.where}: {str(error).splitlines()[0]}"
             peaks[phase] = _rank_peaks()
-            return peaks, f"{phase} failed{error.where}: {str(error).splitlines()[0]}"
-        peaks[phase] = _rank_peaks()
-        measured = [f"{peak / GIB:.2f}" for peak in peaks[phase] if peak is not None]
-        log(f"{case.label()}: {phase} done, peak GiB per rank: {' / '.join(measured) or 'n/a (CPU)'}")  # seen even if the call is cut short
-    return peaks, "finished" + state.get("cut", "")
+            measured = [f"{peak / GIB:.2f}" for peak in peaks[phase] if peak is not None]
+            log(f"{label}: {phase} done, peak GiB per rank: {' / '.join(measured) or 'n/a (CPU)'}")  # seen even if the call is cut short
+        return None
+
+    failed = run_jobs(
+        f"{recipe_name} {cases[0].ranks} ranks {cases[0].cap_gib:g} GiB",
+        {"load": lambda: api.load(spec),
+         "encode": lambda: state.update(prompts=api.encode(spec, [PROMPT, NEGATIVE_PROMPT] if negative else [PROMPT]))},
+        shared,
+    )  # fmt: skip
+    if failed:
+        return [(dict(shared), failed)] * len(cases)
+    results = []
+    for case in cases:
+        stage1 = StageGeometry(height=case.height // 2, width=case.width // 2, num_frames=case.frames, frame_rate=defaults.frame_rate)
+        progress = {"stage 1 steps": 0, "cut": ""}
+
+        def count_steps(event: dict) -> None:
+            if event.get("stage") == "stage1":
+                progress["stage 1 steps"] = max(progress["stage 1 steps"], int(event.get("step", 0)))
+
+        def sample() -> None:
+            try:
+                state["stage1"] = api.sample(
+                    spec, state["prompts"][0], state["prompts"][1] if negative else None, width=stage1.width, height=stage1.height,
+                    num_frames=case.frames, steps=None if fixed_steps else steps, progress=count_steps,
+                    should_cancel=None if not fixed_steps else lambda: progress["stage 1 steps"] >= steps - 1, **recipe,
+                )  # fmt: skip
+            except FleetCancelled:
+                progress["cut"] = f" (stage 1 stopped after {progress['stage 1 steps']} of its {defaults.steps} steps)"
+                generator = torch.Generator().manual_seed(0)
+                shapes = (stage1.video_shape.to_torch_shape(), stage1.audio_shape.to_torch_shape())
+                state["stage1"] = tuple(torch.randn(tuple(shape), generator=generator) for shape in shapes)
+
+        peaks = dict(shared)
+        failed = run_jobs(
+            case.label(),
+            {"stage 1": sample,
+             "upscale": lambda: state.update(stage2=api.upscale(spec, *state["stage1"], state["prompts"][0], sigmas=sigmas, **recipe)),
+             "decode": lambda: api.decode(spec, *state["stage2"])},
+            peaks,
+        )  # fmt: skip
+        results.append((peaks, failed or "finished" + progress["cut"]))
+    return results
+
+
+def _case_rows(case: Case, peaks: dict, ending: str, plan, planner: str, sizes, dims, args, on_gpu: bool) -> list[list[str]]:
+    """The table's rows of one case: each job's per-rank peaks beside its estimate, then the whole job."""
+    from mgpu_backend.ltx.residency import JOB_PHASES, job_peaks
+
+    rows, estimates = [], {}
+    if plan is not None:
+        stage1, stage2 = stage_activation_bytes(case, dims, args.version, on_gpu)
+        estimates = job_peaks(sizes, plan, stage1, stage2)
+    size = f"{case.width}x{case.height}x{case.frames}"
+    weights = args.quantization or "bf16"
+    for phase in JOB_PHASES:
+        if phase not in peaks and phase not in estimates:
+            continue
+        measured = [peak for peak in peaks.get(phase, []) if peak is not None]
+        estimate = estimates.get(phase)
+        per_rank = " / ".join(f"{peak / GIB:.2f}" for peak in measured) if measured else ("n/a (CPU)" if not on_gpu and phase in peaks else "-")
+        error = f"{(estimate - max(measured)) / max(measured) * 100:+.1f}%" if measured and estimate else "-"
+        rows.append([case.recipe, size, str(case.ranks), f"{case.cap_gib:g}", weights, phase, per_rank,
+                     f"{max(measured) / GIB:.2f}" if measured else "-", f"{estimate / GIB:.2f}" if estimate else "-", error, ""])  # fmt: skip
+    measured_all = [peak for values in peaks.values() for peak in values if peak is not None]
+    whole_error = (
+        f"{(plan.peak_bytes - max(measured_all)) / max(measured_all) * 100:+.1f}%" if plan is not None and measured_all and ending.startswith("finished") else "-"
+    )  # fmt: skip
+    rows.append([case.recipe, size, str(case.ranks), f"{case.cap_gib:g}", weights, "**whole job**", "",
+                 f"{max(measured_all) / GIB:.2f}" if measured_all else "-", f"{plan.peak_bytes / GIB:.2f} (plan)" if plan else "-", whole_error,
+                 ending if ending.startswith("finished") or planner.removeprefix("refused: ") in ending else f"{ending}; this process's planner: {planner}"])  # fmt: skip
+    return rows
 
 
 def whole_job_bench(args) -> tuple[str, torch.device]:
     """Every (recipe, size, ranks, cap) case through its own fleet: the table of per-rank peaks per job
     against the estimates, and the planner's decision or refusal."""
     from mgpu_backend.ltx import api
-    from mgpu_backend.ltx.residency import JOB_PHASES, component_sizes, job_peaks
+    from mgpu_backend.ltx.residency import component_sizes
     from mgpu_backend.ltx.validation import TransformerDims
 
     on_gpu = torch.cuda.is_available() and not args.tiny
@@ -306,7 +357,7 @@ def whole_job_bench(args) -> tuple[str, torch.device]:
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     if args.tiny:
         config = full_size.tiny_config(args.version)
-        targets, frames = [(192, 128)], 9
+        targets, frames = [(192, 128), (256, 128)], 9  # two sizes: one fleet serves both
     else:
         config = full_size.full_size_config(bench_config(args.version)["transformer"], args.gemma_layers)
         targets, frames = [tuple(int(v) for v in target.split("x")) for target in args.targets], args.frames
@@ -314,7 +365,7 @@ def whole_job_bench(args) -> tuple[str, torch.device]:
         if width % 64 or height % 64:
             raise SystemExit(f"error: the two-stage sizes are multiples of 64, got {width}x{height}; the 1280x720 template runs at 1280x704")
     cases = [Case(recipe, w, h, frames, ranks, cap) for recipe in args.recipes for w, h in targets for ranks in args.ranks for cap in args.cap_gib]
-    rows, refusals = [], {}
+    rows = []
     with contextlib.ExitStack() as stack:
         bundle = write_random_bundle(stack, config, device, args)
         sizes_by_recipe, specs = {}, {}
@@ -326,57 +377,34 @@ def whole_job_bench(args) -> tuple[str, torch.device]:
             specs[recipe], sizes_by_recipe[recipe] = spec, component_sizes(spec)
         dims = TransformerDims.from_checkpoint(bundle.checkpoint_path)
         socket_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="mgpu-sharded-memory-"))
-        for number, case in enumerate(cases):
-            _set_fleet_environment(case.ranks, case.cap_gib, on_gpu)
-            spec, sizes = specs[case.recipe], sizes_by_recipe[case.recipe]
+        fleets: dict[tuple, list[Case]] = {}  # one fleet per recipe, rank count and cap: its sizes share the load
+        for case in cases:
+            fleets.setdefault((case.recipe, case.ranks, case.cap_gib), []).append(case)
+        for number, ((recipe, ranks, cap_gib), fleet_cases) in enumerate(fleets.items()):
+            _set_fleet_environment(ranks, cap_gib, on_gpu)
+            spec, sizes = specs[recipe], sizes_by_recipe[recipe]
             lora_swap = spec.distilled_lora is not None
             try:
-                plan = plan_residency(sizes, int(case.cap_gib * GIB), case.ranks, "sharded", args.quantization, lora_swap)
+                plan = plan_residency(sizes, int(cap_gib * GIB), ranks, "sharded", args.quantization, lora_swap)
             except ResidencyError as refused:
                 plan, planner = None, f"refused: {refused}"
             else:
                 planner = f"peak {plan.peak_bytes / GIB:.1f} GiB"
-            key = (case.recipe, case.ranks, case.cap_gib)
-            if plan is None and key in refusals:  # refused at load, whatever the size: once per fleet is enough
-                peaks, ending = {}, refusals[key] + " (as above: the load does not depend on the size)"
-            else:
-                api.configure(os.path.join(socket_dir, f"fleet-{number}.sock"), gpus="0" if on_gpu else None, cpu_ranks=None if on_gpu else case.ranks)
-                try:  # the load starts the fleet: a fleet that cannot start ends the case as a failed load
-                    with HostMemoryWatch() as host_memory:
-                        peaks, ending = run_case(case, spec.to_json(), args.version, args.steps)
-                    if on_gpu:
-                        ending += f"; {host_memory.describe()}"
-                finally:
-                    api.restart()
-                    if args.fleet_log and os.path.exists(os.path.join(socket_dir, "server.log")):
-                        shutil.copyfile(os.path.join(socket_dir, "server.log"), f"{args.fleet_log}.{number}")
-                if ending.startswith("refused"):
-                    refusals[key] = ending
-            log(f"{case.label()}: {ending}")
+            api.configure(os.path.join(socket_dir, f"fleet-{number}.sock"), gpus="0" if on_gpu else None, cpu_ranks=None if on_gpu else ranks)
+            try:  # the load starts the fleet: a fleet that cannot start ends its cases as a failed load
+                with HostMemoryWatch() as host_memory:
+                    results = run_fleet(fleet_cases, spec.to_json(), args.version, args.steps)
+                if on_gpu:
+                    results = [(peaks, f"{ending}; {host_memory.describe()}") for peaks, ending in results]
+            finally:
+                api.restart()
+                if args.fleet_log and os.path.exists(os.path.join(socket_dir, "server.log")):
+                    shutil.copyfile(os.path.join(socket_dir, "server.log"), f"{args.fleet_log}.{number}")
             first_row = len(rows)
-            estimates = {}
-            if plan is not None:
-                stage1, stage2 = stage_activation_bytes(case, dims, args.version, on_gpu)
-                estimates = job_peaks(sizes, plan, stage1, stage2)
-            size = f"{case.width}x{case.height}x{case.frames}"
-            weights = args.quantization or "bf16"
-            for phase in JOB_PHASES:
-                if phase not in peaks and phase not in estimates:
-                    continue
-                measured = [peak for peak in peaks.get(phase, []) if peak is not None]
-                estimate = estimates.get(phase)
-                per_rank = " / ".join(f"{peak / GIB:.2f}" for peak in measured) if measured else ("n/a (CPU)" if not on_gpu and phase in peaks else "-")
-                error = f"{(estimate - max(measured)) / max(measured) * 100:+.1f}%" if measured and estimate else "-"
-                rows.append([case.recipe, size, str(case.ranks), f"{case.cap_gib:g}", weights, phase, per_rank,
-                             f"{max(measured) / GIB:.2f}" if measured else "-", f"{estimate / GIB:.2f}" if estimate else "-", error, ""])  # fmt: skip
-            measured_all = [peak for values in peaks.values() for peak in values if peak is not None]
-            whole_error = (
-                f"{(plan.peak_bytes - max(measured_all)) / max(measured_all) * 100:+.1f}%" if plan is not None and measured_all and ending.startswith("finished") else "-"
-            )  # fmt: skip
-            rows.append([case.recipe, size, str(case.ranks), f"{case.cap_gib:g}", weights, "**whole job**", "",
-                         f"{max(measured_all) / GIB:.2f}" if measured_all else "-", f"{plan.peak_bytes / GIB:.2f} (plan)" if plan else "-", whole_error,
-                         ending if ending.startswith("finished") or planner.removeprefix("refused: ") in ending else f"{ending}; this process's planner: {planner}"])  # fmt: skip
-            if args.partial_out:  # a call that runs out of time still leaves the cases it finished
+            for case, (peaks, ending) in zip(fleet_cases, results):
+                log(f"{case.label()}: {ending}")
+                rows.extend(_case_rows(case, peaks, ending, plan, planner, sizes, dims, args, on_gpu))
+            if args.partial_out:  # a call that runs out of time still leaves the fleets it finished
                 with open(args.partial_out, "a") as partial:
                     partial.write(markdown_table(WHOLE_JOB_HEADERS, rows[first_row:]) + "\n\n")
     allocator = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
@@ -386,7 +414,8 @@ def whole_job_bench(args) -> tuple[str, torch.device]:
         "cancelled after them and stage 2 starts from a random latent of its shape). "
         + (f"Allocator: PYTORCH_CUDA_ALLOC_CONF={allocator}. " if allocator else "")
         + "Estimates: `residency.job_peaks` per job (this job's activations), the plan's own peak (`plan_residency`, 6 GiB headroom) for the whole job. "
-        "upscale = the upsampler, then stage 2 (one fleet job, one peak)."
+        "upscale = the upsampler, then stage 2 (one fleet job, one peak). One fleet serves the sizes of a recipe, rank count and cap: "
+        "their load and encode run once and their rows repeat under each size."
     )
     return caption + "\n\n" + markdown_table(WHOLE_JOB_HEADERS, rows), device
 

@@ -104,16 +104,18 @@ def test_whole_job_tiny_runs_both_recipes_sharded_and_shows_a_too_small_cap_refu
     assert two_stage[("24", "**whole job**")][10] == "finished"  # its --steps 2 stage 1 runs whole: nothing cancelled
     assert two_stage[("5", "**whole job**")][10].startswith("refused at load: this model needs about 6.0 GiB per GPU")
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table if line.startswith("| distilled")]
-    by_case = {(row[3], row[5]): row for row in rows}
-    assert [phase for cap, phase in by_case if cap == "24"] == ["load", "encode", "stage 1", "upscale", "decode", "**whole job**"]
-    ended = by_case[("24", "**whole job**")][10]
-    assert ended.startswith("finished (stage 1 stopped after ") and ended.endswith(" of its 8 steps)"), ended
-    # Cancelled near --steps 2: the cancel is sent once step 1 is reported and races the ranks' next cancel point.
-    assert 1 <= int(ended.split("after ")[1].split(" of")[0]) < 8, ended
-    assert by_case[("24", "decode")][6] == "n/a (CPU)" and float(by_case[("24", "decode")][8]) > 3.0  # no peak on CPU; the estimate stands
-    refused = by_case[("5", "**whole job**")][10]
-    assert refused.startswith("refused at load: this model needs about 6.0 GiB per GPU even with its transformer sharded over 2 ranks"), refused
-    assert [phase for cap, phase in by_case if cap == "5"] == ["**whole job**"]
+    by_case = {(row[1], row[3], row[5]): row for row in rows}
+    # One fleet per recipe, rank count and cap serves both sizes: each size runs its own stages and ends on its own.
+    for size in ("192x128x9", "256x128x9"):
+        assert [phase for at, cap, phase in by_case if (at, cap) == (size, "24")] == ["load", "encode", "stage 1", "upscale", "decode", "**whole job**"]
+        ended = by_case[(size, "24", "**whole job**")][10]
+        assert ended.startswith("finished (stage 1 stopped after ") and ended.endswith(" of its 8 steps)"), ended
+        # Cancelled near --steps 2: the cancel is sent once step 1 is reported and races the ranks' next cancel point.
+        assert 1 <= int(ended.split("after ")[1].split(" of")[0]) < 8, ended
+        assert by_case[(size, "24", "decode")][6] == "n/a (CPU)" and float(by_case[(size, "24", "decode")][8]) > 3.0  # no peak on CPU; the estimate stands
+        refused = by_case[(size, "5", "**whole job**")][10]
+        assert refused.startswith("refused at load: this model needs about 6.0 GiB per GPU even with its transformer sharded over 2 ranks"), refused
+        assert [phase for at, cap, phase in by_case if (at, cap) == (size, "5")] == ["**whole job**"]
     assert "residency sharded" in completed.stdout and (tmp_path / "t.md").read_text().count("| distilled") == len(rows)
     # Each case's rows reach the partial file when the case ends, so a call cut short keeps what it measured.
     partial = [line for line in (tmp_path / "partial.md").read_text().splitlines() if line.startswith(("| two-stage", "| distilled"))]
