@@ -166,6 +166,11 @@ def test_two_stage_job_sharded_over_2_ranks_equals_the_unsharded_fleet_bitwise(f
     assert any("stage 2: weight sharding: weights sharded over all 2 ranks" in line for line in sharded_logs), sharded_logs
     assert not any("weight sharding" in line for line in whole_logs), whole_logs
     assert sharded["weights"]["working_bytes"] < 0.6 * whole["weights"]["working_bytes"], (sharded["weights"], whole["weights"])
+    # Sharded, each rank's clean rows are views of the checkpoint file (the OS's cached pages, no copy), and the
+    # swaps to the LoRA and back above stay bitwise; unsharded on a CPU rank the working copy is that mapping
+    # itself (LoRAs fuse into it in place), so its clean shard is a copy.
+    assert sharded["weights"]["clean_shard_file_bytes"] == sharded["weights"]["clean_shard_bytes"] > 0, sharded["weights"]
+    assert whole["weights"]["clean_shard_file_bytes"] == 0 < whole["weights"]["clean_shard_bytes"], whole["weights"]
 
 
 @pytest.mark.parametrize("quantization", [pytest.param(None, marks=pytest.mark.slow, id="bf16"), "fp8-cast"])

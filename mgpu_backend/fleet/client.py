@@ -490,9 +490,11 @@ def format_status(status: dict) -> str:
         if weights:
             # Only worth saying on a GPU rank: on a CPU rank the host is the device.
             shard_on_host = weights.get("clean_shard_device") == "cpu" and "cuda" in str(rank["device"])
+            from_file = weights.get("clean_shard_file_bytes") or 0
             lines.append(
                 f"    weights: transformer working copy {_gib(weights.get('working_bytes'))}, clean shard "
-                f"{_gib(weights.get('clean_shard_bytes'))}{' in host memory' if shard_on_host else ''}, "
+                f"{_gib(weights.get('clean_shard_bytes'))}{' in host memory' if shard_on_host else ''}"
+                f"{f' ({_gib(from_file)} of it the checkpoint file itself, no copy)' if from_file else ''}, "
                 f"other components {_gib(weights.get('other_components_bytes'))}, host copies {_gib(weights.get('host_copies_bytes'))}"
             )
     job = status["current_job"]

@@ -36,6 +36,17 @@ When to use it, and what it costs
     ``no_lora_swap=True`` keeps no clean shard (saves the 1/N) for runs whose LoRA set never
     changes: the first set may be fused once, any later change raises a clear error.
 
+The checkpoint file as the clean copy
+    safetensors maps a checkpoint file into memory and hands out tensors over the mapping: pages of
+    the OS's file cache, which every process reading the file shares and the kernel may drop and read
+    again. Where a clean shard goes to host memory and the working copy took a file tensor exactly as
+    the file holds it (a bf16 checkpoint loaded in bf16, no quantization), the clean shard is a view
+    of the file (this rank's rows of it, sharded) instead of a copy: no host memory of its own (35 GiB
+    less over the ranks for the 22B in bf16). ``file_backed`` tells such tensors from the rest by the
+    process's file mappings; cast weights (fp8-cast, a float32 file) and a CPU rank's whole working
+    copy, which is the mapping itself, keep a copy. Replace a checkpoint file by writing a new one,
+    not by writing into it, while a fleet runs (as any copy tool does).
+
 Under weight sharding
     With ``shard_weights=True`` (residency ``"sharded"``) the working copy itself is sharded
     (``mgpu_backend.parallel.weight_sharding``): each rank holds 1/N of every parameter, and the
@@ -79,6 +90,7 @@ imports ltx-pipelines, and never talks to other ranks except through ``Comm``.
 
 from __future__ import annotations
 
+import bisect
 import gc
 import hashlib
 import json
@@ -290,6 +302,43 @@ class HostParking:
         self._parked, self._buffer = [], None
 
 
+def file_mapped_ranges() -> list[tuple[int, int]]:
+    """The address ranges where this process maps files (``/proc/self/maps``, each mapping's adjacent
+    pieces joined), sorted; empty where the kernel does not say (not Linux)."""
+    pieces = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                if len(fields) < 6 or fields[4] == "0" or fields[5].startswith("["):  # anonymous, stack, heap...
+                    continue
+                start, end = (int(value, 16) for value in fields[0].split("-"))
+                pieces.append((start, end, fields[3], fields[4]))
+    except OSError:
+        return []
+    ranges: list[tuple[int, int]] = []
+    previous = None
+    for start, end, device, inode in sorted(pieces):
+        if ranges and previous == (device, inode) and start == ranges[-1][1]:
+            ranges[-1] = (ranges[-1][0], end)
+        else:
+            ranges.append((start, end))
+        previous = (device, inode)
+    return ranges
+
+
+def file_backed(tensor: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    """Whether ``tensor``'s whole storage lies in one file mapping of ``ranges`` (``file_mapped_ranges``):
+    safetensors maps a checkpoint into memory and hands out tensors over it, pages of the OS's file
+    cache that every process reading the file shares and the kernel may drop and read again."""
+    storage = tensor.untyped_storage()
+    if tensor.device.type != "cpu" or storage.nbytes() == 0:
+        return False
+    start = storage.data_ptr()
+    index = bisect.bisect_right(ranges, (start, math.inf)) - 1
+    return index >= 0 and start + storage.nbytes() <= ranges[index][1]
+
+
 class TransformerWeightTracker:
     """One working transformer per rank, a clean copy sharded over the ranks, LoRA sets swapped in place.
 
@@ -341,10 +390,10 @@ class TransformerWeightTracker:
             return self._model
         self._drop()
         if self.shard_weights:
-            model, layout, dropped = self._build_sharded(loader)
+            model, layout, dropped, from_file = self._build_sharded(loader)
             working = weight_sharding.local_state_dict(model)
         else:
-            model, layout, dropped = self._build_whole(loader, None)
+            model, layout, dropped, from_file = self._build_whole(loader, None)
             working = {key: tensor.detach() for key, tensor in model.velocity_model.state_dict(keep_vars=True).items()}
         self._check_same_model_on_every_rank(layout, loader.device)
         owners = _owners_by_bytes({key: tensor.nbytes for key, tensor in working.items()}, self.comm.world_size)
@@ -357,14 +406,15 @@ class TransformerWeightTracker:
             if on_host is None:
                 on_host = clean_shard_on_host(working_bytes, sum(working[key].nbytes for key in mine), loader.device)
             where = torch.device("cpu") if on_host else loader.device
-            clean = {key: working[key].to(where, copy=True) for key in mine}
+            ranges = file_mapped_ranges()
+            clean = {key: self._clean_copy(model, key, working[key], where, from_file.get(key), ranges) for key in mine}
         self._loader, self._model, self._working, self._owners, self._clean = loader, model, working, owners, clean
         # Counted now: a parked working copy's storages are empty (and all at address 0).
         self._working_bytes = sum({tensor.untyped_storage().data_ptr(): tensor.nbytes for tensor in working.values()}.values())
         self._applied, self._touched, self.stats = (), frozenset(), SwapStats()
         report = self.memory_report()
         log.info(
-            "weight tracker on rank %d/%d: working copy %.1f MB, clean shard %.1f MB (%d of %d keys)%s; "
+            "weight tracker on rank %d/%d: working copy %.1f MB, clean shard %.1f MB (%d of %d keys%s)%s; "
             "host copy dropped (%.1f MB)",
             self.comm.rank,
             self.comm.world_size,
@@ -372,23 +422,44 @@ class TransformerWeightTracker:
             report["clean_shard_bytes"] / 1e6,
             report["clean_shard_keys"],
             len(working),
+            f"; {report['clean_shard_file_bytes'] / 1e6:.1f} MB of it read from the checkpoint file as it is, no host copy"
+            if report["clean_shard_file_bytes"] else "",
             ", no LoRA swap" if self.no_lora_swap else "",
             dropped / 1e6,
         )
         return model
 
-    @staticmethod
-    def _build_whole(loader, device) -> tuple[X0Model, str, int]:
-        """The whole transformer on ``device`` (the loader's when None), its layout, and the bytes of
-        the registry's host copy dropped. The working copy and the clean shard are all this rank
-        needs from now on: dropping the registry's host copy frees it on a GPU rank, and on a CPU rank
-        (where the built model aliases it) keeps LoRA fusion in place from reaching anything else
-        built by the loader."""
-        model = loader.build_transformer((), device=device)
-        dropped = loader.drop_host_copy("transformer")
-        return model, _layout(model.velocity_model.state_dict(keep_vars=True)), dropped
+    def _clean_copy(self, model, key: str, working: torch.Tensor, where: torch.device, file_tensor: torch.Tensor | None,
+                    ranges: list[tuple[int, int]]) -> torch.Tensor:  # fmt: skip
+        """This rank's clean weights of ``key``, in ``where``: in host memory, a view of the checkpoint
+        file itself when the working copy got that file tensor as it is (``file_tensor``: bf16 in a bf16
+        file, no quantization) and is not that mapping itself (a CPU rank's whole model is, and LoRAs
+        fuse into it in place), so the clean copy takes no host memory of its own (the file's cached
+        pages, shared by the ranks); else a copy of the working weights."""
+        if file_tensor is not None and where.type == "cpu" and not file_backed(working, ranges):
+            rows = weight_sharding.shard_rows(model, key, file_tensor) if self.shard_weights else file_tensor
+            if rows.shape == working.shape and rows.dtype == working.dtype:
+                return rows
+        return working.to(where, copy=True)
 
-    def _build_sharded(self, loader) -> tuple[X0Model, str, int]:
+    @staticmethod
+    def _build_whole(loader, device) -> tuple[X0Model, str, int, dict[str, torch.Tensor]]:
+        """The whole transformer on ``device`` (the loader's when None), its layout, the bytes of the
+        registry's host copy dropped, and the weights the model took from the checkpoint as they are
+        there (file-backed tensors: views of the mapped file, no host memory of their own) by key. The
+        working copy and the clean shard are all this rank needs from now on: dropping the registry's
+        host copy frees it on a GPU rank, and on a CPU rank (where the built model aliases it) keeps
+        LoRA fusion in place from reaching anything else built by the loader."""
+        model = loader.build_transformer((), device="cpu")
+        ranges = file_mapped_ranges()
+        from_file = {
+            key: tensor.detach() for key, tensor in model.velocity_model.state_dict(keep_vars=True).items() if file_backed(tensor, ranges)
+        }  # fmt: skip
+        model = model.to(loader.device if device is None else torch.device(device))
+        dropped = loader.drop_host_copy("transformer")
+        return model, _layout(model.velocity_model.state_dict(keep_vars=True)), dropped, from_file
+
+    def _build_sharded(self, loader) -> tuple[X0Model, str, int, dict[str, torch.Tensor]]:
         """Built whole in host memory, then each block moved to the device as this rank's shard. The
         whole transformer sits in host memory only while its rank shards it, so the ranks build in
         turns of as many as host memory holds (``sharded_builds_at_once``): 4 ranks of a 22B in bf16
@@ -396,11 +467,11 @@ class TransformerWeightTracker:
         mesh = weight_sharding.sharding_mesh(self.comm, loader.device)  # collective: before the turns
         at_once = self._builds_at_once(loader)
         turns = math.ceil(self.comm.world_size / at_once)
-        model = layout = dropped = None
+        model = layout = dropped = from_file = None
         for turn in range(turns):
             if self.comm.rank // at_once == turn:
                 started = time.perf_counter()
-                model, layout, dropped = self._build_whole(loader, "cpu")
+                model, layout, dropped, from_file = self._build_whole(loader, "cpu")
                 weight_sharding.apply_weight_sharding(model, self.comm, loader.device, mesh=mesh)
                 gc.collect()  # the whole host copy goes now, before the next turn's ranks build theirs
                 if turns > 1:
@@ -408,7 +479,7 @@ class TransformerWeightTracker:
                              "as host memory holds): %.1f s", self.comm.rank, turn + 1, turns, at_once, time.perf_counter() - started)
             if turns > 1:
                 self.comm.barrier()
-        return model, layout, dropped
+        return model, layout, dropped, from_file
 
     def _builds_at_once(self, loader) -> int:
         """How many ranks build the whole transformer in host memory at once: rank 0's reading of the
@@ -631,6 +702,7 @@ class TransformerWeightTracker:
 
     def memory_report(self) -> dict:
         """Bytes held on this rank, for ``status``: the working copy and the clean shard."""
+        ranges = file_mapped_ranges() if self._clean else []
         return {
             "rank": self.comm.rank,
             "world_size": self.comm.world_size,
@@ -638,6 +710,8 @@ class TransformerWeightTracker:
             "clean_shard_bytes": sum(tensor.nbytes for tensor in self._clean.values()),
             "clean_shard_device": str(next(iter(self._clean.values())).device) if self._clean else None,
             "clean_shard_keys": len(self._clean),
+            # Of the clean shard, the bytes that are views of the checkpoint file (no host memory of their own).
+            "clean_shard_file_bytes": sum(tensor.nbytes for tensor in self._clean.values() if file_backed(tensor, ranges)),
             "transformer_keys": len(self._working),
             "no_lora_swap": self.no_lora_swap,
             "weights_sharded": self.shard_weights,
