@@ -366,3 +366,18 @@ def test_a_parked_tracker_frees_the_transformer_on_the_gpu_and_gives_it_back_bit
     tracker.park()
     swapped = tracker.transformer(loader, "distilled")  # a LoRA swap straight after a park: from the clean shard it put back
     assert all(torch.equal(distilled[key], value) for key, value in swapped.state_dict().items())
+
+
+def test_status_says_how_much_of_a_clean_shard_in_host_memory_is_the_checkpoint_file_itself():
+    from mgpu_backend.fleet.client import format_status
+
+    gib = 2**30
+    weights = {"working_bytes": 11 * gib, "clean_shard_bytes": 11 * gib, "clean_shard_device": "cpu", "other_components_bytes": gib,
+               "host_copies_bytes": 2 * gib}  # fmt: skip
+    rank = {"rank": 0, "pid": 1, "device": "cuda:0", "alive": True, "memory": {"allocated": 12 * gib}}
+    status = {"server_pid": 1, "address": "a", "devices": "1 GPU", "uptime_seconds": 1, "current_job": None, "queue_length": 0,
+              "jobs_completed": 0, "fleet_restarts": 0}  # fmt: skip
+    copied = format_status({**status, "ranks": [{**rank, "weights": {**weights, "clean_shard_file_bytes": 0}}]})
+    viewed = format_status({**status, "ranks": [{**rank, "weights": {**weights, "clean_shard_file_bytes": 11 * gib}}]})
+    assert "clean shard 11.00 GiB in host memory, other components" in copied, copied
+    assert "clean shard 11.00 GiB in host memory (11.00 GiB of it the checkpoint file itself, no copy), other" in viewed, viewed
