@@ -291,6 +291,11 @@ def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {key: value.clone() for key, value in model.state_dict().items()}
 
 
+def _loader_with_distilled_lora(bundle, device) -> ModelLoader:
+    spec = ModelSpec(checkpoint_path=bundle.checkpoint_path, gemma_root=bundle.gemma_root, distilled_lora=bundle.distilled_lora_path)
+    return ModelLoader(spec, device, torch.bfloat16)
+
+
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
@@ -342,12 +347,61 @@ def test_parking_refuses_storage_it_cannot_free_before_moving_anything():
     assert not parking.parked and owned.untyped_storage().nbytes() == 64 and torch.equal(owned, torch.ones(16))
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[gpu, pytest.mark.gpu])])
+def test_parking_takes_weights_held_in_host_memory_already_back_from_there_and_copies_only_the_rest(device):
+    whole = torch.arange(64, dtype=torch.bfloat16, device=device)  # its own storage: restorable
+    other = torch.ones(32, dtype=torch.float32, device=device)
+    backing = torch.arange(40, dtype=torch.float32, device=device)
+    part = backing[8:24]  # a view inside a larger storage: parked in the buffer whatever it is offered
+    held = whole.cpu() + 1  # not its values: shows that the tensor came back from here, not from a copy of itself
+    parking = HostParking()
+    freed = parking.park([whole, other, part], restore_from=[(whole, held), (part, part.cpu())])
+    assert freed == whole.nbytes + other.nbytes + backing.nbytes, freed
+    assert parking.last_restorable_bytes == whole.nbytes
+    assert parking.buffer_bytes == other.nbytes + backing.nbytes, "the weights held in host memory were copied again"
+    assert all(t.untyped_storage().nbytes() == 0 for t in (whole, other, part))
+    assert parking.unpark() == freed and not parking.parked
+    assert torch.equal(whole.cpu(), held) and torch.equal(other.cpu(), torch.ones(32))
+    assert torch.equal(backing.cpu(), torch.arange(40, dtype=torch.float32))
+    # Only copies of the same shape and dtype in host memory qualify; the rest goes to the buffer.
+    parking = HostParking()
+    parking.park([whole], restore_from=[(whole, held.float())])
+    assert parking.last_restorable_bytes == 0 and parking.buffer_bytes == whole.nbytes
+    parking.unpark()
+    assert torch.equal(whole.cpu(), held)
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_tracker_with_its_clean_shard_in_host_memory_parks_only_what_a_lora_touched_into_its_buffer(bundle):
+    device = torch.device("cuda", 0)
+    loader = _loader_with_distilled_lora(bundle, device)
+    tracker = TransformerWeightTracker(Comm.world(), clean_on_host=True)  # one rank: every key's clean rows, in host memory
+    model = tracker.transformer(loader, "none")
+    clean, report = _state(model), tracker.memory_report()
+    before = torch.cuda.memory_allocated(device)
+    moved = tracker.park()
+    assert moved == report["working_bytes"] and before - torch.cuda.memory_allocated(device) >= moved
+    assert tracker._parking.buffer_bytes == 0, "weights equal to the clean shard in host memory were copied again"
+    assert tracker.transformer(loader, "none") is model
+    assert all(torch.equal(clean[key], value) for key, value in model.state_dict().items())
+    distilled = _state(tracker.transformer(loader, "distilled"))
+    touched = sum(tracker._working[key].nbytes for key in tracker._touched)
+    assert 0 < touched < report["working_bytes"], touched
+    tracker.park()
+    assert tracker._parking.buffer_bytes == touched and tracker._parking.last_restorable_bytes == report["working_bytes"] - touched
+    swapped = tracker.transformer(loader, "distilled")
+    assert all(torch.equal(distilled[key], value) for key, value in swapped.state_dict().items())
+    tracker.park()
+    back = tracker.transformer(loader, "none")  # the LoRA's keys from the buffer, then back to clean from the host rows
+    assert all(torch.equal(clean[key], value) for key, value in back.state_dict().items())
+
+
 @gpu
 @pytest.mark.gpu
 def test_a_parked_tracker_frees_the_transformer_on_the_gpu_and_gives_it_back_bitwise_for_the_next_swap(bundle):
     device = torch.device("cuda", 0)
-    spec = ModelSpec(checkpoint_path=bundle.checkpoint_path, gemma_root=bundle.gemma_root, distilled_lora=bundle.distilled_lora_path)
-    loader = ModelLoader(spec, device, torch.bfloat16)
+    loader = _loader_with_distilled_lora(bundle, device)
     tracker = TransformerWeightTracker(Comm.world(), clean_on_host=False)  # one rank: the whole clean copy, on the GPU
     distilled = _state(tracker.transformer(loader, "distilled"))
     model = tracker.transformer(loader, "none")

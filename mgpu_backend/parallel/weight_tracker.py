@@ -77,8 +77,13 @@ Stepping aside for Gemma
     ``unpark()`` copies it back, and ``transformer()``, what the stages call, unparks first. The
     Parameters stay the same objects (only their storages are emptied and refilled: ``HostParking``),
     so LoRA swaps and everything holding the model keep working; the weights come back bitwise. Cost:
-    host memory equal to the transformer's bytes (a pinned buffer, kept for later parks), and two
-    copies per job over PCIe (18 GB of fp8-cast 22B weights: a few seconds each way). Captured CUDA
+    host memory equal to the bytes parked (a pinned buffer, kept for later parks), and two copies per
+    job over PCIe (18 GB of fp8-cast 22B weights: a few seconds each way). Weights no LoRA has touched
+    whose clean rows sit in host memory (a sharded rank's, or a rank's shard moved off the GPU) are
+    not copied into that buffer: they come back from those rows, often the checkpoint file's own
+    pages, so a sharded 22B with no LoRA fused parks for no host memory at all (the copy back is
+    then from pageable memory, slower than from pinned, and from disk if the page cache let the file
+    go). Captured CUDA
     graphs replay the old addresses: release them before parking (stage 1 captures again). On a CPU
     rank the host is the device, so parking frees nothing and is a no-op (logged once).
 
@@ -227,6 +232,16 @@ def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
+def _restorable(tensor: torch.Tensor, copy: torch.Tensor) -> bool:
+    """Whether ``tensor``'s storage can come back whole from ``copy`` in host memory: the tensor is
+    the whole of its storage, contiguous, and the copy has its shape and dtype."""
+    storage = tensor.untyped_storage()
+    return (
+        copy.device.type == "cpu" and copy.dtype == tensor.dtype and copy.shape == tensor.shape and copy.is_contiguous()
+        and tensor.is_contiguous() and tensor.storage_offset() == 0 and tensor.nbytes == storage.nbytes()
+    )  # fmt: skip
+
+
 class HostParking:
     """The storages of a set of tensors moved into one host buffer and back; the tensors stay.
 
@@ -238,11 +253,18 @@ class HostParking:
     storage is on a GPU (fast, asynchronous copies; pageable if the system refuses to pin that
     much) and allocated once: a later park of no more bytes reuses it. Device-agnostic: it runs
     the same on CPU tensors (it frees nothing there, as the host is the device; the tests use it so).
+
+    A tensor whose bytes host memory holds already (``restore_from``: a clean copy of weights no
+    LoRA has touched, often a view of the checkpoint file) is not copied at all: its storage is
+    freed, and ``unpark`` copies it back from that copy. The buffer then holds only the rest, so a
+    rank whose clean shard sits in host memory parks its untouched weights for no host memory.
     """
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
-        self._parked: list[tuple[torch.UntypedStorage, int, int]] = []  # (storage, offset in the buffer, bytes)
+        # (storage, offset in the buffer or None, bytes, the host copy it comes back from or None)
+        self._parked: list[tuple[torch.UntypedStorage, int | None, int, torch.Tensor | None]] = []
+        self.last_restorable_bytes = 0  # of the last park, the bytes left to come back from ``restore_from``
 
     @property
     def parked(self) -> bool:
@@ -253,12 +275,17 @@ class HostParking:
         """Host bytes held by the buffer (kept between parks)."""
         return 0 if self._buffer is None else self._buffer.numel()
 
-    def park(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Move the storages of ``tensors`` to the host buffer and free them; returns the bytes moved."""
+    def park(self, tensors: Iterable[torch.Tensor], restore_from: Iterable[tuple[torch.Tensor, torch.Tensor]] = ()) -> int:
+        """Free the storages of ``tensors`` (and of the first tensor of each ``restore_from`` pair),
+        their bytes kept in host memory; returns the bytes freed. ``restore_from``: (tensor, host copy
+        of exactly its values) pairs, the caller's word that the two are equal; such a tensor covering
+        its whole storage is not copied but comes back from its host copy (one that does not is parked
+        in the buffer like the rest)."""
         if self._parked:
             raise RuntimeError("these tensors are parked already; unpark() them before parking again")
+        restore_from = list(restore_from)
         storages: dict[int, torch.UntypedStorage] = {}
-        for tensor in tensors:
+        for tensor in [*tensors, *(tensor for tensor, _ in restore_from)]:
             storage = tensor.untyped_storage()
             if storage.nbytes() > 0:
                 storages.setdefault(storage.data_ptr(), storage)
@@ -268,32 +295,40 @@ class HostParking:
                 f"{len(fixed)} of the tensors to park live in storage that cannot be freed (memory-mapped or borrowed); "
                 "parking needs tensors the process allocated itself (a model built on its device)"
             )
-        total = sum(storage.nbytes() for storage in storages.values())
-        pin = any(storage.device.type == "cuda" for storage in storages.values())
-        if self._buffer is None or self._buffer.numel() < total:
+        sources = {tensor.untyped_storage().data_ptr(): copy for tensor, copy in restore_from if _restorable(tensor, copy)}
+        buffered = [storage for pointer, storage in storages.items() if pointer not in sources]
+        needed = sum(storage.nbytes() for storage in buffered)
+        if needed and (self._buffer is None or self._buffer.numel() < needed):
             self._buffer = None  # the old buffer goes before a larger one is allocated
-            self._buffer = _host_buffer(total, pin)
-        pin = self._buffer.is_pinned()
+            self._buffer = _host_buffer(needed, any(storage.device.type == "cuda" for storage in buffered))
+        pin = self._buffer is not None and self._buffer.is_pinned()
         parked, offset = [], 0
-        for storage in storages.values():
+        for pointer, storage in storages.items():
             nbytes = storage.nbytes()
+            if pointer in sources:
+                parked.append((storage, None, nbytes, sources[pointer]))
+                continue
             self._buffer[offset : offset + nbytes].copy_(_storage_bytes(storage), non_blocking=pin)
-            parked.append((storage, offset, nbytes))
+            parked.append((storage, offset, nbytes, None))
             offset += nbytes
         _synchronize(storages.values())  # every copy has landed before any storage is freed
-        for storage, _, _ in parked:
+        for storage, *_ in parked:
             storage.resize_(0)
         self._parked = parked
-        return total
+        self.last_restorable_bytes = sum(nbytes for _, offset, nbytes, _ in parked if offset is None)
+        return sum(nbytes for _, _, nbytes, _ in parked)
 
     def unpark(self) -> int:
         """Give every parked storage its bytes back and copy them in; returns the bytes moved."""
         total = 0
-        for storage, offset, nbytes in self._parked:
+        for storage, offset, nbytes, source in self._parked:
             storage.resize_(nbytes)
-            _storage_bytes(storage).copy_(self._buffer[offset : offset + nbytes], non_blocking=self._buffer.is_pinned())
+            if source is None:
+                _storage_bytes(storage).copy_(self._buffer[offset : offset + nbytes], non_blocking=self._buffer.is_pinned())
+            else:
+                _storage_bytes(storage).copy_(source.reshape(-1).view(torch.uint8))
             total += nbytes
-        _synchronize(storage for storage, _, _ in self._parked)  # the buffer may be written again by the next park
+        _synchronize(storage for storage, *_ in self._parked)  # the buffer may be written again by the next park
         self._parked = []
         return total
 
@@ -532,7 +567,9 @@ class TransformerWeightTracker:
                 self._said_nothing_to_park = True
             return 0
         started = time.perf_counter()
-        moved = self._parking.park([*self._working.values(), *(tensor for tensor in self._clean.values() if tensor.device == device)])
+        # The clean rows in host memory of keys no LoRA has touched are those weights already: they come back from there.
+        untouched = [(self._working[key], clean) for key, clean in self._clean.items() if clean.device.type == "cpu" and key not in self._touched]
+        moved = self._parking.park([*self._working.values(), *(tensor for tensor in self._clean.values() if tensor.device == device)], untouched)
         self._log_move("parked in host memory", moved, time.perf_counter() - started)
         return moved
 
@@ -546,9 +583,11 @@ class TransformerWeightTracker:
         return moved
 
     def _log_move(self, what: str, moved: int, seconds: float) -> None:
+        restorable = self._parking.last_restorable_bytes
         log.info(
-            "transformer %s on rank %d: %.1f MB in %.2f s (%.1f GB/s; host buffer %.1f MB)",
+            "transformer %s on rank %d: %.1f MB in %.2f s (%.1f GB/s; host buffer %.1f MB%s)",
             what, self.comm.rank, moved / 1e6, seconds, moved / 1e9 / max(seconds, 1e-9), self._parking.buffer_bytes / 1e6,
+            f"; {restorable / 1e6:.1f} MB of it come back from the clean shard in host memory, not copied" if restorable else "",
         )  # fmt: skip
 
     # --- Swapping -------------------------------------------------------------------------------------
