@@ -397,6 +397,55 @@ def test_a_tracker_with_its_clean_shard_in_host_memory_parks_only_what_a_lora_to
     assert all(torch.equal(clean[key], value) for key, value in back.state_dict().items())
 
 
+def _sharded_parking_on_one_gpu(bundle: dict, device: str = "cuda:0") -> dict:
+    """A tracker sharded over the ranks, all on GPU 0: parks with no LoRA and with the distilled one,
+    and whether each rank's rows come back bitwise."""
+    with torch.inference_mode():  # as a fleet rank runs its jobs
+        return _sharded_parking(ModelLoader(_spec(bundle), torch.device(device), torch.bfloat16))
+
+
+def _sharded_parking(loader: ModelLoader) -> dict:
+    from mgpu_backend.parallel.weight_sharding import local_state_dict
+
+    tracker = TransformerWeightTracker(Comm.world(), shard_weights=True, clean_on_host=True)
+    model = tracker.transformer(loader, "none")
+
+    def rows() -> dict[str, torch.Tensor]:
+        return {key: value.detach().cpu().clone() for key, value in local_state_dict(model).items()}
+
+    def same(expected: dict[str, torch.Tensor]) -> bool:
+        return all(torch.equal(expected[key], value.cpu()) for key, value in local_state_dict(model).items())
+
+    clean, report = rows(), tracker.memory_report()
+    # A parameter whose rows FSDP pads (its first dimension not a multiple of the ranks) owns more bytes than its rows.
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in local_state_dict(model).values()}
+    out = {"working": report["working_bytes"], "storages": sum(storages.values()), "clean_on_host": report["clean_shard_device"] == "cpu"}
+    out["moved"] = tracker.park()
+    out["buffer, no LoRA"], out["restored, no LoRA"] = tracker._parking.buffer_bytes, tracker._parking.last_restorable_bytes
+    out["clean back"] = tracker.transformer(loader, "none") is model and same(clean)
+    tracker.transformer(loader, "distilled")
+    distilled = rows()
+    out["touched"] = sum(tracker._working[key].nbytes for key in tracker._touched)
+    tracker.park()
+    out["buffer, distilled"] = tracker._parking.buffer_bytes
+    out["distilled back"] = tracker.transformer(loader, "distilled") is model and same(distilled)
+    tracker.park()
+    out["clean after a parked swap"] = tracker.transformer(loader, "none") is model and same(clean)
+    return out
+
+
+@gpu
+@pytest.mark.gpu
+def test_sharded_ranks_on_one_gpu_park_their_rows_for_no_host_memory_and_get_them_back_bitwise(bundle):
+    for rank, out in enumerate(run_ranks(WORLD_SIZE, _sharded_parking_on_one_gpu, vars(bundle), timeout=600)):
+        assert out["clean_on_host"] and out["moved"] == out["storages"] > 0, (rank, out)
+        # Only padded rows (a few small tables) go into the buffer: every other weight comes back from the host rows.
+        assert out["buffer, no LoRA"] + out["restored, no LoRA"] == out["moved"], (rank, out)
+        assert out["buffer, no LoRA"] <= 0.01 * out["working"], (rank, out)
+        assert 0 < out["touched"] < out["working"] and out["buffer, distilled"] == out["buffer, no LoRA"] + out["touched"], (rank, out)
+        assert out["clean back"] and out["distilled back"] and out["clean after a parked swap"], (rank, out)
+
+
 @gpu
 @pytest.mark.gpu
 def test_a_parked_tracker_frees_the_transformer_on_the_gpu_and_gives_it_back_bitwise_for_the_next_swap(bundle):
