@@ -212,9 +212,10 @@ def test_residency_and_the_memory_limit_are_checked(monkeypatch):
     assert device_memory_bytes(torch.device("cpu")) is None
     monkeypatch.setenv(MEMORY_LIMIT_ENV, "79.5")
     assert device_memory_bytes(torch.device("cpu")) == int(79.5 * GIB)
-    monkeypatch.setenv(MEMORY_LIMIT_ENV, "lots")
-    with pytest.raises(ValueError, match=f"{MEMORY_LIMIT_ENV} must be a positive number of GiB, got 'lots'"):
-        device_memory_bytes(torch.device("cpu"))
+    for text in ("lots", "0", "-8", "inf", "nan"):
+        monkeypatch.setenv(MEMORY_LIMIT_ENV, text)
+        with pytest.raises(ValueError, match=f"{MEMORY_LIMIT_ENV} must be a positive number of GiB, got '{text}'; unset it to use the GPU's memory"):
+            device_memory_bytes(torch.device("cpu"))
 
 
 # --- On the tiny bundle -------------------------------------------------------------------------------

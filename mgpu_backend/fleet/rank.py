@@ -44,6 +44,7 @@ from mgpu_backend.fleet import protocol, shm
 from mgpu_backend.fleet.controller import SERVER_PID_ENV
 from mgpu_backend.fleet.jobs import JOBS, KEPT_ACROSS_REPLACEMENT, JobCancelled, JobContext, JobInputError, load_job_modules
 from mgpu_backend.fleet.protocol import Message
+from mgpu_backend.fleet.settings import number_setting
 from mgpu_backend.fleet.shared_gpu import peer_access_line, shared_gpu_ranks
 from mgpu_backend.parallel.comm import Comm
 
@@ -409,16 +410,8 @@ def _holds_other_comm(value, keep: tuple[Comm, ...], depth: int = 3) -> bool:
 
 def memory_fraction(environ) -> float | None:
     """``MGPU_MEMORY_FRACTION`` from ``environ``, checked; None when unset or empty."""
-    text = environ.get(MEMORY_FRACTION_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value <= 1:
-        raise ValueError(f"{MEMORY_FRACTION_ENV} must be a share of the GPU above 0 and at most 1 (0.5: half), got {text!r}; unset it to use the whole GPU")
-    return value
+    return number_setting(environ, MEMORY_FRACTION_ENV, float, lambda share: 0 < share <= 1,
+                          "a share of the GPU above 0 and at most 1 (0.5: half)", "to use the whole GPU")  # fmt: skip
 
 
 PR_SET_PDEATHSIG = 1

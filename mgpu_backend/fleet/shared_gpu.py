@@ -28,25 +28,19 @@ from __future__ import annotations
 
 import os
 
+from mgpu_backend.fleet.settings import number_setting
+
 SHARED_GPU_RANKS_ENV = "MGPU_SHARED_GPU_RANKS"
 MAX_SHARED_GPU_RANKS = 8
 
 
 def shared_gpu_ranks(environ: dict | None = None) -> int:
     """Ranks per GPU asked for by ``MGPU_SHARED_GPU_RANKS`` (1 when unset: one rank per GPU)."""
-    text = (environ if environ is not None else os.environ).get(SHARED_GPU_RANKS_ENV, "").strip()
-    if not text:
-        return 1
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if not 1 <= value <= MAX_SHARED_GPU_RANKS:
-        raise ValueError(
-            f"{SHARED_GPU_RANKS_ENV} must be a number of ranks per GPU from 1 to {MAX_SHARED_GPU_RANKS}, got {text!r}; "
-            "unset it for one rank per GPU"
-        )
-    return value
+    value = number_setting(
+        environ if environ is not None else os.environ, SHARED_GPU_RANKS_ENV, int, lambda ranks: 1 <= ranks <= MAX_SHARED_GPU_RANKS,
+        f"a number of ranks per GPU from 1 to {MAX_SHARED_GPU_RANKS}", "for one rank per GPU",
+    )  # fmt: skip
+    return 1 if value is None else value
 
 
 def describe(ranks_per_gpu: int) -> str:

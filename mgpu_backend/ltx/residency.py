@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mgpu_backend.fleet.settings import number_setting
 from mgpu_backend.fleet.shared_gpu import shared_gpu_ranks
 from mgpu_backend.ltx import fp8
 from mgpu_backend.ltx.schema import parse_residency
@@ -239,16 +240,8 @@ def component_sizes(spec, dtype: torch.dtype = torch.bfloat16) -> ComponentSizes
 def gib_setting(environ, name: str, when_unset: str) -> int | None:
     """The bytes of a positive number of GiB in ``environ[name]``; None when unset or empty. Anything
     else is refused, naming the variable and what unsetting it does (``when_unset``)."""
-    text = environ.get(name, "").strip()
-    if not text:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{name} must be a positive number of GiB, got {text!r}; unset it to {when_unset}")
-    return int(value * GIB)
+    value = number_setting(environ, name, float, lambda gib: 0 < gib < math.inf, "a positive number of GiB", f"to {when_unset}")
+    return None if value is None else int(value * GIB)
 
 
 def device_memory_bytes(device: torch.device) -> int | None:
