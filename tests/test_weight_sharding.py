@@ -20,7 +20,14 @@ from mgpu_backend.ltx.schema import ModelSpec
 from mgpu_backend.parallel import weight_tracker
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.sequence_parallel import apply_sequence_parallel, remove_sequence_parallel
-from mgpu_backend.parallel.weight_sharding import apply_weight_sharding, idle_forward, local_state_dict, weight_sharding_comm
+from mgpu_backend.parallel.weight_sharding import (
+    apply_weight_sharding,
+    full_tensor,
+    gather_rows,
+    idle_forward,
+    local_state_dict,
+    weight_sharding_comm,
+)
 
 from .dist_harness import run_ranks
 from .fleet_harness import run_job
@@ -94,6 +101,41 @@ def test_weights_sharded_over_2_ranks_give_the_unsharded_forward_bitwise_with_ha
     assert applied == ["weight sharding", "process groups", "sequence parallel"] and compiled is False, (applied, lines)
     assert any(line.startswith("stage 1: weight sharding: weights sharded over all 2 ranks [0, 1]") for line in lines), lines
     assert "stage 1: compiled blocks not applied: the transformer's weights are sharded; compiled blocks are not run sharded" in lines, lines
+
+
+def gathers_on_ranks() -> dict:
+    """Every key of the sharded tiny transformer gathered whole by ``full_tensor`` (the LoRA swap's
+    gather), against the unsharded weights and DTensor's own gather; and float8 rows gathered."""
+    torch.set_num_threads(1)
+    world = Comm.world()
+    whole = build_tiny_model("22b").velocity_model.state_dict()
+    model = apply_weight_sharding(build_tiny_model("22b"), world, "cpu")
+    sharded = model.velocity_model.state_dict(keep_vars=True)
+    out = {"keys": 0, "unequal": [], "unlike_dtensor": [], "padded_keys": 0}
+    for key, tensor in sharded.items():
+        if not hasattr(tensor, "to_local"):
+            continue
+        out["keys"] += 1
+        out["padded_keys"] += tensor.shape[0] % world.world_size != 0
+        gathered = full_tensor(model, key)
+        if not torch.equal(gathered, whole[key]):
+            out["unequal"].append(key)
+        if not torch.equal(gathered, tensor.detach().full_tensor()):
+            out["unlike_dtensor"].append(key)
+    out["float8"] = []
+    for count in (7, 2):  # 3 + 3 + 1 rows, and 1 + 1 + none: a rank past the last chunk
+        values = (torch.arange(count * 3, dtype=torch.float32).reshape(count, 3) / 4).to(torch.float8_e4m3fn)
+        rows = torch.chunk(values, world.world_size)
+        mine = rows[world.rank] if world.rank < len(rows) else values[:0]
+        out["float8"].append(torch.equal(gather_rows(mine, tuple(values.shape), world).view(torch.uint8), values.view(torch.uint8)))
+    return out
+
+
+def test_the_lora_swaps_gather_gives_every_sharded_weight_whole_on_3_ranks_float8_too():
+    for rank, out in enumerate(run_ranks(3, gathers_on_ranks)):
+        assert out["keys"] > 50 and out["padded_keys"] > 0, (rank, out["keys"], out["padded_keys"])  # some keys' rows differ in count
+        assert out["unequal"] == [] and out["unlike_dtensor"] == [], (rank, out["unequal"][:5], out["unlike_dtensor"][:5])
+        assert out["float8"] == [True, True], rank
 
 
 # --- Whole jobs through a fleet --------------------------------------------------------------------

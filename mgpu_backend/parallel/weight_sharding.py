@@ -169,7 +169,25 @@ def full_tensor(model: torch.nn.Module, key: str) -> torch.Tensor:
     """The full value of ``key`` of the velocity model: gathered when sharded (collective: every rank
     asks for the same keys in the same order), itself otherwise."""
     tensor = _velocity_model(model).state_dict(keep_vars=True)[key].detach()
-    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
+    if not _is_dtensor(tensor):
+        return tensor
+    return gather_rows(tensor.to_local(), tuple(tensor.shape), weight_sharding_comm(model))
+
+
+def gather_rows(local: torch.Tensor, shape: tuple[int, ...], comm: Comm) -> torch.Tensor:
+    """The full tensor of ``shape`` from every rank's ``local`` rows (``torch.chunk`` over the first
+    dimension, as the parameters are sharded; a rank past the last chunk holds none), in one eager
+    all-gather of ``comm``. DTensor's own ``full_tensor`` goes through functional collectives, which
+    crash (SIGSEGV) on CUDA tensors over gloo, as on ranks sharing a GPU; this works on every backend.
+    The rows travel as bytes, so float8 weights gather as they are."""
+    counts = [len(chunk) for chunk in torch.chunk(torch.empty(shape[0], device="meta"), comm.world_size)]
+    counts += [0] * (comm.world_size - len(counts))
+    most = max(counts)
+    padded = local.new_zeros((most, *shape[1:]))
+    padded[: local.shape[0]] = local
+    gathered = comm.all_gather(padded.reshape(most, -1).view(torch.uint8), dim=0)
+    gathered = gathered.view(local.dtype).reshape(comm.world_size, most, *shape[1:])
+    return torch.cat([gathered[rank, :count] for rank, count in enumerate(counts)])
 
 
 def shard_rows(model: torch.nn.Module, key: str, value: torch.Tensor) -> torch.Tensor:
