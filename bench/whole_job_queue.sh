@@ -7,6 +7,8 @@
 #   setsid nohup bash bench/whole_job_queue.sh /tmp/queue > /tmp/queue.log 2>&1 < /dev/null &
 #   cat /tmp/queue/progress; cat /tmp/queue/partial.md        # OUT/DONE appears at the end
 #
+# Run it where the project's requirements import (on the project's GPU machine: after the install line
+# of docs/fp8-and-residency.md, PYTHONPATH exported). Its NCCL settings are the caller's environment.
 # Needs one GPU (an H200 for the 4 x 32 GiB case; the rest fits an 80 GB H100), about 70 GB of disk
 # for the bundle (BUNDLE_DIR) and 23 GB of /dev/shm for its Gemma. Cases run in the order below:
 # the most wanted first. About 7 minutes a case after the bundle (100 s). EXTRA_ARGS is added to every
