@@ -29,7 +29,8 @@ cases=(
 )
 (
   python3 -m pytest tests/test_distributed_gemma.py tests/test_weight_tracker.py -m gpu -rA --tb=long -p no:cacheprovider > "$out/gpu-tests.txt" 2>&1
-  echo "gpu tests ended $(date -u +%T) rc=$?" >> "$out/progress"
+  rc=$?  # before any expansion: $(date) would set $? again
+  echo "gpu tests ended $(date -u +%T) rc=$rc" >> "$out/progress"
 ) &
 number=0
 for case in "${cases[@]:0:${FIRST_CASES:-${#cases[@]}}}"; do
@@ -38,7 +39,8 @@ for case in "${cases[@]:0:${FIRST_CASES:-${#cases[@]}}}"; do
   # shellcheck disable=SC2086 # the case's words are the bench's arguments
   python3 bench/sharded_memory.py --whole-job --version 2.3 --steps 1 --bundle-dir "$bundle" --gemma-dir "$gemma" \
     --partial-out "$out/partial.md" --fleet-log "$out/fleet$number" --out "$out/whole-job.md" $case ${EXTRA_ARGS:-} > "$out/case$number.log" 2>&1
-  echo "case $number ended $(date -u +%T) rc=$?" >> "$out/progress"
+  rc=$?
+  echo "case $number ended $(date -u +%T) rc=$rc" >> "$out/progress"
 done
 wait
 echo "all ended $(date -u +%T)" >> "$out/progress"
