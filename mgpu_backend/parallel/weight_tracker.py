@@ -567,8 +567,8 @@ class TransformerWeightTracker:
                 self._said_nothing_to_park = True
             return 0
         started = time.perf_counter()
-        # The clean rows in host memory of keys no LoRA has touched are those weights already: they come back from there.
-        untouched = [(self._working[key], clean) for key, clean in self._clean.items() if clean.device.type == "cpu" and key not in self._touched]
+        # The clean rows of keys no LoRA has touched are those weights already: where they are in host memory, they come back from there.
+        untouched = [(self._working[key], clean) for key, clean in self._clean.items() if key not in self._touched]
         moved = self._parking.park([*self._working.values(), *(tensor for tensor in self._clean.values() if tensor.device == device)], untouched)
         self._log_move("parked in host memory", moved, time.perf_counter() - started)
         return moved
