@@ -317,12 +317,13 @@ def run_fleet(cases: list[Case], spec: dict, version: str, steps: int) -> list[t
 
 def _case_rows(case: Case, peaks: dict, ending: str, plan, planner: str, sizes, dims, args, on_gpu: bool) -> list[list[str]]:
     """The table's rows of one case: each job's per-rank peaks beside its estimate, then the whole job."""
-    from mgpu_backend.ltx.residency import JOB_PHASES, job_peaks
+    from mgpu_backend.ltx.residency import JOB_PHASES, job_peaks, video_decode_activation_bytes
 
     rows, estimates = [], {}
     if plan is not None:
         stage1, stage2 = stage_activation_bytes(case, dims, args.version, on_gpu)
-        estimates = job_peaks(sizes, plan, stage1, stage2)
+        video = video_decode_activation_bytes(case.width, case.height, case.frames, case.ranks)
+        estimates = job_peaks(sizes, plan, stage1, stage2, video)
     size = f"{case.width}x{case.height}x{case.frames}"
     weights = args.quantization or "bf16"
     for phase in JOB_PHASES:

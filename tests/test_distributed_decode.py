@@ -15,6 +15,7 @@ from ltx_core.model.video_vae import VideoDecoder
 
 from mgpu_backend.parallel.comm import Comm
 from mgpu_backend.parallel.distributed_decode import (
+    assembly_peak_estimate,
     decoded_images_shape,
     distributed_decode_images,
     last_decode_stats,
@@ -89,6 +90,7 @@ def decode_every_scenario(world_size: int) -> dict:
     generator = torch.Generator().manual_seed(noise_seed(IMAGE_SCENARIO))
     images = distributed_decode_images(decoder, latent, SCENARIOS[IMAGE_SCENARIO][1], comm, generator, out=out)
     results["images"] = images
+    results["images_stats"] = last_decode_stats()
     results["images_written_into_out"] = images is not None and images.data_ptr() == out.data_ptr()
     return _tensors_as_numpy(results)
 
@@ -221,6 +223,28 @@ def test_held_tile_bytes_fall_with_the_rank_count(one_rank, four_ranks):
     for stats in per_rank[1:]:
         assert stats.assembly_peak_bytes - group_buffer_bytes < 0.5 * single_held, report
     assert single.tiles_decoded == 18 and max(stats.tiles_decoded for stats in per_rank) == 5
+
+
+@pytest.mark.parametrize("ranks", ["one_rank", "two_ranks", "four_ranks"])
+def test_the_estimate_from_shapes_alone_equals_what_every_rank_held(request, ranks):
+    # The memory planner's decode term: the same figure as each rank's real decode, for every tiling
+    # scenario (batch 2, three-way temporal overlaps, fewer tiles than ranks), fp32 tiles; and for
+    # rank 0's frames written as ComfyUI images, the float32 copies of that conversion counted too.
+    results = request.getfixturevalue(ranks)
+    world_size = len(results)
+    compared = {}
+    for name, (shape, tiling, _, _) in SCENARIOS.items():
+        held = [results[rank][name]["stats"].assembly_peak_bytes for rank in range(world_size)]
+        estimated = [assembly_peak_estimate(shape, tiling, world_size, rank, 4, image_layout=False) for rank in range(world_size)]
+        compared[name] = (held, estimated)
+    shape, tiling = SCENARIOS[IMAGE_SCENARIO][:2]
+    held = [results[rank]["images_stats"].assembly_peak_bytes for rank in range(world_size)]
+    compared["as images"] = (held, [assembly_peak_estimate(shape, tiling, world_size, rank, 4) for rank in range(world_size)])
+    print(f"held / estimated bytes per rank: {compared}")
+    assert all(held == estimated for held, estimated in compared.values()), compared
+    # Rank 0 holds more than any other rank once the images' copies count (its window and hand-outs).
+    assert compared["as images"][0][0] > max(compared["as images"][0][1:], default=0)
+    assert compared["as images"][0][0] > compared[IMAGE_SCENARIO][0][0]
 
 
 def test_decoder_drawing_unexpected_noise_is_refused(decoder):

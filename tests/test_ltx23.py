@@ -19,8 +19,8 @@ from ltx_pipelines.utils.constants import LTX_2_3_PARAMS, LTX_2_PARAMS, detect_p
 
 from mgpu_backend.bundles.tiny import make_tiny_bundle
 from mgpu_backend.fleet.client import FleetError
-from mgpu_backend.ltx.decode import decode_audio, decode_video
-from mgpu_backend.ltx.jobs import EMBEDDED_23_FOLDER, decode_tiling, stage1_params
+from mgpu_backend.ltx.decode import decode_audio, decode_tiling, decode_video
+from mgpu_backend.ltx.jobs import EMBEDDED_23_FOLDER, stage1_params
 from mgpu_backend.ltx.latents import job_generator
 from mgpu_backend.ltx.loading import ModelLoader, validate_model_files
 from mgpu_backend.ltx.safetensors_header import checkpoint_model_version
@@ -232,7 +232,8 @@ def test_every_job_of_ltx23_at_four_cpu_ranks_equals_one_process_bf16(fleet, cac
 
     decode = {"spec": SPEC, "seed": 7, "after_stages": 0, "spatial_tile_pixels": 64, "temporal_tile_frames": 16}
     decoded = run(fleet, "decode", decode, {"video_latent": video2, "audio_latent": audio})
-    tiling = decode_tiling(DecodeRequest.from_wire(decode))
+    request = DecodeRequest.from_wire(decode)
+    tiling = decode_tiling(request.spatial_tile_pixels, request.temporal_tile_frames)
     frames = decode_video(loader, video2, tiling=tiling, generator=job_generator(7, torch.device("cpu"), torch.bfloat16))
     assert_equal(decoded.tensors["frames"], frames, "decoded frames (64-pixel tiles spread over 4 ranks)")
     # The decode job's audio lasts exactly as long as its video: 9 frames at the request's 24 fps.

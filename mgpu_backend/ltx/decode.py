@@ -11,9 +11,20 @@ It never talks to other ranks.
 from __future__ import annotations
 
 import torch
-from ltx_core.model.video_vae import TilingConfig
+from ltx_core.model.video_vae import SpatialTilingConfig, TemporalTilingConfig, TilingConfig
 
-from mgpu_backend.ltx.schema import audio_sample_count
+from mgpu_backend.ltx.schema import DECODE_SPATIAL_TILE_PIXELS, DECODE_TEMPORAL_TILE_FRAMES, audio_sample_count
+
+
+def decode_tiling(spatial_tile_pixels: int = DECODE_SPATIAL_TILE_PIXELS, temporal_tile_frames: int = DECODE_TEMPORAL_TILE_FRAMES) -> TilingConfig:
+    """The decode's tiles for a tile side and chunk length; the defaults give ``TilingConfig.default()``'s
+    tiles (overlaps: a quarter of the side up to 64 pixels, 3/8 of the chunk up to 24 frames)."""
+    spatial, temporal = spatial_tile_pixels, temporal_tile_frames
+    return TilingConfig(
+        spatial_config=SpatialTilingConfig(tile_size_in_pixels=spatial, tile_overlap_in_pixels=min(64, spatial // 4 // 32 * 32)),
+        # ltx-core takes temporal overlaps in whole latent frames (multiples of 8): 24 for the default 64.
+        temporal_config=TemporalTilingConfig(tile_size_in_frames=temporal, tile_overlap_in_frames=min(24, temporal * 3 // 8 // 8 * 8)),
+    )
 
 
 def decode_video(

@@ -49,7 +49,6 @@ from pathlib import Path
 
 import torch
 from ltx_core.components.guiders import MultiModalGuiderParams
-from ltx_core.model.video_vae import SpatialTilingConfig, TemporalTilingConfig, TilingConfig
 
 from mgpu_backend.fleet.jobs import JobContext, JobInputError, job, keep_across_replacement
 from mgpu_backend.parallel.batched_passes import batch_passes_wanted
@@ -60,7 +59,7 @@ from mgpu_backend.parallel.distributed_decode import decoded_images_shape, distr
 from mgpu_backend.parallel.guidance_parallel import plan_stage1, plan_stage2
 from mgpu_backend.parallel.weight_tracker import TransformerWeightTracker
 from mgpu_backend.parallel.tiled_data_parallel import DimensionTiling, TileCounts, VideoTilePlan, balanced_tile_split
-from mgpu_backend.ltx.decode import decode_audio
+from mgpu_backend.ltx.decode import decode_audio, decode_tiling
 from mgpu_backend.ltx.latents import StageGeometry, job_generator
 from mgpu_backend.ltx.loading import ModelLoader
 from mgpu_backend.ltx.parallelize import Stage1Options, parallelize_stage1, parallelize_stage2, stage1_cache
@@ -672,13 +671,6 @@ def upscale(ctx: JobContext, args: dict, tensors: dict):
 
 
 
-def decode_tiling(request: DecodeRequest) -> TilingConfig:
-    spatial, temporal = request.spatial_tile_pixels, request.temporal_tile_frames
-    return TilingConfig(
-        spatial_config=SpatialTilingConfig(tile_size_in_pixels=spatial, tile_overlap_in_pixels=min(64, spatial // 4 // 32 * 32)),
-        # ltx-core takes temporal overlaps in whole latent frames (multiples of 8): 24 for the default 64.
-        temporal_config=TemporalTilingConfig(tile_size_in_frames=temporal, tile_overlap_in_frames=min(24, temporal * 3 // 8 // 8 * 8)),
-    )
 
 
 def noise_history(after_stages, height: int, width: int, frames: int, frame_rate: float) -> tuple[StageGeometry, ...]:
@@ -707,7 +699,7 @@ def decode(ctx: JobContext, args: dict, tensors: dict):
         audio_latent = tensors.get("audio_latent")
         if audio_latent is not None and (audio_latent.ndim != 4 or audio_latent.shape[1] != 8):
             raise JobInputError(f"the audio latent must be [B, 8, T, 16], got {tuple(audio_latent.shape)}")
-        tiling = decode_tiling(request)
+        tiling = decode_tiling(request.spatial_tile_pixels, request.temporal_tile_frames)
         height, width, frames = pixel_geometry(*video_latent.shape[2:])
         stages_before = noise_history(request.after_stages, height, width, frames, request.frame_rate)
     generator = job_generator(request.seed, ctx.device, resident.dtype, stages_before=stages_before, guiding_frames=request.guiding_frames)

@@ -77,10 +77,14 @@ HEADROOM_BYTES = 6 * GIB
 """Activations of a usual denoising or decoding stage (stage 1 at 768x512x121 peaks a few GiB above the weights)."""
 ENCODE_HEADROOM_BYTES = 2 * GIB
 """Activations of a Gemma encode: a 1024-token prompt and every layer's hidden states."""
-DECODE_ACTIVATION_BYTES = 3 * GIB
-"""Activations of the decode job with its default tiles, whatever the video size (each rank decodes one
-tile at a time; the frames go to host memory): the 22B fp8-cast job at 1536x1024x121 on one H200
-peaked at 22.3 GiB in its decode, 3.1 GiB above the transformer and the decoders (docs/BENCHMARKS.md)."""
+DECODE_TILE_ACTIVATION_BYTES = 1 * GIB
+"""The video decoder's activations and output for one tile of the default size (512 pixels, 64 frames),
+beside what the rank holds of the video then: 0.7-0.95 GiB on the H100 and the H200 (LTX-2.3's decoder,
+bf16: the decode peaks of the ranks other than 0 less their shard, the decoder and the most they held of
+the video, docs/BENCHMARKS.md)."""
+AUDIO_DECODE_ACTIVATION_BYTES = GIB // 2
+"""Activations of the audio decode (audio VAE, then the vocoder) of one clip on rank 0, after the video
+decode. Not measured apart: in every GPU run the decode job peaked in the video decode."""
 MEMORY_LIMIT_ENV = "MGPU_MEMORY_LIMIT_GIB"
 
 # What gives up residency first, in order; then the clean shard (to host memory), and last the
@@ -456,19 +460,42 @@ JOB_PHASES = ("load", "encode", "stage 1", "upscale", "decode")
 _PHASE_STAGES = {"encode": "encode", "stage 1": "sample", "upscale": "upscale", "decode": "decode"}
 
 
+def video_decode_activation_bytes(width: int, height: int, frames: int, world_size: int,
+                                  spatial_tile_pixels: int | None = None, temporal_tile_frames: int | None = None) -> int:  # fmt: skip
+    """The most one rank holds beside the weights while the video of ``width`` x ``height`` x ``frames``
+    decodes over ``world_size`` ranks in bf16: its weighted tiles, a temporal group's buffer, rank 0's
+    frame window and hand-outs as images (``distributed_decode.assembly_peak_estimate``, the decode's
+    own schedule), and ``DECODE_TILE_ACTIVATION_BYTES`` while a tile decodes. Tiles: the decode's
+    defaults unless given."""
+    from mgpu_backend.ltx.decode import decode_tiling
+    from mgpu_backend.parallel.distributed_decode import assembly_peak_estimate
+
+    tiling = decode_tiling(*(value for value in (spatial_tile_pixels, temporal_tile_frames) if value is not None))
+    latent_shape = (1, 128, (frames - 1) // 8 + 1, height // 32, width // 32)
+    element_size = torch.empty((), dtype=torch.bfloat16).element_size()
+    return max(
+        assembly_peak_estimate(latent_shape, tiling, world_size, rank, element_size, tile_activation_bytes=DECODE_TILE_ACTIVATION_BYTES)
+        for rank in range(world_size)
+    )
+
+
 def job_peaks(sizes: ComponentSizes, plan: ResidencyPlan, stage1_activation_bytes: int, stage2_activation_bytes: int,
-              decode_activation_bytes: int = DECODE_ACTIVATION_BYTES) -> dict[str, int]:  # fmt: skip
+              video_decode_bytes: int) -> dict[str, int]:  # fmt: skip
     """One rank's estimated peak in each job of a whole job (``JOB_PHASES``) under ``plan``: the plan's
     stages with this job's activations in place of the headroom (stage 1's and stage 2's transformer
     activations per rank, ``validation.estimate_memory_bytes``; the encode's ``ENCODE_HEADROOM_BYTES``;
-    the decode's ``decode_activation_bytes``). The load job holds the transformer at rest (a sharded
-    one: its shard, nothing gathered) and builds every component once, a per-stage one released
-    before the next is built, Gemma not at all."""
+    the video decode's ``video_decode_bytes``, ``video_decode_activation_bytes``). The load job holds the
+    transformer at rest (a sharded one: its shard, nothing gathered) and builds every component once, a
+    per-stage one released before the next is built, Gemma not at all. The decode job decodes the video
+    first, with the video decoder alone built, then the audio with the audio decoder and vocoder beside
+    it; it peaks in the larger of the two."""
     activations = {"encode": ENCODE_HEADROOM_BYTES, "sample": stage1_activation_bytes, "upscale": stage2_activation_bytes,
-                   "decode": decode_activation_bytes}  # fmt: skip
+                   "decode": 0}  # fmt: skip
     peaks = _stage_peaks(sizes, plan.quantization, set(plan.per_stage), plan.clean_device_bytes, activations,
                          plan.transformer_parked_for_encode, plan.sharded_over, plan.gemma_split,
                          plan.budget_bytes if plan.gemma_streamed else None)  # fmt: skip
+    audio_built = sum(sizes.components.get(name, 0) for name in ("audio_decoder", "vocoder") if name in plan.per_stage)
+    peaks["decode"] = max(peaks["decode"] - audio_built + video_decode_bytes, peaks["decode"] + AUDIO_DECODE_ACTIVATION_BYTES)
     at_rest = math.ceil(sizes.transformer(plan.quantization) / plan.sharded_over)
     resident = sum(size for name, size in sizes.components.items() if name not in plan.per_stage)
     built_at_load = max((size for name, size in sizes.components.items() if name in plan.per_stage and name != "gemma"), default=0)

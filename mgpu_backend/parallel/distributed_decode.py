@@ -47,8 +47,11 @@ What it costs
     one all-reduce per temporal group of a buffer holding that group's frames at full resolution
     (about the video size times the temporal overlap factor in total). Per-rank memory: the decoder's
     activations for one tile (unchanged by the rank count: tiles keep their size), one group buffer,
-    and the rank's held tiles (these fall as 1/ranks); rank 0 also holds the frame window.
-    ``last_decode_stats()`` reports tiles, seconds and peak bytes of the last call in this process.
+    and the rank's held tiles (these fall as 1/ranks); rank 0 also holds the frame window and, while
+    it hands finished frames out, the normalised chunk and (as images) two float32 copies of it: at
+    1536x1024x121 in bf16 rank 0 holds 3.2 GiB at once, another rank 0.6 GiB.
+    ``last_decode_stats()`` reports tiles, seconds and peak bytes of the last call in this process;
+    ``assembly_peak_estimate`` gives the same bytes from the shapes alone (the memory planner's term).
 
 Progress
     ``on_tiles(done, total)`` is called after every round of tiles (one tile per rank: tiles
@@ -69,12 +72,13 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 from ltx_core.model.video_vae.resnet import ResnetBlock3D, UNetMidBlock3D
 from ltx_core.model.video_vae.sampling import DepthToSpaceUpsample
 from ltx_core.model.video_vae.tiling import Tile, TilingConfig
-from ltx_core.model.video_vae.video_vae import VideoDecoder
+from ltx_core.model.video_vae.video_vae import SpatioTemporalScaleFactors, VideoDecoder
 
 from mgpu_backend.parallel.comm import Comm
 
@@ -82,6 +86,9 @@ logger = logging.getLogger(__name__)
 
 OnTiles = Callable[[int, int], None]
 """``on_tiles(tiles_decoded_on_all_ranks, tiles_total)`` after each round of tiles."""
+Emit = Callable[[int, torch.Tensor], "int | None"]
+"""``emit(first_frame, chunk)`` on rank 0 for each run of finished frames; it may return the bytes it
+allocated beside the chunk while handling it (counted in ``assembly_peak_bytes``)."""
 
 # ltx-core's tiled decode divides by the summed mask weights clamped at this value.
 _MIN_BLEND_WEIGHT = 1e-8
@@ -92,7 +99,9 @@ class DecodeStats:
     """What the last distributed decode did on this rank.
 
     ``assembly_peak_bytes`` counts the weighted tiles, group buffer and frame window this rank held
-    at once (not the decoder's activations, not the caller's output). ``device_peak_bytes`` is the
+    at once, and on rank 0 what a hand-out of finished frames held beside them (the normalised chunk,
+    its weights, what ``emit`` reported); not the decoder's activations, not the caller's output.
+    ``assembly_peak_estimate`` gives the same figure from shapes alone. ``device_peak_bytes`` is the
     CUDA allocator's peak during the call when the latent is on a CUDA device, else ``None``.
     ``reduce_seconds`` includes waiting in the reductions for slower ranks.
     """
@@ -154,9 +163,10 @@ def distributed_decode_images(
             images = out
     batch = latent.shape[0]
 
-    def write_frames(first_frame: int, chunk: torch.Tensor) -> None:
+    def write_frames(first_frame: int, chunk: torch.Tensor) -> int:
         per_batch = images.view(batch, -1, *images.shape[1:])
         per_batch[:, first_frame : first_frame + chunk.shape[2]] = _to_image_layout(chunk).to(images.device)
+        return _IMAGE_LAYOUT_COPIES * chunk.numel() * 4
 
     decode_tiles(decoder, latent, tiling_config, comm, generator, timestep, write_frames, on_tiles)
     return images
@@ -323,15 +333,20 @@ def _device_blend_mask(tile: Tile, device: torch.device) -> torch.Tensor:
     return combined
 
 
-def _blend_region(tile: Tile, group: _TemporalGroup, decoded_frames: int, total_frames: int, device: torch.device):
-    """Where a tile lands in its group buffer and its blend mask, clipped like ltx-core clips it."""
+def _landing(tile: Tile, group: _TemporalGroup, decoded_frames: int, total_frames: int) -> tuple[tuple[slice, ...], int]:
+    """Where a tile lands in its group buffer and how many of its frames, clipped like ltx-core clips it."""
     tile_start, tile_stop = _resolved_frame_range(tile.out_coords[2], total_frames)
     offset = tile_start - group.first_frame
     frames = min(tile_stop - tile_start, decoded_frames, group.frames - offset)
+    return (slice(None), slice(None), slice(offset, offset + frames), tile.out_coords[3], tile.out_coords[4]), frames
+
+
+def _blend_region(tile: Tile, group: _TemporalGroup, decoded_frames: int, total_frames: int, device: torch.device):
+    """Where a tile lands in its group buffer and its blend mask, clipped like ltx-core clips it."""
+    coords, frames = _landing(tile, group, decoded_frames, total_frames)
     mask = _device_blend_mask(tile, device)
     if mask.shape[2] > 1:
         mask = mask[:, :, :frames]
-    coords = (slice(None), slice(None), slice(offset, offset + frames), tile.out_coords[3], tile.out_coords[4])
     return coords, mask, frames
 
 
@@ -339,7 +354,7 @@ class _FrameWindow:
     """Rank 0's blended frames that a later temporal group may still add to (ltx-core's previous
     chunk). Frames before the next group's first frame are final and handed out."""
 
-    def __init__(self, emit: Callable[[int, torch.Tensor], None]) -> None:
+    def __init__(self, emit: Emit) -> None:
         self.emit = emit
         self.first_frame = 0
         self.values: torch.Tensor | None = None
@@ -349,16 +364,22 @@ class _FrameWindow:
     def nbytes(self) -> int:
         return 0 if self.values is None else self.values.nbytes + self.weights.nbytes
 
-    def _emit(self, frames: int) -> None:
-        if frames > 0:
-            weights = self.weights[:, :, :frames].clamp(min=_MIN_BLEND_WEIGHT)
-            self.emit(self.first_frame, self.values[:, :, :frames] / weights)
+    def _emit(self, frames: int) -> int:
+        """Hands out the first ``frames`` frames; returns the bytes held for it beside the window
+        (the normalised chunk, its clamped weights and what ``emit`` says it allocated)."""
+        if frames <= 0:
+            return 0
+        weights = self.weights[:, :, :frames].clamp(min=_MIN_BLEND_WEIGHT)
+        chunk = self.values[:, :, :frames] / weights
+        return weights.nbytes + chunk.nbytes + (self.emit(self.first_frame, chunk) or 0)
 
-    def add_group(self, first_frame: int, values: torch.Tensor, weights: torch.Tensor) -> None:
+    def add_group(self, first_frame: int, values: torch.Tensor, weights: torch.Tensor) -> int:
+        """Takes the next group in; returns the bytes its hand-out held beside the window and group."""
+        emitted = 0
         if self.values is not None:
             final_frames = first_frame - self.first_frame
             assert final_frames >= 0, "temporal groups must start in increasing frame order"
-            self._emit(final_frames)
+            emitted = self._emit(final_frames)
             overlap = self.values.shape[2] - final_frames
             assert overlap <= values.shape[2], "a temporal group may not end before the previous one"
             if overlap > 0:
@@ -367,11 +388,33 @@ class _FrameWindow:
                 values[:, :, :overlap] += self.values[:, :, final_frames:]
                 weights[:, :, :overlap] += self.weights[:, :, final_frames:]
         self.first_frame, self.values, self.weights = first_frame, values, weights
+        return emitted
 
-    def flush(self) -> None:
-        if self.values is not None:
-            self._emit(self.values.shape[2])
+    def flush(self) -> int:
+        """Hands out the rest; returns the bytes that held beside the window."""
+        emitted = 0 if self.values is None else self._emit(self.values.shape[2])
         self.values = self.weights = None
+        return emitted
+
+
+def _schedule(tile_count: int, groups: list[_TemporalGroup], world_size: int, rank: int):
+    """The order a rank works in, the same rounds on every rank: ``(rounds_done, tile_index)`` after a
+    round's tile is due (``tile_index`` None when the last round has no tile for this rank), and
+    ``(None, group)`` when a temporal group is reduced.
+
+    One round ahead: a rank with no tile in a group decodes its next one before waiting in that
+    group's reduction, so ranks stay busy whatever the tiles per group. A single rank never waits and
+    needs no lookahead."""
+    rounds = -(-tile_count // world_size)
+    lookahead_tiles = world_size if world_size > 1 else 0
+    next_round = 0
+    for group in groups:
+        while next_round < rounds and next_round * world_size < group.end_tile + lookahead_tiles:
+            tile_index = next_round * world_size + rank
+            next_round += 1
+            yield next_round, (tile_index if tile_index < tile_count else None)
+        yield None, group
+    assert next_round == rounds, "every round is scheduled"
 
 
 def decode_tiles(
@@ -381,7 +424,7 @@ def decode_tiles(
     comm: Comm,
     generator: torch.Generator | None,
     timestep: torch.Tensor | None,
-    emit: Callable[[int, torch.Tensor], None],
+    emit: Emit,
     on_tiles: OnTiles | None = None,
 ) -> None:
     """The distributed decode itself: ltx-core's tiles of ``latent`` decoded round-robin over ``comm``'s
@@ -403,8 +446,6 @@ def decode_tiles(
         group_of_tile = [index for index, group in enumerate(groups) for _ in range(group.first_tile, group.end_tile)]
         tile_decoder = _TileDecoder(decoder, latent, tiles, generator, timestep)
         own_tiles = list(range(comm.rank, len(tiles), comm.world_size))
-        rounds = -(-len(tiles) // comm.world_size)
-        next_round = 0
         held: dict[int, tuple[tuple[slice, ...], torch.Tensor]] = {}
         window = _FrameWindow(emit) if comm.rank == 0 else None
         decode_seconds = reduce_seconds = 0.0
@@ -413,30 +454,24 @@ def decode_tiles(
         def held_bytes() -> int:
             return sum(piece.nbytes for _, piece in held.values()) + (window.nbytes if window else 0)
 
-        # One round ahead: a rank with no tile in a group decodes its next one before waiting in
-        # that group's reduction, so ranks stay busy whatever the tiles per group. A single rank
-        # never waits and needs no lookahead.
-        lookahead_tiles = comm.world_size if comm.world_size > 1 else 0
-        for group in groups:
-            while next_round < rounds and next_round * comm.world_size < group.end_tile + lookahead_tiles:
-                tile_index = next_round * comm.world_size + comm.rank
-                next_round += 1
-                if tile_index >= len(tiles):  # the last round has fewer tiles than ranks
-                    _report_round(on_tiles, next_round, comm.world_size, len(tiles))
-                    continue
-                tile_started = time.perf_counter()
-                decoded = tile_decoder.decode(tile_index)
-                coords, mask, frames = _blend_region(
-                    tiles[tile_index], groups[group_of_tile[tile_index]], decoded.shape[2], total_frames, latent.device
-                )
-                held[tile_index] = (coords, decoded[:, :, :frames] * mask.to(device=latent.device, dtype=latent.dtype))
-                del decoded
-                if on_cuda:
-                    torch.cuda.synchronize(latent.device)
-                decode_seconds += time.perf_counter() - tile_started
-                peak_bytes = max(peak_bytes, held_bytes())
-                _report_round(on_tiles, next_round, comm.world_size, len(tiles))
+        for rounds_done, step in _schedule(len(tiles), groups, comm.world_size, comm.rank):
+            if rounds_done is not None:  # this rank's tile of a round (None: the last round has none)
+                if step is not None:
+                    tile_started = time.perf_counter()
+                    decoded = tile_decoder.decode(step)
+                    coords, mask, frames = _blend_region(
+                        tiles[step], groups[group_of_tile[step]], decoded.shape[2], total_frames, latent.device
+                    )
+                    held[step] = (coords, decoded[:, :, :frames] * mask.to(device=latent.device, dtype=latent.dtype))
+                    del decoded
+                    if on_cuda:
+                        torch.cuda.synchronize(latent.device)
+                    decode_seconds += time.perf_counter() - tile_started
+                    peak_bytes = max(peak_bytes, held_bytes())
+                _report_round(on_tiles, rounds_done, comm.world_size, len(tiles))
+                continue
 
+            group = step
             group_values = torch.zeros(
                 (batch, channels, group.frames, height, width), device=latent.device, dtype=latent.dtype
             )
@@ -460,13 +495,15 @@ def decode_tiles(
                         tiles[tile_index], group, tile_decoder.decoded_frames(tile_index), total_frames, latent.device
                     )
                     group_weights[coords] += mask.to(device=latent.device, dtype=latent.dtype)
-                window.add_group(group.first_frame, group_values, group_weights)
+                beside = held_bytes() + group_values.nbytes + group_weights.nbytes  # the old window included
+                peak_bytes = max(peak_bytes, beside + window.add_group(group.first_frame, group_values, group_weights))
                 peak_bytes = max(peak_bytes, held_bytes())
             del group_values
 
-        assert not held and next_round == rounds, "every own tile is decoded and reduced"
+        assert not held, "every own tile is decoded and reduced"
         if window is not None:
-            window.flush()
+            window_bytes = window.nbytes
+            peak_bytes = max(peak_bytes, window_bytes + window.flush())
         # Leave the generator where the single-GPU loop leaves it, on every rank alike.
         tile_decoder.skip_to(len(tiles))
 
@@ -494,9 +531,78 @@ def decode_tiles(
     )
 
 
+# ltx-core's video decoder maps one latent cell to 8 frames and 32 x 32 pixels whatever its config
+# (VideoDecoder.__init__ sets it); its tiling reads nothing else of the decoder.
+_LTX_VIDEO_SCALE = SpatioTemporalScaleFactors(time=8, width=32, height=32)
+
+
+def assembly_peak_estimate(
+    latent_shape: tuple[int, ...],
+    tiling_config: TilingConfig | None,
+    world_size: int,
+    rank: int,
+    element_size: int,
+    *,
+    image_layout: bool = True,
+    tile_activation_bytes: int = 0,
+) -> int:
+    """What ``decode_tiles`` holds at its peak on ``rank`` for a latent of ``latent_shape``, from the
+    shapes alone (no decoder, nothing decoded): ltx-core's tiles for ``tiling_config``, the same
+    schedule, weighted tiles, group buffers and frame window in the decode's dtype (``element_size``
+    bytes), and rank 0's hand-outs of finished frames, converted to images as
+    ``distributed_decode_images`` does when ``image_layout``. With ``tile_activation_bytes=0`` it is the
+    ``assembly_peak_bytes`` a real decode reports; the memory planner adds the decoder's activations
+    for one tile (and its output), held while a tile decodes beside what the rank holds then."""
+    scale = _LTX_VIDEO_SCALE
+    stand_in = SimpleNamespace(video_downscale_factors=scale)  # all that ltx-core's tiling reads of a decoder
+    tiles = VideoDecoder._prepare_tiles(stand_in, torch.empty(latent_shape, device="meta"), tiling_config)
+    batch, _, latent_frames, latent_height, latent_width = latent_shape
+    total_frames, height, width = (latent_frames - 1) * scale.time + 1, latent_height * scale.height, latent_width * scale.width
+    groups = _temporal_groups(tiles, total_frames)
+    group_of_tile = [index for index, group in enumerate(groups) for _ in range(group.first_tile, group.end_tile)]
+    plane = height * width * element_size  # one frame of one channel
+
+    def handout(frames: int) -> int:  # the normalised chunk and its clamped weights, then the images' copies
+        images = _IMAGE_LAYOUT_COPIES * batch * 3 * frames * height * width * 4 if image_layout else 0
+        return (batch * 3 + 1) * frames * plane + images
+
+    held: dict[int, int] = {}
+    window, peak, in_window = 0, 0, None
+    for rounds_done, step in _schedule(len(tiles), groups, world_size, rank):
+        if rounds_done is not None:
+            if step is not None:
+                peak = max(peak, sum(held.values()) + window + tile_activation_bytes)
+                tile_latent_frames = len(range(latent_frames)[tiles[step].in_coords[2]])
+                coords, frames = _landing(
+                    tiles[step], groups[group_of_tile[step]], (tile_latent_frames - 1) * scale.time + 1, total_frames
+                )
+                tile_pixels = len(range(height)[coords[3]]) * len(range(width)[coords[4]])
+                held[step] = batch * 3 * frames * tile_pixels * element_size
+                peak = max(peak, sum(held.values()) + window)
+            continue
+        group = step
+        group_bytes = batch * 3 * group.frames * plane
+        for tile_index in range(group.first_tile, group.end_tile):
+            held.pop(tile_index, None)
+        peak = max(peak, sum(held.values()) + window + group_bytes)
+        if rank == 0:
+            weights = group.frames * plane
+            emitted = handout(group.first_frame - in_window.first_frame) if in_window is not None else 0
+            peak = max(peak, sum(held.values()) + window + group_bytes + weights + emitted)
+            window, in_window = group_bytes + weights, group
+            peak = max(peak, sum(held.values()) + window)
+    if in_window is not None:
+        peak = max(peak, window + handout(in_window.frames))
+    return peak
+
+
 def _report_round(on_tiles: OnTiles | None, rounds_done: int, world_size: int, tiles: int) -> None:
     if on_tiles is not None:
         on_tiles(min(rounds_done * world_size, tiles), tiles)
+
+
+# float32 copies of a chunk alive at once in _to_image_layout: each step's input and its result.
+_IMAGE_LAYOUT_COPIES = 2
 
 
 def _to_image_layout(video: torch.Tensor) -> torch.Tensor:
