@@ -74,7 +74,7 @@ def test_the_22b_two_stage_job_on_4_ranks_sharing_one_gpu_at_32_gib_is_estimated
     peaks = job_peaks(sizes_22b, plan, stage1, stage2, video)
     parts = sizes_22b.components
     sharded = sizes_22b.sharded_transformer(None, 4)  # the shard, four block-sized gather buffers, the rest
-    at_rest = sizes_22b.sharded_transformer_at_rest(None, 4)  # between forwards: the shard and the rest
+    at_rest = sizes_22b.sharded_transformer_at_rest(None, 4)  # between forwards: the shard, and the rest as a margin
     assert peaks["load"] == math.ceil(sizes_22b.transformer_bytes / 4) + parts["embeddings_processor"]  # the largest build of the load
     assert peaks["encode"] == parts["gemma"] + ENCODE_HEADROOM_BYTES  # parked: Gemma whole in rank 0, then the processor alone
     assert peaks["stage 1"] == sharded + parts["video_encoder"] + stage1

@@ -65,6 +65,8 @@ def sharded_forwards_on_ranks() -> bytes:
         else:
             idle_forward(models[variant])
     results["after_idle_round"] = run_sp_forward_cases(models)
+    # Between forwards every unit is sharded again, the root (the weights outside the blocks) too.
+    results["resharded_between_forwards"] = {type(p).__name__ for model in models.values() for p in model.parameters()}
     from mgpu_backend.ltx.parallelize import Stage1Cache, Stage1Options, parallelize_stage1
     from mgpu_backend.parallel.guidance_parallel import plan_stage1
 
@@ -96,6 +98,7 @@ def test_weights_sharded_over_2_ranks_give_the_unsharded_forward_bitwise_with_ha
         _assert_same_outputs(out["sharded_sp"], out["sp_whole_weights"], f"rank {rank} sharded under SP 2")
         # torch.chunk over dim 0: each rank holds half of every even-sized parameter (the tiny model's are).
         assert out["local_bytes"] * 2 == pytest.approx(out["full_bytes"], rel=0.01), (out["local_bytes"], out["full_bytes"])
+        assert out["resharded_between_forwards"] == {"DTensor"}, out["resharded_between_forwards"]
     assert torch.equal(ranks[0]["rank_0_alone"], unsharded["unperturbed"][0])
     applied, lines, compiled = ranks[0]["stage1"]
     assert applied == ["weight sharding", "process groups", "sequence parallel"] and compiled is False, (applied, lines)

@@ -139,8 +139,10 @@ class ComponentSizes:
 
     def sharded_transformer_at_rest(self, quantization: str | None, world_size: int) -> int:
         """One rank's bytes of the sharded transformer between forwards (a job that runs none: the
-        encode, the decode): its shard, and the weights outside the blocks, which FSDP keeps gathered
-        after a forward (the root unit)."""
+        encode, the decode), as the planner counts them: its shard, and the weights outside the blocks
+        as if gathered. FSDP frees those after each forward too (``reshard_after_forward`` is set on
+        the root unit as well; the H100's decode peaks show them gone), so they stand as the margin for
+        what no estimate counts beside a decode or an encode (the latent, masks: about 0.1 GiB measured)."""
         return math.ceil(self.transformer(quantization) / world_size) + self.outside_blocks_bytes[quantization == "fp8-cast"]
 
 
