@@ -69,7 +69,14 @@ import torch
 from mgpu_backend.fleet.settings import number_setting
 from mgpu_backend.fleet.shared_gpu import shared_gpu_ranks
 from mgpu_backend.ltx import fp8
-from mgpu_backend.ltx.schema import parse_residency
+from mgpu_backend.ltx.schema import (
+    DECODE_SPATIAL_TILE_PIXELS,
+    DECODE_TEMPORAL_TILE_FRAMES,
+    VIDEO_LATENT_CHANNELS,
+    VIDEO_SPATIAL_COMPRESSION,
+    VIDEO_TEMPORAL_COMPRESSION,
+    parse_residency,
+)
 from mgpu_backend.parallel.weight_sharding import GATHERED_BLOCKS
 
 GIB = 2**30
@@ -463,17 +470,18 @@ _PHASE_STAGES = {"encode": "encode", "stage 1": "sample", "upscale": "upscale", 
 
 
 def video_decode_activation_bytes(width: int, height: int, frames: int, world_size: int,
-                                  spatial_tile_pixels: int | None = None, temporal_tile_frames: int | None = None) -> int:  # fmt: skip
+                                  spatial_tile_pixels: int = DECODE_SPATIAL_TILE_PIXELS,
+                                  temporal_tile_frames: int = DECODE_TEMPORAL_TILE_FRAMES) -> int:  # fmt: skip
     """The most one rank holds beside the weights while the video of ``width`` x ``height`` x ``frames``
-    decodes over ``world_size`` ranks in bf16: its weighted tiles, a temporal group's buffer, rank 0's
-    frame window and hand-outs as images (``distributed_decode.assembly_peak_estimate``, the decode's
-    own schedule), and ``DECODE_TILE_ACTIVATION_BYTES`` while a tile decodes. Tiles: the decode's
-    defaults unless given."""
+    decodes over ``world_size`` ranks in bf16 with the decode's tiles: its weighted tiles, a temporal
+    group's buffer, rank 0's frame window and hand-outs as images (``distributed_decode.assembly_peak_estimate``,
+    the decode's own schedule), and ``DECODE_TILE_ACTIVATION_BYTES`` while a tile decodes."""
     from mgpu_backend.ltx.decode import decode_tiling
     from mgpu_backend.parallel.distributed_decode import assembly_peak_estimate
 
-    tiling = decode_tiling(*(value for value in (spatial_tile_pixels, temporal_tile_frames) if value is not None))
-    latent_shape = (1, 128, (frames - 1) // 8 + 1, height // 32, width // 32)
+    tiling = decode_tiling(spatial_tile_pixels, temporal_tile_frames)
+    latent_shape = (1, VIDEO_LATENT_CHANNELS, (frames - 1) // VIDEO_TEMPORAL_COMPRESSION + 1,
+                    height // VIDEO_SPATIAL_COMPRESSION, width // VIDEO_SPATIAL_COMPRESSION)  # fmt: skip
     element_size = torch.empty((), dtype=torch.bfloat16).element_size()
     return max(
         assembly_peak_estimate(latent_shape, tiling, world_size, rank, element_size, tile_activation_bytes=DECODE_TILE_ACTIVATION_BYTES)

@@ -553,11 +553,10 @@ def assembly_peak_estimate(
     ``distributed_decode_images`` does when ``image_layout``. With ``tile_activation_bytes=0`` it is the
     ``assembly_peak_bytes`` a real decode reports; the memory planner adds the decoder's activations
     for one tile (and its output), held while a tile decodes beside what the rank holds then."""
-    scale = _LTX_VIDEO_SCALE
-    stand_in = SimpleNamespace(video_downscale_factors=scale)  # all that ltx-core's tiling reads of a decoder
-    tiles = VideoDecoder._prepare_tiles(stand_in, torch.empty(latent_shape, device="meta"), tiling_config)
-    batch, _, latent_frames, latent_height, latent_width = latent_shape
-    total_frames, height, width = (latent_frames - 1) * scale.time + 1, latent_height * scale.height, latent_width * scale.width
+    stand_in = SimpleNamespace(video_downscale_factors=_LTX_VIDEO_SCALE)  # all that ltx-core's tiling reads of a decoder
+    latent = torch.empty(latent_shape, device="meta")
+    tiles = VideoDecoder._prepare_tiles(stand_in, latent, tiling_config)
+    batch, _, total_frames, height, width = decoded_video_shape(stand_in, latent_shape)
     groups = _temporal_groups(tiles, total_frames)
     group_of_tile = [index for index, group in enumerate(groups) for _ in range(group.first_tile, group.end_tile)]
     plane = height * width * element_size  # one frame of one channel
@@ -572,10 +571,8 @@ def assembly_peak_estimate(
         if rounds_done is not None:
             if step is not None:
                 peak = max(peak, sum(held.values()) + window + tile_activation_bytes)
-                tile_latent_frames = len(range(latent_frames)[tiles[step].in_coords[2]])
-                coords, frames = _landing(
-                    tiles[step], groups[group_of_tile[step]], (tile_latent_frames - 1) * scale.time + 1, total_frames
-                )
+                decoded_frames = decoded_video_shape(stand_in, latent[tiles[step].in_coords].shape)[2]
+                coords, frames = _landing(tiles[step], groups[group_of_tile[step]], decoded_frames, total_frames)
                 tile_pixels = len(range(height)[coords[3]]) * len(range(width)[coords[4]])
                 held[step] = batch * 3 * frames * tile_pixels * element_size
                 peak = max(peak, sum(held.values()) + window)
