@@ -25,8 +25,8 @@ cd "$(dirname "$0")/.."
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 cases=(
-  "--recipes two-stage --targets 1280x704 1536x1024 --ranks 2 --cap-gib 32"
   "--recipes two-stage --quantization fp8-cast --targets 1280x704 1536x1024 --ranks 2 --cap-gib 24"
+  "--recipes two-stage --targets 1280x704 1536x1024 --ranks 2 --cap-gib 32"
   "--recipes distilled --targets 1280x704 1536x1024 --ranks 4 --cap-gib 32"
   "--recipes two-stage --targets 1280x704 1536x1024 --ranks 4 --cap-gib 32"
   "--recipes distilled --targets 1280x704 1536x1024 --ranks 4 --cap-gib 24"
