@@ -244,10 +244,18 @@ def test_every_job_logs_its_disk_reads_and_status_reports_weight_memory_per_rank
 def test_sp_exchange_stays_on_torch_distributed_unless_the_ipc_kernel_is_asked_for(monkeypatch):
     from mgpu_backend.ltx import parallelize
 
+    class GroupOn:  # a Comm's backend as torch.distributed names it
+        def __init__(self, backend):
+            self.backend = backend
+
     installed = []
     monkeypatch.setattr(parallelize, "install_fast_all_to_all", lambda comm, device: installed.append(comm) or "cuda-ipc")
     monkeypatch.delenv("MGPU_ALL_TO_ALL", raising=False)
-    assert parallelize.sp_all_to_all("comm", torch.device("cuda", 0)).startswith("torch.distributed (NCCL")
+    nccl, gloo = GroupOn("nccl"), GroupOn("gloo")
+    assert parallelize.sp_all_to_all(nccl, torch.device("cuda", 0)).startswith("torch.distributed (NCCL;")
+    # Ranks sharing one GPU exchange over gloo: the log line says so, not NCCL.
+    assert parallelize.sp_all_to_all(gloo, torch.device("cuda", 0)).startswith("torch.distributed (GLOO;")
+    assert installed == []
     monkeypatch.setenv("MGPU_ALL_TO_ALL", "ipc")
-    assert parallelize.sp_all_to_all("comm", torch.device("cuda", 0)) == "cuda-ipc"
-    assert installed == ["comm"]
+    assert parallelize.sp_all_to_all(nccl, torch.device("cuda", 0)) == "cuda-ipc"
+    assert installed == [nccl]

@@ -17,7 +17,8 @@ Stage 1 (``parallelize_stage1``), in this order:
 
 1. process groups: the plan's guidance groups x SP groups (``build_stage1_groups``);
 2. sequence parallel on the transformer (``apply_sequence_parallel``), when the SP degree is above 1;
-3. the SP all-to-all: NCCL, or the CUDA-IPC kernel with ``MGPU_ALL_TO_ALL=ipc`` (GPUs, SP degree
+3. the SP all-to-all: torch.distributed (NCCL, gloo on ranks sharing a GPU), or the CUDA-IPC kernel
+   with ``MGPU_ALL_TO_ALL=ipc`` (GPUs, SP degree
    above 1; installed on the SP group when the group is created);
 4. compiled blocks (``apply_compiled_blocks``), when asked for;
 5. the pass runner: guidance groups (``apply_guidance_parallel``) around the runner of the group's
@@ -129,14 +130,15 @@ def _require_clean(transformer, stage: str, why: str) -> None:
 
 
 def sp_all_to_all(sp_comm: Comm, device: torch.device) -> str:
-    """Which all-to-all the SP exchange uses on GPUs: NCCL unless ``MGPU_ALL_TO_ALL=ipc``.
+    """Which all-to-all the SP exchange uses on GPUs: torch.distributed over the group's own backend
+    (NCCL; gloo where ranks share a GPU) unless ``MGPU_ALL_TO_ALL=ipc``.
 
     The CUDA-IPC kernel is exact, but across two H200s it moved 16 MiB at 150 GB/s against NCCL's
     159 GB/s (docs/BENCHMARKS.md) and it synchronises the host once per exchange, so NCCL stays
     the default until multi-GPU measurements show sizes where the kernel wins.
     """
     if os.environ.get("MGPU_ALL_TO_ALL", "").strip().lower() != "ipc":
-        return "torch.distributed (NCCL; MGPU_ALL_TO_ALL=ipc selects the CUDA-IPC kernel)"
+        return f"torch.distributed ({sp_comm.backend.upper()}; MGPU_ALL_TO_ALL=ipc selects the CUDA-IPC kernel)"
     return install_fast_all_to_all(sp_comm, device)  # collective; falls back to torch.distributed by itself
 
 
