@@ -18,8 +18,8 @@ Stage 1 (``parallelize_stage1``), in this order:
 1. process groups: the plan's guidance groups x SP groups (``build_stage1_groups``);
 2. sequence parallel on the transformer (``apply_sequence_parallel``), when the SP degree is above 1;
 3. the SP all-to-all: torch.distributed (NCCL, gloo on ranks sharing a GPU), or the CUDA-IPC kernel
-   with ``MGPU_ALL_TO_ALL=ipc`` (GPUs, SP degree
-   above 1; installed on the SP group when the group is created);
+   with ``MGPU_ALL_TO_ALL=ipc`` (GPUs, SP degree above 1; installed on the SP group when the group is
+   created);
 4. compiled blocks (``apply_compiled_blocks``), when asked for;
 5. the pass runner: guidance groups (``apply_guidance_parallel``) around the runner of the group's
    own passes, which is batched passes (``apply_batched_passes``), CUDA graphs
