@@ -131,6 +131,35 @@ def test_check_fits_refuses_a_job_larger_than_the_free_memory_and_says_the_numbe
     check_fits(estimate, torch.device("cuda", 0), available_bytes=4 * GIB, weights_resident=True)
 
 
+def test_a_gpu_ranks_free_memory_is_its_own_share_when_capped_below_the_gpu(monkeypatch):
+    """A rank capped to part of its GPU (a memory fraction, or MGPU_MEMORY_LIMIT_GIB) is checked against
+    what it may still take, not against the GPU's free memory; its allocator's unused blocks count."""
+    from types import SimpleNamespace
+
+    from mgpu_backend.ltx.residency import MEMORY_LIMIT_ENV
+    from mgpu_backend.ltx.validation import available_memory_bytes
+
+    fraction = {"value": 1.0}
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(total_memory=80 * GIB))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: fraction["value"], raising=False)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 10 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 14 * GIB)
+    monkeypatch.delenv(MEMORY_LIMIT_ENV, raising=False)
+    gpu = torch.device("cuda", 0)
+    assert available_memory_bytes(gpu) == 64 * GIB  # 60 free + 4 held unused by this process
+    fraction["value"] = 0.3  # a 24 GiB share of the 80 GiB GPU, 10 of it allocated
+    assert available_memory_bytes(gpu) == 14 * GIB
+    stage = estimate_memory_bytes(1024, 1536, 121, 24.0, sp_degree=1)  # 3.0 GiB of activations
+    check_fits(stage, gpu, weights_resident=True)
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "12")  # the limit wins over the fraction: 2 GiB left
+    assert available_memory_bytes(gpu) == 2 * GIB
+    with pytest.raises(ValueError, match=r"only 2.0 GiB is free; lower the resolution"):
+        check_fits(stage, gpu, weights_resident=True)
+    monkeypatch.setenv(MEMORY_LIMIT_ENV, "8")  # already over its limit: nothing left, not a negative number
+    assert available_memory_bytes(gpu) == 0
+
+
 def test_check_fits_on_cpu_reads_the_available_ram():
     tiny = estimate_memory_bytes(64, 96, 9, 24.0, dims=TransformerDims(2, 2, 16, 2, 8, parameter_count=10_000))
     check_fits(tiny, torch.device("cpu"))

@@ -132,11 +132,19 @@ def estimate_memory_bytes(
 
 
 def available_memory_bytes(device: torch.device) -> int:
-    """Free memory of a CUDA device, or the RAM available to new allocations on CPU."""
+    """What new allocations of this process can get: on a GPU, its free memory plus what this
+    process's allocator holds unused, and no more than the rank's limit (``MGPU_MEMORY_LIMIT_GIB``, or
+    the GPU's memory times the process's memory fraction) less what it has allocated, so a rank
+    capped below its GPU, or sharing it with others, is checked against its own share; on CPU the
+    RAM available to new allocations."""
     device = torch.device(device)
     if device.type == "cuda":
+        from mgpu_backend.ltx.residency import device_memory_bytes  # residency builds on this module
+
         free, _total = torch.cuda.mem_get_info(device)
-        return int(free)
+        allocated = torch.cuda.memory_allocated(device)
+        cached = torch.cuda.memory_reserved(device) - allocated
+        return max(0, min(int(free) + cached, device_memory_bytes(device) - allocated))
     available = host_available_bytes()
     return available if available is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
