@@ -8,8 +8,8 @@ how many follow) runs one forward at three video sizes on ``--sp`` ranks (torch.
 on CUDA every rank on GPU 0, as ranks sharing a GPU run), and each rank reports its peak bytes above
 what it held before the forward: on CUDA the allocator's ``max_memory_allocated``, on CPU the live
 tensors that torch's ``MemTracker`` sees. "widths per token" is the growth from the row above, over the
-growth of the rank's video tokens, in units of the video width's bytes (4096 x 2 in bf16 for the 22B);
-the estimate column is ``validation.estimate_memory_bytes`` at the same size and SP degree.
+growth of the rank's video tokens, in units of the video width's bytes (4096 x 2 in bf16 for the 22B),
+over 384 to 1536 video tokens on the CPU and 3072 to 12288 on a GPU; the estimate column is ``validation.estimate_memory_bytes`` at the same size and SP degree.
 
     python bench/activation_memory.py --tiny                          # CPU smoke run, tiny widths
     python bench/activation_memory.py --device cpu --sp 1 2           # full width on CPU, 2 blocks
@@ -38,8 +38,10 @@ from mgpu_backend.ltx.validation import ACTIVATION_WIDTHS_PER_TOKEN, Transformer
 SIGMA = 0.9
 TEXT_TOKENS = {"full": 1024, "tiny": 64}
 # (height, width, frames): 121 frames as the jobs have them (126 audio tokens in every row, so only the
-# video grows from row to row), 384, 768 and 1536 video tokens: small enough for a CPU at full width.
-SIZES = [(128, 192, 121), (192, 256, 121), (256, 384, 121)]
+# video grows from row to row). On the CPU 384, 768 and 1536 video tokens, small enough for it at full
+# width; on a GPU 3072, 6144 and 12288, the shards stage 2 gives a rank at 1280x704 to 1536x1024, where
+# the allocator's rounding is small against the growth.
+SIZES = {"cpu": [(128, 192, 121), (192, 256, 121), (256, 384, 121)], "cuda": [(384, 512, 121), (512, 768, 121), (768, 1024, 121)]}
 FRAME_RATE = 24.0
 
 
@@ -121,7 +123,7 @@ def measure(args: argparse.Namespace) -> str:
     config["transformer"]["num_layers"] = args.layers
     dims = TransformerDims.from_config(config["transformer"], parameter_count=0)
     width_bytes = dims.video_dim * torch.empty((), dtype=dtype).element_size()
-    sizes = SIZES
+    sizes = SIZES[device.type]
     job = (config, sizes, TEXT_TOKENS[scale], str(device), dtype, args.seed)
     rows = []
     for degree in args.sp:
