@@ -9,7 +9,8 @@ on CUDA every rank on GPU 0, as ranks sharing a GPU run), and each rank reports 
 what it held before the forward: on CUDA the allocator's ``max_memory_allocated``, on CPU the live
 tensors that torch's ``MemTracker`` sees. "widths per token" is the growth from the row above, over the
 growth of the rank's video tokens, in units of the video width's bytes (4096 x 2 in bf16 for the 22B),
-over 384 to 1536 video tokens on the CPU and 3072 to 12288 on a GPU; the estimate column is ``validation.estimate_memory_bytes`` at the same size and SP degree.
+over 384 to 1536 video tokens on the CPU and 3072 to 12288 on a GPU; the estimate column is
+``validation.estimate_memory_bytes`` at the same size and SP degree.
 
     python bench/activation_memory.py --tiny                          # CPU smoke run, tiny widths
     python bench/activation_memory.py --device cpu --sp 1 2           # full width on CPU, 2 blocks
