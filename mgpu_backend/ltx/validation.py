@@ -139,7 +139,7 @@ def available_memory_bytes(device: torch.device) -> int:
     RAM available to new allocations."""
     device = torch.device(device)
     if device.type == "cuda":
-        from mgpu_backend.ltx.residency import device_memory_bytes  # residency builds on this module
+        from mgpu_backend.ltx.residency import device_memory_bytes  # here: residency imports FSDP (a second)
 
         free, _total = torch.cuda.mem_get_info(device)
         allocated = torch.cuda.memory_allocated(device)
