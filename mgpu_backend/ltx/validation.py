@@ -83,6 +83,9 @@ class TransformerDims:
 # Live activations at the peak of one block, in units of tokens x model width: the residual
 # stream, its normalised copy, q, k, v and the attention output (6), and the feed-forward hidden
 # layer with its activation (2 x 4 = 8). The rotary tables add about 2 more (cos and sin).
+# Measured on an H100 (bench/activation_memory.py, docs/BENCHMARKS.md) the forward grows 25-26.5 widths
+# per token on one rank and up to 32.5 under SP; the stages' estimates carry a larger fixed part that
+# covers the difference for the measured jobs (up to 1536x1024x121), and the plan keeps headroom.
 ACTIVATION_WIDTHS_PER_TOKEN = 16
 
 
