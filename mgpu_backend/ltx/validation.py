@@ -84,8 +84,9 @@ class TransformerDims:
 # stream, its normalised copy, q, k, v and the attention output (6), and the feed-forward hidden
 # layer with its activation (2 x 4 = 8). The rotary tables add about 2 more (cos and sin).
 # Measured on an H100 (bench/activation_memory.py, docs/BENCHMARKS.md) the forward grows 25-26.5 widths
-# per token on one rank and up to 32.5 under SP; the stages' estimates carry a larger fixed part that
-# covers the difference for the measured jobs (up to 1536x1024x121), and the plan keeps headroom.
+# per token on one rank and up to 32.5 under SP. The whole jobs measured up to 1536x1024x121 are still
+# estimated within 7% of their peaks, and the plan keeps headroom; longer or larger videos on tight caps
+# are where 16 falls short (refitting it means refitting the stages' estimates with it).
 ACTIVATION_WIDTHS_PER_TOKEN = 16
 
 
